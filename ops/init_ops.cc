@@ -1,0 +1,129 @@
+// Stateless row initialization: the values that tf.random.stateless_{uniform,
+// normal,truncated_normal} would produce for the given rows of a full
+// [vocab, dim] tensor, computed without materializing the full tensor.
+// Element e = row * dim + col of the full tensor is output e % 4 of Philox
+// group e / 4, exactly as in TensorFlow's CPU kernels (random_op_cpu.h).
+#include <cstdint>
+#include <string>
+
+#include "tensorflow/core/framework/op.h"
+#include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/shape_inference.h"
+#include "tensorflow/core/kernels/random_ops_util.h"
+#include "tensorflow/core/lib/random/philox_random.h"
+#include "tensorflow/core/lib/random/random_distributions.h"
+
+namespace tensorflow {
+namespace nestpipe {
+
+using random::PhiloxRandom;
+using shape_inference::InferenceContext;
+using shape_inference::ShapeHandle;
+
+REGISTER_OP("NestpipeStatelessRowInit")
+    .Input("key: uint64")
+    .Input("counter: uint64")
+    .Input("rows: int64")
+    .Attr("dim: int >= 1")
+    .Attr("distribution: {'uniform', 'normal', 'truncated_normal'}")
+    .Output("output: float")
+    .SetShapeFn([](InferenceContext* c) {
+      int dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      ShapeHandle rows;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &rows));
+      c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Rows `rows` of the [vocab, dim] float tensor that StatelessRandom*V2 with the
+Philox key/counter would produce (raw distribution: U[0,1), N(0,1) or the
+truncated N(0,1)).
+)doc");
+
+namespace {
+
+// Produces Philox group `g` of the chosen distribution, as TF's Fill tasks do.
+class GroupSampler {
+ public:
+  GroupSampler(PhiloxRandom base, const std::string& dist) : base_(base) {
+    if (dist == "uniform") kind_ = 0;
+    else if (dist == "normal") kind_ = 1;
+    else kind_ = 2;
+  }
+
+  const float* Group(int64_t g) {
+    if (g == cached_) return values_;
+    cached_ = g;
+    PhiloxRandom gen = base_;
+    if (kind_ == 0) {
+      gen.Skip(g);
+      auto s = random::UniformDistribution<PhiloxRandom, float>()(&gen);
+      for (int i = 0; i < 4; ++i) values_[i] = s[i];
+    } else if (kind_ == 1) {
+      gen.Skip(g);
+      auto s = random::NormalDistribution<PhiloxRandom, float>()(&gen);
+      for (int i = 0; i < 4; ++i) values_[i] = s[i];
+    } else {
+      using Dist = random::TruncatedNormalDistribution<
+          random::SingleSampleAdapter<PhiloxRandom>, float>;
+      constexpr int64_t kSkipPerGroup = Dist::kResultElementCount * 256 /
+                                        PhiloxRandom::kResultElementCount;
+      gen.Skip(g * kSkipPerGroup);
+      random::SingleSampleAdapter<PhiloxRandom> single(&gen);
+      auto s = Dist()(&single);
+      for (int i = 0; i < 4; ++i) values_[i] = s[i];
+    }
+    return values_;
+  }
+
+ private:
+  PhiloxRandom base_;
+  int kind_ = 0;
+  int64_t cached_ = -1;
+  float values_[4];
+};
+
+}  // namespace
+
+class StatelessRowInitOp : public OpKernel {
+ public:
+  explicit StatelessRowInitOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("distribution", &dist_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& key = ctx->input(0);
+    const Tensor& counter = ctx->input(1);
+    const Tensor& rows_t = ctx->input(2);
+    OP_REQUIRES(ctx, key.NumElements() >= 1 && counter.NumElements() >= 2,
+                errors::InvalidArgument("key needs 1 element and counter 2 (Philox)"));
+    const PhiloxRandom base = GetPhiloxRandomFromCounterKeyMem(
+        counter.flat<uint64_t>().data(), key.flat<uint64_t>().data());
+    const auto rows = rows_t.flat<int64_t>();
+    const int64_t n = rows.size();
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
+    float* out = out_t->flat<float>().data();
+    GroupSampler sampler(base, dist_);
+    for (int64_t i = 0; i < n; ++i) {
+      OP_REQUIRES(ctx, rows(i) >= 0, errors::InvalidArgument("negative row ", rows(i)));
+      const int64_t first = rows(i) * dim_;
+      for (int64_t c = 0; c < dim_; ++c) {
+        const int64_t e = first + c;
+        out[i * dim_ + c] = sampler.Group(e / 4)[e % 4];
+      }
+    }
+  }
+
+ private:
+  int dim_;
+  std::string dist_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeStatelessRowInit").Device(DEVICE_CPU)
+                            .HostMemory("key").HostMemory("counter"),
+                        StatelessRowInitOp);
+
+}  // namespace nestpipe
+}  // namespace tensorflow
