@@ -1,0 +1,24 @@
+"""tf_nestpipe: a TensorFlow distribution strategy for recommendation models.
+
+Embedding tables are row-sharded across workers (model parallel), dense weights mirrored (data
+parallel), with exact synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`).
+"""
+import os
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
+from tf_nestpipe.sharding import ShardedEmbedding, ShardLayout  # noqa: E402
+from tf_nestpipe.strategy import CommunicationImplementation, NestPipeStrategy  # noqa: E402
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ClusterConfig",
+    "CommunicationImplementation",
+    "NestPipeStrategy",
+    "ShardLayout",
+    "ShardedEmbedding",
+    "TFConfigError",
+    "parse_tf_config",
+]

@@ -1,0 +1,135 @@
+"""Trains a small recommendation model for a fixed number of steps and saves every parameter.
+
+Run in one process (no TF_CONFIG: the reference) or on a cluster through the launcher; both see
+the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
+the full tables and the dense weights.
+
+usage: exactness.py OUT.npz OPTIMIZER {loop,fit} STEPS [--invalid-id]
+"""
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tf_nestpipe as tnp  # noqa: E402
+
+VOCAB_A, VOCAB_B, DIM, NUM_DENSE = 61, 47, 4, 3
+GLOBAL_BATCH = 24
+
+
+def make_batches(steps, seed=0):
+    """Deterministic global batches with Zipf-hot ids so consecutive batches share keys."""
+    rng = np.random.default_rng(seed)
+    batches = []
+    for _ in range(steps):
+        ids = np.minimum(rng.zipf(1.3, size=(GLOBAL_BATCH, 2)) - 1, VOCAB_A - 1).astype(np.int64)
+        lengths = rng.integers(1, 4, size=GLOBAL_BATCH)
+        bag = np.minimum(rng.zipf(1.2, size=lengths.sum()) - 1, VOCAB_B - 1).astype(np.int64)
+        dense = rng.normal(size=(GLOBAL_BATCH, NUM_DENSE)).astype(np.float32)
+        label = ((ids[:, 0] % 3 == 0) ^ (dense[:, 0] > 0)).astype(np.float32)[:, None]
+        batches.append((ids, lengths, bag, dense, label))
+    return batches
+
+
+def local_slice(batch, rank, workers):
+    """This worker's contiguous share of a global batch (ragged bag included)."""
+    ids, lengths, bag, dense, label = batch
+    per = GLOBAL_BATCH // workers
+    lo, hi = rank * per, (rank + 1) * per
+    starts = np.concatenate([[0], np.cumsum(lengths)])
+    bag_local = bag[starts[lo]:starts[hi]]
+    ragged = tf.RaggedTensor.from_row_lengths(bag_local, lengths[lo:hi])
+    return ({"ids": ids[lo:hi], "bag": ragged, "dense": dense[lo:hi]}, label[lo:hi])
+
+
+class TinyRanker(tf_keras.Model):
+    """Single-hot table (2 fields, no combiner) + multi-hot table (mean) + dense MLP."""
+
+    def __init__(self):
+        super().__init__()
+        self.table_a = tnp.ShardedEmbedding(
+            VOCAB_A, DIM, embeddings_initializer=tf_keras.initializers.RandomUniform(-0.3, 0.3, seed=7),
+            name="table_a")
+        self.table_b = tnp.ShardedEmbedding(
+            VOCAB_B, DIM, combiner="mean",
+            embeddings_initializer=tf_keras.initializers.TruncatedNormal(stddev=0.2, seed=8),
+            name="table_b")
+        self.hidden = tf_keras.layers.Dense(8, activation="relu",
+                                            kernel_initializer=tf_keras.initializers.GlorotUniform(seed=9))
+        self.out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=10))
+
+    def call(self, features):
+        a = tf.reshape(self.table_a(features["ids"]), [-1, 2 * DIM])
+        b = self.table_b(features["bag"])
+        return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
+
+
+def make_optimizer(name):
+    return {"sgd": lambda: tf_keras.optimizers.SGD(0.5),
+            "adagrad": lambda: tf_keras.optimizers.Adagrad(0.3),
+            "adam": lambda: tf_keras.optimizers.Adam(0.05)}[name]()
+
+
+def main():
+    out_path, opt_name, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    strategy = tnp.NestPipeStrategy()
+    rank, workers = strategy.worker_index, strategy.num_workers
+    batches = make_batches(steps)
+    if "--invalid-id" in sys.argv:  # the last worker sees one id outside the vocabulary
+        batches[0][0][-1, 0] = VOCAB_A + 5
+    with strategy.scope():
+        model = TinyRanker()
+        optimizer = make_optimizer(opt_name)
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
+                                                 reduction=tf_keras.losses.Reduction.NONE)
+    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
+             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64),
+             "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
+            tf.TensorSpec([None, 1], tf.float32))
+
+    if mode == "loop":
+        @tf.function(input_signature=spec)
+        def train_step(features, labels):
+            def step_fn(features, labels):
+                with tf.GradientTape() as tape:
+                    logits = model(features, training=True)
+                    per_example = loss_fn(labels, logits)
+                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                grads = tape.gradient(loss, model.trainable_variables)
+                optimizer.apply_gradients(zip(grads, model.trainable_variables))
+                return loss
+            per_replica = strategy.run(step_fn, args=(features, labels))
+            return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
+
+        for step, batch in enumerate(batches):
+            loss = train_step(*local_slice(batch, rank, workers))
+            if step % 5 == 0:
+                print("step %d loss %.5f" % (step, float(loss)), flush=True)
+    else:
+        with strategy.scope():
+            model.compile(optimizer=optimizer,
+                          loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                          metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+        def dataset_fn(context):
+            # Each worker's pipeline yields its own contiguous slice of every global batch.
+            local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
+                     for b in batches]
+            return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
+
+        dataset = strategy.distribute_datasets_from_function(dataset_fn)
+        history = model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},
+              flush=True)
+    tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
+    dense = {v.name: v.numpy() for v in model.trainable_variables if "table_" not in v.name}
+    if rank == 0:
+        np.savez(out_path, **tables, **{"dense/" + k: v for k, v in dense.items()})
+    print("saved", out_path if rank == 0 else "(not rank 0)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] -- COMMAND ...`"""
+import argparse
+import sys
+
+from tf_nestpipe.launch.local_cluster import LocalCluster
+
+
+def main(argv=None):
+    """Parses the launcher's flags and runs COMMAND on a localhost cluster."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "--" in argv:
+        split = argv.index("--")
+        flags, command = argv[:split], argv[split + 1:]
+    else:
+        flags, command = argv, []
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_nestpipe.launch",
+        description="Start a local TF_CONFIG cluster and run COMMAND on each training task.")
+    parser.add_argument("--workers", type=int, default=2, help="number of worker tasks")
+    parser.add_argument("--ps", type=int, default=0, help="number of parameter-server tasks")
+    parser.add_argument("--chief", action="store_true", help="add a chief task")
+    parser.add_argument("--timeout", type=float, default=None, help="seconds before teardown")
+    parser.add_argument("--env", action="append", default=[], metavar="K=V",
+                        help="extra environment variable for every task")
+    args = parser.parse_args(flags)
+    if not command:
+        parser.error("no command: add `-- python script.py ARGS`")
+    env = {}
+    for item in args.env:
+        if "=" not in item:
+            parser.error("--env expects K=V, got %r" % item)
+        key, value = item.split("=", 1)
+        env[key] = value
+    cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env)
+    return cluster.run(timeout=args.timeout)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

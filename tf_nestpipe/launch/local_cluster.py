@@ -1,0 +1,174 @@
+"""Starts a cluster of local processes, one `TF_CONFIG` each, and supervises it.
+
+Every task's output is prefixed with its role and index. The cluster fails fast: when one task
+exits non-zero, every other task is killed and the launcher exits non-zero. Children run in their
+own process groups and die with the launcher (PR_SET_PDEATHSIG), so no orphan survives.
+"""
+import ctypes
+import dataclasses
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Dict, List, Optional, Sequence
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
+    """Returns `count` distinct TCP ports that are free on `host` right now."""
+    sockets, ports = [], []
+    for _ in range(count):
+        s = socket.socket()
+        s.bind((host, 0))
+        sockets.append(s)
+        ports.append(s.getsockname()[1])
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def make_cluster(num_workers: int, num_ps: int = 0, chief: bool = False,
+                 host: str = "127.0.0.1") -> Dict[str, List[str]]:
+    """Builds a `cluster` dict with free localhost ports for each role."""
+    if num_workers < 0 or num_ps < 0 or num_workers + num_ps + int(chief) == 0:
+        raise ValueError("a cluster needs at least one task (got workers=%d ps=%d chief=%s)"
+                         % (num_workers, num_ps, chief))
+    ports = iter(free_ports(num_workers + num_ps + int(chief), host))
+    cluster = {}
+    if chief:
+        cluster["chief"] = ["%s:%d" % (host, next(ports))]
+    if num_workers:
+        cluster["worker"] = ["%s:%d" % (host, next(ports)) for _ in range(num_workers)]
+    if num_ps:
+        cluster["ps"] = ["%s:%d" % (host, next(ports)) for _ in range(num_ps)]
+    return cluster
+
+
+def _die_with_parent():
+    os.setsid()
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+@dataclasses.dataclass
+class _Task:
+    role: str
+    process: subprocess.Popen
+    runs_command: bool
+    pump: Optional[threading.Thread] = None
+
+
+class LocalCluster:
+    """Runs `command` on every training task of a localhost cluster; ps tasks (and, in
+    parameter-server mode, workers) run the `tf_nestpipe.server` entry point instead."""
+
+    def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
+                 chief: bool = False, env: Optional[Dict[str, str]] = None,
+                 output=None):
+        if not command:
+            raise ValueError("no command given: use `-- python script.py ARGS`")
+        self.command = list(command)
+        self.cluster = make_cluster(num_workers, num_ps, chief)
+        self.parameter_server_mode = num_ps > 0
+        self.env = dict(env or {})
+        self.output = output or sys.stdout
+        self._lock = threading.Lock()
+        self.tasks: List[_Task] = []
+
+    def _task_command(self, role: str) -> (List[str], bool):
+        if role == "ps" or (self.parameter_server_mode and role == "worker"):
+            return [sys.executable, "-u", "-m", "tf_nestpipe.server"], False
+        return self.command, True
+
+    def _pump(self, task: _Task):
+        prefix = "[%s] " % task.role
+        for line in task.process.stdout:
+            with self._lock:
+                self.output.write(prefix + line)
+                self.output.flush()
+
+    def start(self):
+        """Starts one process per task."""
+        for role, addresses in self.cluster.items():
+            for index in range(len(addresses)):
+                env = dict(os.environ)
+                env.update(self.env)
+                env["TF_CONFIG"] = json.dumps(
+                    {"cluster": self.cluster, "task": {"type": role, "index": index}})
+                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+                env.setdefault("PYTHONUNBUFFERED", "1")
+                argv, runs_command = self._task_command(role)
+                process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                           stderr=subprocess.STDOUT, text=True,
+                                           errors="replace", preexec_fn=_die_with_parent)
+                task = _Task("%s:%d" % (role, index), process, runs_command)
+                task.pump = threading.Thread(target=self._pump, args=(task,), daemon=True)
+                task.pump.start()
+                self.tasks.append(task)
+
+    def kill_all(self):
+        """Kills every task's process group and reaps it."""
+        for task in self.tasks:
+            if task.process.poll() is None:
+                try:
+                    os.killpg(task.process.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+        for task in self.tasks:
+            task.process.wait()
+            if task.pump is not None:
+                task.pump.join(timeout=5)
+
+    def wait(self, timeout: Optional[float] = None) -> int:
+        """Waits until every command task succeeded (0) or one failed / timed out (non-zero)."""
+        deadline = None if timeout is None else time.time() + timeout
+        failed = None
+        try:
+            while True:
+                pending = False
+                for task in self.tasks:
+                    code = task.process.poll()
+                    if code is None:
+                        pending = pending or task.runs_command
+                    elif code != 0:
+                        failed = (task.role, code)
+                        break
+                if failed or not pending:
+                    break
+                if deadline is not None and time.time() > deadline:
+                    failed = ("launcher", "timeout after %.0fs" % timeout)
+                    break
+                time.sleep(0.1)
+        finally:
+            self.kill_all()
+        if failed:
+            with self._lock:
+                self.output.write("[launch] task %s failed (%s); the cluster was torn down\n" % failed)
+                self.output.flush()
+            return 1
+        return 0
+
+    def run(self, timeout: Optional[float] = None) -> int:
+        """Starts the cluster and waits for it; returns the launcher's exit code."""
+        previous = {}
+
+        def _terminate(signum, _frame):
+            self.kill_all()
+            sys.exit(128 + signum)
+
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                previous[sig] = signal.signal(sig, _terminate)
+        try:
+            self.start()
+            return self.wait(timeout)
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

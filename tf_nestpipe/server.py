@@ -1,0 +1,28 @@
+"""Server entry point for tasks that only serve (ps, and workers in parameter-server mode).
+
+`python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
+can run on this task, then serves the task named by `TF_CONFIG` until killed.
+"""
+import sys
+
+import tensorflow as tf
+
+from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.ops import load_op_library
+
+
+def main():
+    """Starts a `tf.distribute.Server` for this task and blocks."""
+    config = parse_tf_config()
+    if config is None:
+        sys.exit("tf_nestpipe.server: TF_CONFIG is not set; it names this task's role and index.")
+    load_op_library()
+    server = tf.distribute.Server(tf.train.ClusterSpec(config.cluster), job_name=config.task_type,
+                                  task_index=config.task_index, protocol="grpc", start=True)
+    print("tf_nestpipe.server: %s:%d serving at %s" % (config.task_type, config.task_index, server.target),
+          flush=True)
+    server.join()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,140 @@
+"""`ShardedEmbedding`: a tf_keras embedding layer whose table is row-sharded across workers."""
+import tensorflow as tf
+import tf_keras
+
+from tf_nestpipe.sharding.initializers import RowShardInitializer
+from tf_nestpipe.sharding.layout import ShardLayout
+from tf_nestpipe.sharding.lookup import sharded_lookup
+from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy, creating_row_shard
+
+COMBINERS = (None, "sum", "mean")
+INVALID_ID_POLICIES = ("error", "zero")
+
+
+class ShardedEmbedding(tf_keras.layers.Layer):
+    """Embedding table row-sharded over the workers of a `NestPipeStrategy` (owner = id mod W).
+
+    Outside a NestPipeStrategy scope it is an ordinary embedding. Inputs: int ids `[batch]` or
+    `[batch, k]`, or a `tf.RaggedTensor` `[batch, None]` of multi-hot ids. With `combiner=None`
+    the output is `ids.shape + [dim]` (ragged inputs need a combiner); `"sum"` / `"mean"` pool
+    the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
+    table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
+    gradient (`invalid_id_policy="zero"`).
+    """
+
+    def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
+                 invalid_id_policy="error", **kwargs):
+        super().__init__(**kwargs)
+        if combiner not in COMBINERS:
+            raise ValueError("combiner must be one of %s, got %r" % (COMBINERS, combiner))
+        if invalid_id_policy not in INVALID_ID_POLICIES:
+            raise ValueError("invalid_id_policy must be one of %s, got %r"
+                             % (INVALID_ID_POLICIES, invalid_id_policy))
+        if int(vocab_size) < 1 or int(dim) < 1:
+            raise ValueError("vocab_size and dim must be positive, got %r and %r" % (vocab_size, dim))
+        self.vocab_size = int(vocab_size)
+        self.dim = int(dim)
+        self.combiner = combiner
+        self.invalid_id_policy = invalid_id_policy
+        self.embeddings_initializer = tf_keras.initializers.get(embeddings_initializer)
+        self.layout = None
+        self._strategy = None
+
+    def build(self, input_shape):
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, NestPipeStrategy):
+            self._strategy = strategy
+            self.layout = ShardLayout(self.vocab_size, self.dim, strategy.num_workers,
+                                      strategy.worker_index)
+        else:
+            self.layout = ShardLayout(self.vocab_size, self.dim)
+        initializer = RowShardInitializer(self.embeddings_initializer, self.layout)
+        shape = (self.layout.local_rows, self.dim)
+        if self._strategy is not None:
+            with creating_row_shard(self.layout):
+                self.embeddings = self.add_weight(name="embeddings", shape=shape,
+                                                  initializer=initializer, trainable=True)
+        else:
+            self.embeddings = self.add_weight(name="embeddings", shape=shape,
+                                              initializer=initializer, trainable=True)
+        super().build(input_shape)
+
+    def _collectives(self):
+        if self._strategy is None:
+            return None
+        return self._strategy.extended.collectives
+
+    def _lookup(self, flat_ids):
+        valid = None
+        if self.invalid_id_policy == "zero":
+            valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
+            flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
+        rows = sharded_lookup(self.embeddings, flat_ids, self.layout, self._collectives(),
+                              table_name=self.name)
+        if valid is not None:
+            rows = rows * tf.cast(valid, rows.dtype)[:, None]
+        return rows
+
+    def call(self, inputs):
+        if isinstance(inputs, tf.RaggedTensor):
+            if self.combiner is None:
+                raise ValueError("ShardedEmbedding '%s' got ragged ids; set combiner='sum' or "
+                                 "'mean' to pool them" % self.name)
+            if inputs.ragged_rank != 1:
+                raise ValueError("ShardedEmbedding '%s' expects [batch, None] ragged ids, got "
+                                 "ragged_rank %d" % (self.name, inputs.ragged_rank))
+            ids = tf.cast(inputs.flat_values, tf.int64)
+            rows = self._lookup(ids)
+            segments = inputs.value_rowids()
+            num = inputs.nrows()
+            pooled = tf.math.unsorted_segment_sum(rows, segments, num)
+            if self.combiner == "mean":
+                counts = tf.cast(tf.maximum(inputs.row_lengths(), 1), pooled.dtype)
+                pooled = pooled / counts[:, None]
+            return pooled
+        if isinstance(inputs, tf.SparseTensor):
+            raise ValueError("ShardedEmbedding '%s' takes dense or ragged ids; convert the "
+                             "SparseTensor with tf.RaggedTensor.from_sparse" % self.name)
+        ids = tf.cast(inputs, tf.int64)
+        rows = self._lookup(tf.reshape(ids, [-1]))
+        out = tf.reshape(rows, tf.concat([tf.shape(ids), [self.dim]], axis=0))
+        if self.combiner is None:
+            return out
+        if ids.shape.rank is not None and ids.shape.rank < 2:
+            raise ValueError("ShardedEmbedding '%s' with combiner=%r needs ids of rank >= 2, "
+                             "got shape %s" % (self.name, self.combiner, ids.shape))
+        if self.combiner == "sum":
+            return tf.reduce_sum(out, axis=-2)
+        return tf.reduce_mean(out, axis=-2)
+
+    def compute_output_shape(self, input_shape):
+        input_shape = tf.TensorShape(input_shape)
+        if self.combiner is None:
+            return input_shape.concatenate([self.dim])
+        return input_shape[:-1].concatenate([self.dim])
+
+    def full_table(self):
+        """Returns the whole `[vocab_size, dim]` table as a NumPy array (a collective: call it on
+        every worker at the same point)."""
+        layout = self.layout
+        local = tf.convert_to_tensor(self.embeddings)
+        if layout.num_shards == 1:
+            return local.numpy()
+        collectives = self._collectives()
+        pad = layout.max_local_rows - layout.local_rows
+        padded = tf.pad(local, [[0, pad], [0, 0]])
+        gathered = collectives.all_gather(padded, self.name + "/full_table").numpy()  # [num_shards * max_local_rows, dim]
+        ids = tf.range(layout.vocab_size, dtype=tf.int64).numpy()
+        index = (ids % layout.num_shards) * layout.max_local_rows + ids // layout.num_shards
+        return gathered[index]
+
+    def get_config(self):
+        config = super().get_config()
+        config.update({
+            "vocab_size": self.vocab_size,
+            "dim": self.dim,
+            "combiner": self.combiner,
+            "embeddings_initializer": tf_keras.initializers.serialize(self.embeddings_initializer),
+            "invalid_id_policy": self.invalid_id_policy,
+        })
+        return config

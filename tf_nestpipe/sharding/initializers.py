@@ -1,0 +1,118 @@
+"""Initialize only this worker's rows of a table, yet exactly as if the full table were built.
+
+tf_keras initializers (RandomUniform, RandomNormal, TruncatedNormal and the VarianceScaling
+family: glorot_*, he_*, lecun_*) draw from `tf.random.stateless_*` with the full table shape.
+While one of them runs for a row shard, those three functions are replaced by versions that
+compute only the owned rows with the `NestpipeStatelessRowInit` op (Philox counter offsets), so
+one seed gives the same full table at any worker count and no worker materializes other rows.
+"""
+import contextlib
+import threading
+
+import numpy as np
+import tensorflow as tf
+import tf_keras
+
+from tf_nestpipe.ops.row_init import stateless_row_init
+
+_patch_lock = threading.RLock()
+# Tables up to this size may be built in full by initializers we cannot shard row-wise.
+_MATERIALIZE_LIMIT_BYTES = 64 << 20
+
+
+class _RowSubsetRandom:
+    """Stand-ins for tf.random.stateless_* that return only `rows` of the requested full shape."""
+
+    def __init__(self, full_shape, rows):
+        self.full_shape = tuple(int(d) for d in full_shape)
+        self.rows = rows
+        self.used = False
+
+    def _matches(self, shape, dtype):
+        try:
+            shape = tuple(int(d) for d in tf.TensorShape(shape).as_list())
+        except (TypeError, ValueError):
+            return False
+        return shape == self.full_shape and tf.as_dtype(dtype or tf.float32) == tf.float32
+
+    def _raw(self, seed, distribution):
+        self.used = True
+        return stateless_row_init(seed, self.rows, self.full_shape[1], distribution)
+
+    def wrap(self, original, distribution):
+        def stateless(shape, seed, *args, **kwargs):
+            dtype = kwargs.get("dtype", tf.float32)
+            if not self._matches(shape, dtype) or kwargs.get("alg", "auto_select") not in (
+                    "auto_select", None):
+                return original(shape, seed, *args, **kwargs)
+            names = ("minval", "maxval") if distribution == "uniform" else ("mean", "stddev")
+            defaults = (0.0, 1.0)
+            params = list(args[:2]) + [None] * (2 - len(args[:2]))
+            for i, name in enumerate(names):
+                if name in kwargs:
+                    params[i] = kwargs[name]
+                if params[i] is None:
+                    params[i] = defaults[i]
+            a = tf.convert_to_tensor(params[0], tf.float32)
+            b = tf.convert_to_tensor(params[1], tf.float32)
+            rnd = self._raw(seed, distribution)
+            if distribution == "uniform":  # same arithmetic as tf.random.stateless_uniform
+                return tf.math.add(rnd * (b - a), a)
+            return tf.math.add(rnd * b, a)  # stateless_(truncated_)normal: rnd * stddev + mean
+
+        return stateless
+
+
+@contextlib.contextmanager
+def _rows_only_random(full_shape, rows):
+    subset = _RowSubsetRandom(full_shape, rows)
+    with _patch_lock:
+        originals = {name: getattr(tf.random, name) for name in
+                     ("stateless_uniform", "stateless_normal", "stateless_truncated_normal")}
+        tf.random.stateless_uniform = subset.wrap(originals["stateless_uniform"], "uniform")
+        tf.random.stateless_normal = subset.wrap(originals["stateless_normal"], "normal")
+        tf.random.stateless_truncated_normal = subset.wrap(
+            originals["stateless_truncated_normal"], "truncated_normal")
+        try:
+            yield subset
+        finally:
+            for name, fn in originals.items():
+                setattr(tf.random, name, fn)
+
+
+class RowShardInitializer:
+    """Wraps a tf_keras initializer so that it fills only `layout`'s rows of the full table."""
+
+    def __init__(self, initializer, layout):
+        self.initializer = tf_keras.initializers.get(initializer)
+        self.layout = layout
+
+    def __call__(self, shape, dtype=None, **kwargs):
+        layout = self.layout
+        full_shape = (layout.vocab_size, layout.dim)
+        local_shape = (layout.local_rows, layout.dim)
+        dtype = tf.as_dtype(dtype or tf.float32)
+        init = self.initializer
+        if isinstance(init, tf_keras.initializers.Zeros):
+            return tf.zeros(local_shape, dtype)
+        if isinstance(init, tf_keras.initializers.Ones):
+            return tf.ones(local_shape, dtype)
+        if isinstance(init, tf_keras.initializers.Constant):
+            return tf.cast(tf.fill(local_shape, init.value), dtype)
+        rows = layout.global_ids()
+        if layout.num_shards > 1 and dtype == tf.float32:
+            with _rows_only_random(full_shape, rows) as subset:
+                values = init(full_shape, dtype=dtype)
+            if subset.used and tuple(values.shape) == local_shape:
+                return values
+        elif layout.num_shards == 1:
+            return init(full_shape, dtype=dtype)
+        full_bytes = layout.vocab_size * layout.dim * dtype.size
+        if full_bytes > _MATERIALIZE_LIMIT_BYTES:
+            raise ValueError(
+                "initializer %r cannot be evaluated row-wise and the full table (%d MiB) is too "
+                "large to build on one worker. Use a tf.keras initializer (RandomUniform, "
+                "RandomNormal, TruncatedNormal, glorot_*/he_*/lecun_*, Zeros, Ones, Constant) "
+                "or a float32 table." % (init, full_bytes >> 20))
+        full = init(full_shape, dtype=dtype)
+        return tf.gather(full, rows)

@@ -1,0 +1,122 @@
+"""Cross-worker collectives used by the sharded embeddings: all-gather and padded all-to-all.
+
+Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is derived from the
+tag and its occurrence count inside the traced function, so a function retraced on one worker
+but not on another still pairs the same collectives. Inside a function each collective is chained
+after the previous one by a control dependency, so all workers issue them in the same order.
+"""
+import threading
+import weakref
+import zlib
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+
+CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
+
+# Our own group key, far from the ones MultiWorkerMirroredStrategy hands out (small integers).
+_NESTPIPE_GROUP_KEY = 0x4E5050
+_MAX_USES_PER_TAG = 64
+# TensorFlow caches a collective's shape by instance key, so a tensor whose size changes from step
+# to step (the padded key/row exchange) is padded to one of these capacities and each capacity
+# gets its own instance key: bounded keys, fixed shape per key, at most ~19% padding.
+_CAPACITIES = sorted({int(np.ceil(1.19 ** k)) for k in range(0, 124)})
+_MAX_BUCKETS = 128
+_EAGER_KEY_BASE = (1 << 30) + (1 << 29)  # eager collectives (full_table) take fresh keys above
+
+
+def capacity_bucket(capacity):
+    """Returns `(bucket, padded_capacity)`: the smallest bucketed capacity >= `capacity` (int32)."""
+    table = tf.constant(_CAPACITIES, tf.int32)
+    bucket = tf.searchsorted(table, tf.reshape(tf.cast(capacity, tf.int32), [1]), side="left")[0]
+    return bucket, tf.gather(table, bucket)
+
+
+def resolve_implementation(implementation, device_type):
+    """AUTO picks NCCL on GPU and RING on CPU; NCCL without a GPU falls back to RING."""
+    if implementation in (None, CommunicationImplementation.AUTO):
+        return CommunicationImplementation.NCCL if device_type == "GPU" else CommunicationImplementation.RING
+    if implementation == CommunicationImplementation.NCCL and device_type != "GPU":
+        return CommunicationImplementation.RING
+    return implementation
+
+
+class Collectives:
+    """Issues CollectiveGatherV2 / CollectiveAllToAllV2 over the group of all `num_workers` workers."""
+
+    def __init__(self, num_workers, worker_index, device, implementation, timeout_seconds=0):
+        self.num_workers = num_workers
+        self.worker_index = worker_index
+        self.device = device
+        self.implementation = implementation
+        self.timeout_seconds = timeout_seconds
+        self._hint = "nccl" if implementation == CommunicationImplementation.NCCL else "ring"
+        self._lock = threading.Lock()
+        self._key_owner = {}  # instance-key base -> tag, to refuse colliding tags
+        self._uses_in_graph = weakref.WeakKeyDictionary()  # graph -> {tag: occurrences}
+        self._last_in_graph = weakref.WeakKeyDictionary()  # graph -> last collective issued
+        self._eager_key = _EAGER_KEY_BASE
+
+    def _instance_key(self, tag, bucket=None):
+        with self._lock:
+            if tf.executing_eagerly():
+                self._eager_key += 1
+                return self._eager_key
+            base = (zlib.crc32(tag.encode()) & 0x1FFFF) * _MAX_USES_PER_TAG
+            if self._key_owner.setdefault(base, tag) != tag:
+                raise ValueError("collective tags %r and %r collide; rename one of the tables"
+                                 % (self._key_owner[base], tag))
+            uses = self._uses_in_graph.setdefault(tf.compat.v1.get_default_graph(), {})
+            count = uses.get(tag, 0)
+            if count >= _MAX_USES_PER_TAG:
+                raise ValueError("tag %r used more than %d times in one function"
+                                 % (tag, _MAX_USES_PER_TAG))
+            uses[tag] = count + 1
+            key = 1 + (base + count) * _MAX_BUCKETS
+            if bucket is None:
+                return key
+            return key + tf.cast(bucket, tf.int32)
+
+    def _chained(self, tag, issue, bucket=None):
+        eager = tf.executing_eagerly()
+        graph = None if eager else tf.compat.v1.get_default_graph()
+        previous = None if eager else self._last_in_graph.get(graph)
+        deps = [previous] if previous is not None else []
+        with tf.device(self.device), tf.control_dependencies(deps):
+            out = issue(self._instance_key(tag, bucket))
+        if not eager:
+            self._last_in_graph[graph] = out
+        return out
+
+    def all_gather(self, tensor, tag):
+        """Concatenates `tensor` (same shape on every worker) from all workers along axis 0."""
+        if self.num_workers == 1:
+            return tf.identity(tensor)
+        return self._chained(tag, lambda key: collective_ops.all_gather_v2(
+            tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
+            communication_hint=self._hint, timeout=self.timeout_seconds))
+
+    def all_to_all(self, tensor, tag, bucket=None):
+        """Sends `tensor[j]` to worker j and returns `[num_workers, ...]` with row i from worker i.
+
+        A tensor whose shape varies between steps must pass the `bucket` of its padded size
+        (see `capacity_bucket`), so that each shape has its own instance key.
+        """
+        if self.num_workers == 1:
+            return tf.identity(tensor)
+        return self._chained(tag, lambda key: collective_ops.all_to_all_v2(
+            tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
+            communication_hint=self._hint, timeout=self.timeout_seconds), bucket)
+
+    def all_to_all_differentiable(self, tensor, tag, bucket=None):
+        """All-to-all whose gradient is the reverse all-to-all of the incoming gradient."""
+
+        @tf.custom_gradient
+        def exchange(x):
+            def grad(dy):
+                return self.all_to_all(dy, tag + "/grad", bucket)
+
+            return self.all_to_all(x, tag, bucket), grad
+
+        return exchange(tensor)

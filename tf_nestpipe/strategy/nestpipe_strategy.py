@@ -1,0 +1,202 @@
+"""`NestPipeStrategy`: synchronous hybrid-parallel training over the workers of a `TF_CONFIG` cluster.
+
+Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredStrategy` (one
+replica per worker). Variables created by `tf_nestpipe.ShardedEmbedding` are *row shards*: plain
+worker-local variables holding only the rows this worker owns; their optimizer slots are
+worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
+all-to-all already delivered each owner the summed gradient of its rows.
+"""
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
+from tensorflow.python.distribute import distribute_lib, distribute_utils
+from tensorflow.python.distribute import values as _dist_values
+from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+
+from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
+                                                resolve_implementation)
+
+_SHARD_ATTR = "_nestpipe_row_shard"
+_creation_state = threading.local()
+
+
+def is_row_shard(variable):
+    """True for a sharded-embedding row shard or one of its optimizer slots."""
+    return getattr(variable, _SHARD_ATTR, None) is not None
+
+
+def row_shard_layout(variable):
+    """The `ShardLayout` of a row-shard variable (or its slot), else None."""
+    return getattr(variable, _SHARD_ATTR, None)
+
+
+@contextlib.contextmanager
+def creating_row_shard(layout):
+    """Within this context, the next variables created under a NestPipeStrategy are row shards."""
+    previous = getattr(_creation_state, "layout", None)
+    _creation_state.layout = layout
+    try:
+        yield
+    finally:
+        _creation_state.layout = previous
+
+
+class NestPipeExtended(_cars.CollectiveAllReduceExtended):
+    """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
+
+    def __init__(self, container_strategy, cluster_resolver, communication_options,
+                 collective_timeout_seconds=0):
+        super().__init__(container_strategy, cluster_resolver=cluster_resolver,
+                         communication_options=communication_options)
+        self._nestpipe_collectives = Collectives(
+            num_workers=self._num_workers,
+            worker_index=self._worker_index(),
+            device=self.worker_devices[0],
+            implementation=resolve_implementation(communication_options.implementation,
+                                                  self._local_device_type),
+            timeout_seconds=collective_timeout_seconds)
+
+    # --- one replica per worker -----------------------------------------------------------
+    def _initialize_local_devices(self, cluster_resolver, worker_device):
+        devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
+        return devices[:1], device_type
+
+    def _initialize_local(self, cluster_resolver, devices=None):
+        if devices is None:
+            device_type = "GPU" if tf.config.list_logical_devices("GPU") else "CPU"
+            devices = ("/device:%s:0" % device_type,)
+        super()._initialize_local(cluster_resolver, devices=devices[:1])
+
+    def _worker_index(self):
+        if not self._in_multi_worker_mode():
+            return 0
+        resolver = self._cluster_resolver
+        ordered = []
+        spec = resolver.cluster_spec().as_dict()
+        for role in ("chief", "worker"):
+            ordered += [(role, i) for i in range(len(spec.get(role, [])))]
+        return ordered.index((resolver.task_type, resolver.task_id))
+
+    @property
+    def collectives(self):
+        """The `Collectives` the sharded embeddings use to talk to other workers."""
+        return self._nestpipe_collectives
+
+    @property
+    def num_workers(self):
+        """Number of synchronous workers (= number of table shards)."""
+        return self._num_workers
+
+    @property
+    def worker_index(self):
+        """This worker's position among all workers (= the table shard it owns)."""
+        return self._nestpipe_collectives.worker_index
+
+    # --- variables -------------------------------------------------------------------------
+    def _create_variable(self, next_creator, **kwargs):
+        layout = getattr(_creation_state, "layout", None)
+        colocate_with = kwargs.get("colocate_with")
+        if layout is None and colocate_with is not None and is_row_shard(colocate_with):
+            layout = row_shard_layout(colocate_with)  # an optimizer slot of a row shard
+        if layout is None:
+            return super()._create_variable(next_creator, **kwargs)
+        kwargs.pop("colocate_with", None)
+        kwargs.pop("distribute_strategy", None)
+        with tf.device(self.worker_devices[0]):
+            variable = next_creator(**kwargs)
+        setattr(variable, _SHARD_ATTR, layout)
+        return variable
+
+    def _validate_colocate_with_variable(self, colocate_with_variable):
+        if is_row_shard(colocate_with_variable):
+            return
+        super()._validate_colocate_with_variable(colocate_with_variable)
+
+    def variable_created_in_scope(self, v):
+        if is_row_shard(v):
+            return True
+        return super().variable_created_in_scope(v)
+
+    def _update(self, var, fn, args, kwargs, group):
+        if isinstance(var, _dist_values.DistributedVariable):
+            return super()._update(var, fn, args, kwargs, group)
+        with tf.device(var.device), distribute_lib.UpdateContext(0):
+            result = fn(var, *distribute_utils.select_replica(0, args),
+                        **distribute_utils.select_replica(0, kwargs))
+        if group:
+            return result
+        return tf.nest.map_structure(self._local_results, result)
+
+    def read_var(self, replica_local_var):
+        if is_row_shard(replica_local_var):
+            return tf.identity(replica_local_var)
+        return super().read_var(replica_local_var)
+
+    # --- gradient aggregation --------------------------------------------------------------
+    def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
+        pairs = list(value_destination_pairs)
+        dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
+        results = [None] * len(pairs)
+        if dense:
+            reduced = super()._batch_reduce_to(reduce_op, [p for _, p in dense], options)
+            for (i, _), value in zip(dense, reduced):
+                results[i] = value
+        for i, (value, destination) in enumerate(pairs):
+            if results[i] is None:
+                # Row-shard gradients were already summed over workers by the lookup's backward
+                # all-to-all: pass them through, never all-reduce them.
+                results[i] = value
+        return results
+
+    def _reduce_to(self, reduce_op, value, destinations, options):
+        if is_row_shard(destinations):
+            return value
+        return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _use_merge_call(self):
+        # Gradient aggregation must see (gradient, variable) pairs to skip row shards.
+        return True
+
+
+class NestPipeStrategy(distribute_lib.Strategy):
+    """Synchronous NestPipe training: row-sharded `ShardedEmbedding` tables, mirrored dense weights.
+
+    Reads the cluster from `TF_CONFIG` (a single local worker without it). Build models under
+    `strategy.scope()` and train them with tf_keras `fit` or `strategy.run` in a custom loop.
+    `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
+    (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
+    """
+
+    # CollectiveAllReduceExtended reads the collective key base from its container strategy.
+    _collective_key_base = 0
+
+    def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
+                 communication_options=None, collective_timeout_seconds=0):
+        load_op_library()
+        if cluster_resolver is None:
+            parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG
+            cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
+        if communication_options is None:
+            communication_options = tf.distribute.experimental.CommunicationOptions(
+                implementation=communication)
+        super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
+                                          collective_timeout_seconds))
+
+    @property
+    def cluster_resolver(self):
+        """The cluster resolver this strategy was built from."""
+        return self.extended._cluster_resolver  # pylint: disable=protected-access
+
+    @property
+    def num_workers(self):
+        """Number of synchronous workers (= number of shards of every table)."""
+        return self.extended.num_workers
+
+    @property
+    def worker_index(self):
+        """This worker's index among all workers (= the shard of every table it owns)."""
+        return self.extended.worker_index
