@@ -4,7 +4,9 @@ Run in one process (no TF_CONFIG: the reference) or on a cluster through the lau
 the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
 the full tables and the dense weights.
 
-usage: exactness.py OUT.npz OPTIMIZER {loop,fit} STEPS [--invalid-id]
+usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
+  RUN is MODE:OPTIMIZER with MODE in {loop, fit} and OPTIMIZER in {sgd, adagrad, adam};
+  each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER.npz.
 """
 import os
 import sys
@@ -74,13 +76,10 @@ def make_optimizer(name):
             "adam": lambda: tf_keras.optimizers.Adam(0.05)}[name]()
 
 
-def main():
-    out_path, opt_name, mode, steps = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    strategy = tnp.NestPipeStrategy()
+def train(strategy, batches, mode, opt_name, out_path):
+    """Trains a fresh TinyRanker with `mode` (custom loop or fit) and saves all parameters."""
     rank, workers = strategy.worker_index, strategy.num_workers
-    batches = make_batches(steps)
-    if "--invalid-id" in sys.argv:  # the last worker sees one id outside the vocabulary
-        batches[0][0][-1, 0] = VOCAB_A + 5
+    steps = len(batches)
     with strategy.scope():
         model = TinyRanker()
         optimizer = make_optimizer(opt_name)
@@ -90,7 +89,6 @@ def main():
              "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64),
              "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
             tf.TensorSpec([None, 1], tf.float32))
-
     if mode == "loop":
         @tf.function(input_signature=spec)
         def train_step(features, labels):
@@ -128,7 +126,19 @@ def main():
     dense = {v.name: v.numpy() for v in model.trainable_variables if "table_" not in v.name}
     if rank == 0:
         np.savez(out_path, **tables, **{"dense/" + k: v for k, v in dense.items()})
-    print("saved", out_path if rank == 0 else "(not rank 0)", flush=True)
+    print("saved", mode, opt_name, flush=True)
+
+
+def main():
+    prefix, steps = sys.argv[1], int(sys.argv[2])
+    runs = [a for a in sys.argv[3:] if not a.startswith("--")]
+    strategy = tnp.NestPipeStrategy()
+    batches = make_batches(steps)
+    if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
+        batches[0][0][-1, 0] = VOCAB_A + 5
+    for run in runs:
+        mode, opt_name = run.split(":")
+        train(strategy, batches, mode, opt_name, "%s.%s.%s.npz" % (prefix, mode, opt_name))
 
 
 if __name__ == "__main__":

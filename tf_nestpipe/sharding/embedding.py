@@ -1,4 +1,6 @@
 """`ShardedEmbedding`: a tf_keras embedding layer whose table is row-sharded across workers."""
+import contextlib
+
 import tensorflow as tf
 import tf_keras
 
@@ -38,11 +40,16 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         self.invalid_id_policy = invalid_id_policy
         self.embeddings_initializer = tf_keras.initializers.get(embeddings_initializer)
         self.layout = None
-        self._strategy = None
+        # The strategy whose scope the layer was created in; its variables are built there even
+        # if the layer is first called outside the scope.
+        current = tf.distribute.get_strategy()
+        self._strategy = current if isinstance(current, NestPipeStrategy) else None
 
     def build(self, input_shape):
-        strategy = tf.distribute.get_strategy()
-        if isinstance(strategy, NestPipeStrategy):
+        if self._strategy is None and isinstance(tf.distribute.get_strategy(), NestPipeStrategy):
+            self._strategy = tf.distribute.get_strategy()
+        strategy = self._strategy
+        if strategy is not None:
             self._strategy = strategy
             self.layout = ShardLayout(self.vocab_size, self.dim, strategy.num_workers,
                                       strategy.worker_index)
@@ -51,7 +58,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         initializer = RowShardInitializer(self.embeddings_initializer, self.layout)
         shape = (self.layout.local_rows, self.dim)
         if self._strategy is not None:
-            with creating_row_shard(self.layout):
+            # Re-enter the scope only when called outside it (entering is illegal in a replica).
+            scope = (self._strategy.scope() if not tf.distribute.has_strategy()
+                     else contextlib.nullcontext())
+            with scope, creating_row_shard(self.layout):
                 self.embeddings = self.add_weight(name="embeddings", shape=shape,
                                                   initializer=initializer, trainable=True)
         else:

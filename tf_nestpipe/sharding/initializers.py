@@ -18,6 +18,9 @@ from tf_nestpipe.ops.row_init import stateless_row_init
 _patch_lock = threading.RLock()
 # Tables up to this size may be built in full by initializers we cannot shard row-wise.
 _MATERIALIZE_LIMIT_BYTES = 64 << 20
+# Initializers whose values are elementwise functions of one stateless draw of the full shape.
+_ROW_WISE = (tf_keras.initializers.RandomUniform, tf_keras.initializers.RandomNormal,
+             tf_keras.initializers.TruncatedNormal, tf_keras.initializers.VarianceScaling)
 
 
 class _RowSubsetRandom:
@@ -100,13 +103,13 @@ class RowShardInitializer:
         if isinstance(init, tf_keras.initializers.Constant):
             return tf.cast(tf.fill(local_shape, init.value), dtype)
         rows = layout.global_ids()
-        if layout.num_shards > 1 and dtype == tf.float32:
+        if layout.num_shards == 1:
+            return init(full_shape, dtype=dtype)
+        if isinstance(init, _ROW_WISE) and dtype == tf.float32:
             with _rows_only_random(full_shape, rows) as subset:
                 values = init(full_shape, dtype=dtype)
             if subset.used and tuple(values.shape) == local_shape:
                 return values
-        elif layout.num_shards == 1:
-            return init(full_shape, dtype=dtype)
         full_bytes = layout.vocab_size * layout.dim * dtype.size
         if full_bytes > _MATERIALIZE_LIMIT_BYTES:
             raise ValueError(

@@ -1,0 +1,88 @@
+"""The local launcher: TF_CONFIG per task, prefixed output, fail-fast teardown, no orphans."""
+import json
+import os
+import sys
+import textwrap
+import time
+
+import pytest
+
+from conftest import run_command
+from tf_nestpipe.launch.local_cluster import make_cluster
+
+
+def write(tmp_path, name, body):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(body))
+    return str(path)
+
+
+def launcher(*args, timeout=60):
+    return run_command([sys.executable, "-m", "tf_nestpipe.launch"] + list(args), timeout=timeout)
+
+
+def test_each_task_gets_its_own_tf_config_and_prefix(tmp_path):
+    script = write(tmp_path, "echo.py", """
+        import json, os, sys
+        c = json.loads(os.environ["TF_CONFIG"])
+        print("task", c["task"]["type"], c["task"]["index"], len(c["cluster"]["worker"]), sys.argv[1:])
+    """)
+    result = launcher("--workers", "3", "--", sys.executable, script, "a", "b")
+    assert result.returncode == 0, result.stdout
+    for i in range(3):
+        assert "[worker:%d] task worker %d 3 ['a', 'b']" % (i, i) in result.stdout
+
+
+def test_failure_tears_down_the_cluster_fast_and_leaves_no_orphans(tmp_path):
+    pid_dir = tmp_path / "pids"
+    pid_dir.mkdir()
+    script = write(tmp_path, "fail.py", """
+        import json, os, sys, time
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        open(os.path.join(sys.argv[1], str(os.getpid())), "w").close()
+        if index == 1:
+            time.sleep(1)
+            print("worker 1 gives up", flush=True)
+            sys.exit(3)
+        time.sleep(120)
+    """)
+    start = time.time()
+    result = launcher("--workers", "3", "--", sys.executable, script, str(pid_dir))
+    assert result.returncode != 0
+    assert time.time() - start < 30
+    assert "[worker:1] worker 1 gives up" in result.stdout
+    assert "task worker:1 failed (3)" in result.stdout
+    pids = [int(p) for p in os.listdir(pid_dir)]
+    assert len(pids) == 3
+    time.sleep(0.5)
+    for pid in pids:
+        assert not os.path.exists("/proc/%d" % pid) or _is_zombie(pid), "orphan %d" % pid
+
+
+def _is_zombie(pid):
+    try:
+        with open("/proc/%d/stat" % pid) as f:
+            return f.read().split()[2] == "Z"
+    except OSError:
+        return True
+
+
+def test_timeout_fails(tmp_path):
+    script = write(tmp_path, "slow.py", "import time\ntime.sleep(60)\n")
+    result = launcher("--workers", "1", "--timeout", "2", "--", sys.executable, script)
+    assert result.returncode != 0 and "timeout" in result.stdout
+
+
+def test_missing_command_is_an_error():
+    result = launcher("--workers", "2")
+    assert result.returncode != 0 and "no command" in result.stdout
+
+
+def test_make_cluster_roles_and_free_ports():
+    cluster = make_cluster(2, num_ps=1, chief=True)
+    assert sorted(cluster) == ["chief", "ps", "worker"] and len(cluster["worker"]) == 2
+    ports = [a.split(":")[1] for role in cluster.values() for a in role]
+    assert len(set(ports)) == 4
+    json.dumps(cluster)
+    with pytest.raises(ValueError):
+        make_cluster(0)

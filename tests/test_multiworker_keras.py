@@ -1,0 +1,46 @@
+"""tf_keras fit/evaluate of a TFRS model on 2 workers, and error paths on a real cluster."""
+import os
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from conftest import PROGRAMS, launch, run_command
+
+
+@pytest.fixture(scope="session")
+def tfrs_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("tfrs")
+    program = os.path.join(PROGRAMS, "tfrs_fit.py")
+    single = run_command([sys.executable, program, str(out / "single.npz")])
+    assert single.returncode == 0, single.stdout[-4000:]
+    cluster = launch(2, [program, str(out / "two.npz")])
+    assert cluster.returncode == 0, cluster.stdout[-6000:]
+    return np.load(out / "single.npz"), np.load(out / "two.npz"), cluster.stdout
+
+
+def test_tfrs_fit_on_two_workers_equals_one_process(tfrs_results):
+    single, two, _ = tfrs_results
+    names = [n for n in single.files if n.startswith("field_") or n.startswith("dense/")]
+    assert len(names) == 9
+    for name in names:
+        np.testing.assert_allclose(two[name], single[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+def test_fit_and_evaluate_auc_is_global_not_summed(tfrs_results):
+    single, two, _ = tfrs_results
+    np.testing.assert_allclose(two["train_auc"], single["train_auc"], atol=1e-6)
+    np.testing.assert_allclose(two["eval_auc"], single["eval_auc"], atol=1e-6)
+    assert 0.0 < float(two["eval_auc"]) < 1.0
+    assert single["train_auc"][1] != single["train_auc"][0]  # the model trained
+
+
+def test_out_of_range_id_on_one_worker_fails_the_cluster_with_a_clear_error(tmp_path):
+    start = time.time()
+    result = launch(2, [os.path.join(PROGRAMS, "exactness.py"), str(tmp_path / "bad"), "3",
+                        "loop:sgd", "--invalid-id"], timeout=120)
+    assert result.returncode != 0
+    assert "ShardedEmbedding 'table_a': id 66 at position" in result.stdout
+    assert "failed" in result.stdout
+    assert time.time() - start < 90

@@ -1,0 +1,143 @@
+"""Custom ops against NumPy references: eager, tf.function, shape inference, errors, gradients."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_nestpipe import ops
+
+
+def route_keys_reference(ids, num_shards):
+    """NumPy reference of NestpipeRouteKeys."""
+    uniq = list(dict.fromkeys(ids.tolist()))
+    buckets = [[k for k in uniq if k % num_shards == s] for s in range(num_shards)]
+    keys = [k for b in buckets for k in b]
+    pos = {k: i for i, k in enumerate(keys)}
+    return (np.array(keys, np.int64), np.array([len(b) for b in buckets], np.int32),
+            np.array([pos[k] for k in ids.tolist()], np.int32))
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3, 5])
+@pytest.mark.parametrize("as_function", [False, True])
+def test_route_keys_matches_numpy(num_shards, as_function):
+    rng = np.random.default_rng(num_shards)
+    ids = np.minimum(rng.zipf(1.3, size=200) - 1, 999).astype(np.int64)
+    fn = (tf.function(lambda x: ops.route_keys(x, num_shards, 1000, "t")) if as_function
+          else lambda x: ops.route_keys(x, num_shards, 1000, "t"))
+    keys, splits, inverse = fn(tf.constant(ids))
+    ref_keys, ref_splits, ref_inverse = route_keys_reference(ids, num_shards)
+    np.testing.assert_array_equal(keys.numpy(), ref_keys)
+    np.testing.assert_array_equal(splits.numpy(), ref_splits)
+    np.testing.assert_array_equal(inverse.numpy(), ref_inverse)
+    np.testing.assert_array_equal(keys.numpy()[inverse.numpy()], ids)
+
+
+def test_route_keys_empty_and_shape_inference():
+    keys, splits, inverse = ops.route_keys(tf.zeros([0], tf.int64), 4, 10)
+    assert keys.shape == (0,) and splits.numpy().tolist() == [0, 0, 0, 0] and inverse.shape == (0,)
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.int64)])
+    def f(x):
+        k, s, i = ops.route_keys(x, 3, 10)
+        assert s.shape.as_list() == [3] and i.shape.as_list() == [None] and k.shape.rank == 1
+        return k
+
+    f(tf.constant([1, 2], tf.int64))
+
+
+@pytest.mark.parametrize("bad_id", [-1, 10, 1 << 40])
+def test_route_keys_rejects_out_of_range_ids_naming_table_and_id(bad_id):
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"ShardedEmbedding 'user_table': id %d at position 1 is out of range"
+                             r" \[0, 10\).*invalid_id_policy" % bad_id):
+        ops.route_keys([3, bad_id], 2, 10, "user_table")
+
+
+def test_route_keys_rejects_non_vector():
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError)):
+        ops.route_keys(tf.zeros([2, 2], tf.int64), 2, 10)
+
+
+def test_owner_dedup_matches_numpy():
+    received = np.array([[4, 2, 8, -1], [2, 6, -1, -1], [8, 8, 0, 4]], np.int64)
+    rows, slots = ops.owner_dedup(received, num_shards=2, shard_index=0)
+    flat = received.ravel()
+    expected_rows = list(dict.fromkeys((flat[flat >= 0] // 2).tolist()))
+    np.testing.assert_array_equal(rows.numpy(), expected_rows)
+    expected_slots = [expected_rows.index(k // 2) if k >= 0 else -1 for k in flat]
+    np.testing.assert_array_equal(slots.numpy(), expected_slots)
+
+
+def test_owner_dedup_rejects_foreign_keys():
+    with pytest.raises(tf.errors.InternalError, match="owned by shard 1"):
+        ops.owner_dedup(np.array([[3]], np.int64), num_shards=2, shard_index=0)
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
+@pytest.mark.parametrize("index_dtype", [tf.int32, tf.int64])
+def test_gather_rows_and_segment_sum_match_numpy(dtype, index_dtype):
+    rng = np.random.default_rng(0)
+    params = rng.normal(size=(7, 3))
+    indices = np.array([3, -1, 0, 3, 6, -1], np.int64)
+    out = ops.gather_rows(tf.constant(params, dtype), tf.constant(indices, index_dtype)).numpy()
+    expected = np.where(indices[:, None] >= 0, params[np.maximum(indices, 0)], 0.0)
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    data = rng.normal(size=(6, 3))
+    summed = ops.segment_sum(tf.constant(data, dtype), tf.constant(indices, index_dtype), 7).numpy()
+    ref = np.zeros((7, 3))
+    for i, s in enumerate(indices):
+        if s >= 0:
+            ref[s] += data[i]
+    np.testing.assert_allclose(summed, ref, rtol=1e-6)
+
+
+def test_gather_rows_and_segment_sum_errors():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="gather index 7 at position 0"):
+        ops.gather_rows(tf.zeros([7, 2]), tf.constant([7]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="segment id 3 at position 1"):
+        ops.segment_sum(tf.zeros([2, 2]), tf.constant([0, 3]), 3)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="segment_ids|rank|Shape"):
+        ops.segment_sum(tf.zeros([2, 2]), tf.constant([0, 1, 2]), 3)
+
+
+def test_gather_rows_gradient_is_segment_sum():
+    params = tf.Variable(np.arange(12, dtype=np.float32).reshape(4, 3))
+    indices = tf.constant([2, 0, 2, -1, 3])
+    upstream = tf.constant(np.random.default_rng(1).normal(size=(5, 3)), tf.float32)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(ops.gather_rows(params, indices) * upstream)
+    grad = tf.convert_to_tensor(tape.gradient(loss, params)).numpy()
+    expected = np.zeros((4, 3), np.float32)
+    for i, r in enumerate(indices.numpy()):
+        if r >= 0:
+            expected[r] += upstream.numpy()[i]
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda p: ops.gather_rows(p, indices), [tf.constant(params)])
+    np.testing.assert_allclose(theoretical[0], numerical[0], atol=1e-2)
+
+
+def test_segment_sum_gradient_is_gather():
+    data = tf.constant(np.random.default_rng(2).normal(size=(5, 2)), tf.float32)
+    ids = tf.constant([1, 1, -1, 0, 2])
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda d: ops.segment_sum(d, ids, 3), [data])
+    np.testing.assert_allclose(theoretical[0], numerical[0], atol=1e-2)
+
+
+@pytest.mark.parametrize("distribution,reference", [
+    ("uniform", tf.random.stateless_uniform),
+    ("normal", tf.random.stateless_normal),
+    ("truncated_normal", tf.random.stateless_truncated_normal),
+])
+@pytest.mark.parametrize("dim", [1, 3, 4, 7])
+def test_stateless_row_init_equals_full_tensor_rows(distribution, reference, dim):
+    vocab = 53
+    full = reference([vocab, dim], seed=[11, 5]).numpy()
+    rows = np.array([52, 0, 17, 3, 17, 40], np.int64)
+    got = ops.stateless_row_init([11, 5], rows, dim, distribution).numpy()
+    np.testing.assert_array_equal(got, full[rows])
+
+
+def test_stateless_row_init_rejects_unknown_distribution():
+    with pytest.raises(ValueError, match="distribution must be one of"):
+        ops.stateless_row_init([1, 2], [0], 4, "poisson")

@@ -1,0 +1,133 @@
+"""ShardedEmbedding and NestPipeStrategy in one process (the W=1 case and the plain-Keras case)."""
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_nestpipe as tnp
+from tf_nestpipe.strategy.communication import resolve_implementation
+from tf_nestpipe.strategy.nestpipe_strategy import is_row_shard
+
+Impl = tnp.CommunicationImplementation
+
+
+@pytest.fixture(scope="module")
+def strategy():
+    return tnp.NestPipeStrategy()
+
+
+def test_strategy_is_a_tf_distribute_strategy(strategy):
+    assert isinstance(strategy, tf.distribute.Strategy)
+    assert strategy.num_workers == 1 and strategy.worker_index == 0
+    assert strategy.num_replicas_in_sync == 1
+
+
+def test_communication_selection():
+    assert resolve_implementation(Impl.AUTO, "CPU") == Impl.RING
+    assert resolve_implementation(Impl.AUTO, "GPU") == Impl.NCCL
+    assert resolve_implementation(Impl.NCCL, "CPU") == Impl.RING  # fallback without a GPU
+    assert resolve_implementation(Impl.RING, "GPU") == Impl.RING
+
+
+def _init():
+    return tf_keras.initializers.RandomUniform(-1.0, 1.0, seed=21)
+
+
+@pytest.mark.parametrize("in_scope", [False, True])
+def test_matches_keras_embedding_for_dense_ids(strategy, in_scope):
+    ids = np.array([[1, 5, 5], [0, 9, 2]], np.int64)
+    reference = tf_keras.layers.Embedding(10, 3, embeddings_initializer=_init())
+    expected = reference(ids).numpy()
+    if in_scope:
+        with strategy.scope():
+            layer = tnp.ShardedEmbedding(10, 3, embeddings_initializer=_init())
+    else:
+        layer = tnp.ShardedEmbedding(10, 3, embeddings_initializer=_init())
+    np.testing.assert_array_equal(layer(ids).numpy(), expected)
+    np.testing.assert_array_equal(layer(ids[:, 0]).numpy(), expected[:, 0])
+    np.testing.assert_array_equal(layer.full_table(), reference.embeddings.numpy())
+    assert is_row_shard(layer.embeddings) == in_scope
+
+
+@pytest.mark.parametrize("combiner", ["sum", "mean"])
+def test_combiners_on_dense_and_ragged_ids(strategy, combiner):
+    with strategy.scope():
+        layer = tnp.ShardedEmbedding(20, 4, combiner=combiner, embeddings_initializer=_init())
+    ragged = tf.ragged.constant([[1, 2, 2], [7], [3, 19]], dtype=tf.int64)
+    out = layer(ragged).numpy()
+    table = layer.full_table()
+    pool = np.sum if combiner == "sum" else np.mean
+    expected = np.stack([pool(table[row], axis=0) for row in ragged.to_list()])
+    np.testing.assert_allclose(out, expected, rtol=1e-6)
+    dense = np.array([[1, 2], [3, 3]], np.int64)
+    np.testing.assert_allclose(layer(dense).numpy(), pool(table[dense], axis=1), rtol=1e-6)
+
+
+def test_gradient_is_indexed_slices_on_touched_rows(strategy):
+    with strategy.scope():
+        layer = tnp.ShardedEmbedding(8, 2, embeddings_initializer=_init())
+    ids = tf.constant([3, 1, 3], tf.int64)
+    layer(ids)
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_sum(layer(ids) * tf.constant([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]]))
+    grad = tape.gradient(loss, layer.embeddings)
+    assert isinstance(grad, tf.IndexedSlices)
+    dense = tf.convert_to_tensor(grad).numpy()
+    expected = np.zeros((8, 2), np.float32)
+    expected[3] = [6.0, 8.0]
+    expected[1] = [3.0, 4.0]
+    np.testing.assert_array_equal(dense, expected)
+
+
+def test_invalid_ids_raise_by_default_naming_the_table(strategy):
+    with strategy.scope():
+        layer = tnp.ShardedEmbedding(8, 2, name="item_table")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'item_table': id -4 at position 1"):
+        layer(tf.constant([1, -4], tf.int64))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'item_table': id 8 at position 0"):
+        layer(tf.constant([8], tf.int64))
+
+
+def test_invalid_id_policy_zero_gives_zero_rows_and_no_gradient(strategy):
+    with strategy.scope():
+        layer = tnp.ShardedEmbedding(8, 2, invalid_id_policy="zero", embeddings_initializer=_init())
+    ids = tf.constant([2, -1, 99], tf.int64)
+    with tf.GradientTape() as tape:
+        out = layer(ids)
+        loss = tf.reduce_sum(out)
+    np.testing.assert_array_equal(out.numpy()[1:], 0.0)
+    grad = tf.convert_to_tensor(tape.gradient(loss, layer.embeddings)).numpy()
+    assert grad[2].tolist() == [1.0, 1.0] and np.abs(grad).sum() == 2.0
+
+
+def test_bad_arguments_are_rejected():
+    with pytest.raises(ValueError, match="combiner"):
+        tnp.ShardedEmbedding(8, 2, combiner="max")
+    with pytest.raises(ValueError, match="invalid_id_policy"):
+        tnp.ShardedEmbedding(8, 2, invalid_id_policy="clip")
+    with pytest.raises(ValueError, match="positive"):
+        tnp.ShardedEmbedding(0, 2)
+    layer = tnp.ShardedEmbedding(8, 2)
+    with pytest.raises(ValueError, match="set combiner"):
+        layer(tf.ragged.constant([[1, 2], [3]], dtype=tf.int64))
+    with pytest.raises(ValueError, match="SparseTensor"):
+        layer(tf.sparse.from_dense(tf.constant([[1, 0]], tf.int64)))
+    pooled = tnp.ShardedEmbedding(8, 2, combiner="sum")
+    with pytest.raises(ValueError, match="rank >= 2"):
+        pooled(tf.constant([1, 2], tf.int64))
+
+
+def test_fit_keeps_optimizer_slots_with_the_shard(strategy):
+    with strategy.scope():
+        inputs = tf_keras.Input(shape=(2,), dtype=tf.int64)
+        table = tnp.ShardedEmbedding(50, 4, combiner="mean", name="fit_table")
+        outputs = tf_keras.layers.Dense(1)(table(inputs))
+        model = tf_keras.Model(inputs, outputs)
+        model.compile(optimizer=tf_keras.optimizers.Adam(0.01), loss="mse")
+    ids = np.random.default_rng(0).integers(0, 50, size=(64, 2))
+    before = table.full_table().copy()
+    model.fit(ids, ids[:, :1].astype(np.float32) / 50, batch_size=16, epochs=1, verbose=0)
+    assert np.abs(table.full_table() - before).max() > 0
+    slots = [v for v in model.optimizer.variables if "fit_table" in v.name]
+    assert len(slots) == 2 and all(is_row_shard(v) for v in slots)
+    assert all(tuple(v.shape) == (50, 4) for v in slots)
