@@ -8,7 +8,8 @@ import os
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
 from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
-from tf_nestpipe.sharding import ShardedEmbedding, ShardLayout  # noqa: E402
+from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
+                                  ShardLayout)
 from tf_nestpipe.strategy import CommunicationImplementation, NestPipeStrategy  # noqa: E402
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __all__ = [
     "NestPipeStrategy",
     "ShardLayout",
     "ShardedEmbedding",
+    "ShardedEmbeddingCollection",
     "TFConfigError",
     "parse_tf_config",
 ]

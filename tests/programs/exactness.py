@@ -123,9 +123,10 @@ def train(strategy, batches, mode, opt_name, out_path):
         print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},
               flush=True)
     tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
-    dense = {v.name: v.numpy() for v in model.trainable_variables if "table_" not in v.name}
+    # Dense weights by position: Keras name suffixes depend on how many models a process built.
+    dense = [v.numpy() for v in model.trainable_variables if "table_" not in v.name]
     if rank == 0:
-        np.savez(out_path, **tables, **{"dense/" + k: v for k, v in dense.items()})
+        np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)})
     print("saved", mode, opt_name, flush=True)
 
 

@@ -1,6 +1,7 @@
 """Row-sharded embedding tables: layout, row-wise initialization, lookup and the Keras layer."""
+from tf_nestpipe.sharding.collection import ShardedEmbeddingCollection
 from tf_nestpipe.sharding.embedding import ShardedEmbedding
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
 
-__all__ = ["ShardedEmbedding", "ShardLayout", "sharded_lookup"]
+__all__ = ["ShardedEmbedding", "ShardedEmbeddingCollection", "ShardLayout", "sharded_lookup"]
