@@ -40,18 +40,29 @@ def test_sharded_initialization_equals_unsharded(make_initializer, num_shards):
     np.testing.assert_array_equal(assemble(num_shards, make_initializer), reference)
 
 
-def test_row_init_does_not_materialize_the_full_table(monkeypatch):
-    calls = []
-    original = tf.raw_ops.StatelessRandomUniformV2
+@pytest.mark.parametrize("in_function", [False, True])
+@pytest.mark.parametrize("make_initializer", INITIALIZERS[:6])
+def test_row_init_never_draws_the_full_table(monkeypatch, make_initializer, in_function):
+    from tensorflow.python.ops import gen_stateless_random_ops_v2 as kernels
 
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("shape"))
-        return original(*args, **kwargs)
+    shapes = []
+    for name in ("stateless_random_uniform_v2", "stateless_random_normal_v2",
+                 "stateless_truncated_normal_v2"):
+        original = getattr(kernels, name)
 
-    monkeypatch.setattr(tf.raw_ops, "StatelessRandomUniformV2", spy)
+        def spy(*args, _original=original, **kwargs):
+            shapes.append(tuple(tf.get_static_value(kwargs.get("shape", args[0] if args else None))))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(kernels, name, spy)
     layout = ShardLayout(VOCAB, DIM, 4, 1)
-    RowShardInitializer(tf_keras.initializers.RandomUniform(seed=1), layout)((layout.local_rows, DIM))
-    assert not calls  # the full-shape kernel never ran
+    initializer = RowShardInitializer(make_initializer(), layout)
+    build = tf.function(lambda: initializer((layout.local_rows, DIM))) if in_function else (
+        lambda: initializer((layout.local_rows, DIM)))
+    values = build().numpy()
+    assert values.shape == (layout.local_rows, DIM)
+    assert (VOCAB, DIM) not in shapes  # the full-shape kernel never ran
+    np.testing.assert_array_equal(values, make_initializer()((VOCAB, DIM)).numpy()[layout.global_ids()])
 
 
 def test_unshardable_initializer_on_a_huge_table_is_refused():

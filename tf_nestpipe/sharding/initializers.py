@@ -66,21 +66,33 @@ class _RowSubsetRandom:
         return stateless
 
 
+def _random_modules():
+    """The module objects through which code reaches tf.random (tf_keras uses tf.compat.v2)."""
+    modules = [tf.random, tf.compat.v2.random]
+    unique = []
+    for module in modules:
+        if all(module is not m for m in unique):
+            unique.append(module)
+    return unique
+
+
 @contextlib.contextmanager
 def _rows_only_random(full_shape, rows):
     subset = _RowSubsetRandom(full_shape, rows)
+    names = {"stateless_uniform": "uniform", "stateless_normal": "normal",
+             "stateless_truncated_normal": "truncated_normal"}
     with _patch_lock:
-        originals = {name: getattr(tf.random, name) for name in
-                     ("stateless_uniform", "stateless_normal", "stateless_truncated_normal")}
-        tf.random.stateless_uniform = subset.wrap(originals["stateless_uniform"], "uniform")
-        tf.random.stateless_normal = subset.wrap(originals["stateless_normal"], "normal")
-        tf.random.stateless_truncated_normal = subset.wrap(
-            originals["stateless_truncated_normal"], "truncated_normal")
+        saved = []
+        for module in _random_modules():
+            for name, distribution in names.items():
+                original = getattr(module, name)
+                saved.append((module, name, original))
+                setattr(module, name, subset.wrap(original, distribution))
         try:
             yield subset
         finally:
-            for name, fn in originals.items():
-                setattr(tf.random, name, fn)
+            for module, name, original in saved:
+                setattr(module, name, original)
 
 
 class RowShardInitializer:

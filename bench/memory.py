@@ -1,0 +1,61 @@
+"""Peak memory per worker of a 1 GiB table with Adagrad: 2 workers vs one process.
+
+    python bench/memory.py [--rows 4194304 --dim 64]
+
+Writes bench/results/memory.md.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+
+
+def run(workers, args):
+    worker = [sys.executable, os.path.join(HERE, "memory_worker.py"), "--rows", str(args.rows),
+              "--dim", str(args.dim)]
+    argv = worker if workers == 1 else [sys.executable, "-m", "tf_nestpipe.launch", "--workers",
+                                        str(workers), "--"] + worker
+    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), timeout=900)
+    for line in out.stdout.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    raise RuntimeError("memory run failed:\n" + out.stdout[-3000:])
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rows", type=int, default=4 << 20)
+    parser.add_argument("--dim", type=int, default=64)
+    args = parser.parse_args()
+    single, two = run(1, args), run(2, args)
+    gib = float(1 << 30)
+    ratio = two["peak_growth_bytes"] / single["peak_growth_bytes"]
+    text = "\n".join([
+        "# Peak memory per worker: %.2f GiB table + Adagrad accumulator" % (single["table_bytes"] / gib),
+        "",
+        "Command: `python bench/memory.py --rows %d --dim %d`" % (args.rows, args.dim),
+        "",
+        "Peak RSS growth of worker 0 from just before the table is built to after 3 Adagrad steps "
+        "(ru_maxrss minus the RSS before; includes the initializer's temporaries). Date: %s."
+        % time.strftime("%Y-%m-%d"),
+        "",
+        "| workers | rows held by worker 0 | peak growth (GiB) |",
+        "|---|---|---|",
+        "| 1 | %d | %.2f |" % (single["local_rows"], single["peak_growth_bytes"] / gib),
+        "| 2 | %d | %.2f |" % (two["local_rows"], two["peak_growth_bytes"] / gib),
+        "",
+        "Per-worker peak on 2 workers / single process: **%.2f** (ideal 0.50)." % ratio,
+    ]) + "\n"
+    print(text)
+    with open(os.path.join(HERE, "results", "memory.md"), "w") as f:
+        f.write(text)
+
+
+if __name__ == "__main__":
+    main()
