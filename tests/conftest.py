@@ -25,10 +25,11 @@ def run_command(argv, timeout=300, env=None, cwd=REPO):
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
-def launch(workers, program_args, timeout=300, env=None):
-    """Runs `python -m tf_nestpipe.launch --workers N -- python PROGRAM ...`."""
-    argv = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(workers), "--",
-            sys.executable] + list(program_args)
+def launch(workers, program_args, timeout=300, env=None, chief=False):
+    """Runs `python -m tf_nestpipe.launch --workers N [--chief] -- python PROGRAM ...`."""
+    argv = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(workers)]
+    argv += ["--chief"] if chief else []
+    argv += ["--", sys.executable] + list(program_args)
     return run_command(argv, timeout=timeout, env=env)
 
 

@@ -141,3 +141,20 @@ def test_stateless_row_init_equals_full_tensor_rows(distribution, reference, dim
 def test_stateless_row_init_rejects_unknown_distribution():
     with pytest.raises(ValueError, match="distribution must be one of"):
         ops.stateless_row_init([1, 2], [0], 4, "poisson")
+
+
+def test_gather_and_segment_sum_in_function_with_shape_inference():
+    @tf.function(input_signature=[tf.TensorSpec([None, 3], tf.float32), tf.TensorSpec([None], tf.int32)])
+    def f(params, indices):
+        rows = ops.gather_rows(params, indices)
+        assert rows.shape.as_list() == [None, 3]
+        summed = ops.segment_sum(rows, indices, 5)
+        assert summed.shape.as_list() == [5, 3]
+        return summed
+
+    params = np.arange(15, dtype=np.float32).reshape(5, 3)
+    out = f(params, np.array([4, 4, -1, 0], np.int32)).numpy()
+    expected = np.zeros((5, 3), np.float32)
+    expected[4] = 2 * params[4]
+    expected[0] = params[0]
+    np.testing.assert_array_equal(out, expected)

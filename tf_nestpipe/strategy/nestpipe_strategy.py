@@ -54,11 +54,12 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                          communication_options=communication_options)
         self._nestpipe_collectives = Collectives(
             num_workers=self._num_workers,
-            worker_index=self._worker_index(),
+            worker_index=self._id_in_cluster,
             device=self.worker_devices[0],
             implementation=resolve_implementation(communication_options.implementation,
                                                   self._local_device_type),
             timeout_seconds=collective_timeout_seconds)
+        self._nestpipe_collectives.worker_index = self._collective_rank()
 
     # --- one replica per worker -----------------------------------------------------------
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -71,15 +72,20 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             devices = ("/device:%s:0" % device_type,)
         super()._initialize_local(cluster_resolver, devices=devices[:1])
 
-    def _worker_index(self):
-        if not self._in_multi_worker_mode():
+    def _collective_rank(self):
+        """This worker's rank in the collective group, i.e. the row an all-to-all sends it.
+
+        TensorFlow orders group members by device name; rather than re-deriving that order,
+        every worker all-gathers its cluster id once and finds its own position.
+        """
+        if self._num_workers == 1:
             return 0
-        resolver = self._cluster_resolver
-        ordered = []
-        spec = resolver.cluster_spec().as_dict()
-        for role in ("chief", "worker"):
-            ordered += [(role, i) for i in range(len(spec.get(role, [])))]
-        return ordered.index((resolver.task_type, resolver.task_id))
+        ids = self._nestpipe_collectives.all_gather(
+            tf.constant([self._id_in_cluster], tf.int32), "nestpipe/rank").numpy().tolist()
+        if sorted(ids) != list(range(self._num_workers)):
+            raise RuntimeError("workers reported cluster ids %s; expected each of 0..%d once"
+                               % (ids, self._num_workers - 1))
+        return ids.index(self._id_in_cluster)
 
     @property
     def collectives(self):
