@@ -10,6 +10,7 @@ from setuptools.command.build_ext import build_ext
 OP_SOURCES = [
     "ops/gather_ops.cc",
     "ops/init_ops.cc",
+    "ops/pipeline_ops.cc",
     "ops/routing_ops.cc",
 ]
 

@@ -1,14 +1,17 @@
 """Python wrappers, shape contracts and gradients of the tf_nestpipe custom ops."""
+from tf_nestpipe.ops.buffer_sync import buffer_sync, sync_plan
 from tf_nestpipe.ops.gather import gather_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import owner_dedup, route_keys
 from tf_nestpipe.ops.row_init import stateless_row_init
 
 __all__ = [
+    "buffer_sync",
     "gather_rows",
     "load_op_library",
     "owner_dedup",
     "route_keys",
     "segment_sum",
     "stateless_row_init",
+    "sync_plan",
 ]

@@ -1,0 +1,22 @@
+"""Dual-Buffer Pipeline ops: the owner's sync plan and the requester's buffer patch."""
+import tensorflow as tf
+
+from tf_nestpipe.ops.library import load_op_library
+
+
+def sync_plan(slot_to_unique, local_rows, updated_rows, num_requesters, all_updated=False):
+    """Returns `(sync_slots [W, capacity], sync_counts [W])`: for each requester, the positions of
+    its prefetched slots whose row is in `updated_rows` (all valid slots if `all_updated`),
+    compacted left and padded with -1."""
+    return load_op_library().nestpipe_sync_plan(
+        tf.cast(slot_to_unique, tf.int32), tf.cast(local_rows, tf.int64),
+        tf.cast(updated_rows, tf.int64), num_requesters=num_requesters, all_updated=all_updated)
+
+
+def buffer_sync(buffer, positions, fresh_rows):
+    """Returns `buffer` with row `positions[k]` replaced by `fresh_rows[k]` (-1 skipped)."""
+    return load_op_library().nestpipe_buffer_sync(buffer, tf.cast(positions, tf.int32), fresh_rows)
+
+
+tf.no_gradient("NestpipeSyncPlan")
+tf.no_gradient("NestpipeBufferSync")
