@@ -12,6 +12,11 @@ from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection, 
                                   ShardLayout)
 from tf_nestpipe.strategy import CommunicationImplementation, NestPipeStrategy  # noqa: E402
 
+from tf_nestpipe.pipeline import TrainPipeline  # noqa: E402
+from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa: E402
+
+_keras_integration.install()
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -22,5 +27,6 @@ __all__ = [
     "ShardedEmbedding",
     "ShardedEmbeddingCollection",
     "TFConfigError",
+    "TrainPipeline",
     "parse_tf_config",
 ]

@@ -4,8 +4,11 @@ Run in one process (no TF_CONFIG: the reference) or on a cluster through the lau
 the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
 the full tables and the dense weights.
 
-usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
-  RUN is MODE:OPTIMIZER with MODE in {loop, fit} and OPTIMIZER in {sgd, adagrad, adam};
+usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp] [--skip-sync]
+  RUN is MODE:OPTIMIZER with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
+  loop; TrainPipeline when pipelined), fit (steps_per_epoch=STEPS), epochs (3 epochs of
+  STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), one
+  (fit on a dataset of one batch);
   each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER.npz.
 """
 import os
@@ -89,7 +92,32 @@ def train(strategy, batches, mode, opt_name, out_path):
              "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64),
              "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
             tf.TensorSpec([None, 1], tf.float32))
-    if mode == "loop":
+    def local_dataset_fn(context):
+        # Each worker's pipeline yields its own contiguous slice of every global batch.
+        local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
+                 for b in batches]
+        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
+
+    stats = None
+    if mode == "loop" and strategy.pipeline != "none":
+        def step_fn(batch):
+            features, labels = batch
+            with tf.GradientTape() as tape:
+                logits = model(features, training=True)
+                loss = tf.nn.compute_average_loss(loss_fn(labels, logits),
+                                                  global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
+                                     optimizer=optimizer,
+                                     skip_buffer_sync=strategy.unsafe_skip_buffer_sync)
+        iterator = iter(strategy.distribute_datasets_from_function(local_dataset_fn))
+        for _ in range(steps):
+            pipeline.progress(iterator)
+        stats = pipeline.stats
+    elif mode == "loop":
         @tf.function(input_signature=spec)
         def train_step(features, labels):
             def step_fn(features, labels):
@@ -108,32 +136,44 @@ def train(strategy, batches, mode, opt_name, out_path):
             if step % 5 == 0:
                 print("step %d loss %.5f" % (step, float(loss)), flush=True)
     else:
+        if mode == "one":
+            batches = batches[:1]
         with strategy.scope():
             model.compile(optimizer=optimizer,
                           loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
                           metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
-        def dataset_fn(context):
-            # Each worker's pipeline yields its own contiguous slice of every global batch.
-            local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
-                     for b in batches]
-            return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
-
-        dataset = strategy.distribute_datasets_from_function(dataset_fn)
-        history = model.fit(dataset, epochs=1, steps_per_epoch=steps, verbose=0)
+        dataset = strategy.distribute_datasets_from_function(local_dataset_fn)
+        if mode == "epochs":
+            dataset = strategy.distribute_datasets_from_function(
+                lambda context: local_dataset_fn(context).repeat())
+            history = model.fit(dataset, epochs=3, steps_per_epoch=steps // 3, verbose=0)
+        else:
+            history = model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0)
         print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},
               flush=True)
+        stats = getattr(model, "_nestpipe_pipeline", None)
+        stats = stats.stats if stats is not None else None
     tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
     # Dense weights by position: Keras name suffixes depend on how many models a process built.
     dense = [v.numpy() for v in model.trainable_variables if "table_" not in v.name]
+    if stats is not None:
+        print("pipeline stats", stats, flush=True)
     if rank == 0:
-        np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)})
+        extra = {} if stats is None else {"stats/rows_synced": stats.rows_synced,
+                                          "stats/steps": stats.steps, "stats/drains": stats.drains}
+        np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)}, **extra)
     print("saved", mode, opt_name, flush=True)
 
 
 def main():
     prefix, steps = sys.argv[1], int(sys.argv[2])
     runs = [a for a in sys.argv[3:] if not a.startswith("--")]
-    strategy = tnp.NestPipeStrategy()
+    pipeline = "none"
+    for arg in sys.argv:
+        if arg.startswith("--pipeline="):
+            pipeline = arg.split("=", 1)[1]
+    strategy = tnp.NestPipeStrategy(pipeline=pipeline,
+                                    unsafe_skip_buffer_sync="--skip-sync" in sys.argv)
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5

@@ -4,6 +4,8 @@ import contextlib
 import tensorflow as tf
 import tf_keras
 
+from tf_nestpipe.pipeline import context as pipeline_context
+from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
@@ -69,18 +71,34 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                                               initializer=initializer, trainable=True)
         super().build(input_shape)
 
-    def _collectives(self):
+    def collectives(self):
+        """The strategy's collectives (None outside a NestPipeStrategy)."""
         if self._strategy is None:
             return None
         return self._strategy.extended.collectives
+
+    def _pipelined_rows(self, flat_ids):
+        """Rows for `flat_ids` inside a pipelined step, or None when no pipeline is active."""
+        context = pipeline_context.current()
+        if context is None or self._strategy is None or self.layout.num_shards == 1:
+            return None
+        if context.mode == pipeline_context.ROUTE:
+            context.record(self, dual_buffer.prefetch(self.embeddings, flat_ids, self.layout,
+                                                      self.collectives(), self.name))
+            return tf.zeros([tf.size(flat_ids), self.dim], self.embeddings.dtype)
+        return dual_buffer.lookup_from_buffer(self.embeddings, context.take(self), self.layout,
+                                              self.collectives(), self.name)
 
     def _lookup(self, flat_ids):
         valid = None
         if self.invalid_id_policy == "zero":
             valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
-        rows = sharded_lookup(self.embeddings, flat_ids, self.layout, self._collectives(),
-                              table_name=self.name)
+        flat_ids = tf.reshape(flat_ids, [-1])
+        rows = self._pipelined_rows(flat_ids)
+        if rows is None:
+            rows = sharded_lookup(self.embeddings, flat_ids, self.layout, self.collectives(),
+                                  table_name=self.name)
         if valid is not None:
             rows = rows * tf.cast(valid, rows.dtype)[:, None]
         return rows
@@ -130,7 +148,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         local = tf.convert_to_tensor(self.embeddings)
         if layout.num_shards == 1:
             return local.numpy()
-        collectives = self._collectives()
+        collectives = self.collectives()
         pad = layout.max_local_rows - layout.local_rows
         padded = tf.pad(local, [[0, pad], [0, 0]])
         gathered = collectives.all_gather(padded, self.name + "/full_table").numpy()  # [num_shards * max_local_rows, dim]

@@ -21,6 +21,7 @@ from tf_nestpipe.strategy.communication import (CommunicationImplementation, Col
                                                 resolve_implementation)
 
 _SHARD_ATTR = "_nestpipe_row_shard"
+PIPELINES = ("none", "dbp")
 _creation_state = threading.local()
 
 
@@ -175,13 +176,23 @@ class NestPipeStrategy(distribute_lib.Strategy):
     `strategy.scope()` and train them with tf_keras `fit` or `strategy.run` in a custom loop.
     `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
+    `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
+    Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
     _collective_key_base = 0
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
-                 communication_options=None, collective_timeout_seconds=0):
+                 communication_options=None, collective_timeout_seconds=0, pipeline="none",
+                 unsafe_skip_buffer_sync=False):
+        if pipeline not in PIPELINES:
+            hint = (" (the Frozen-Window Pipeline is not implemented yet)"
+                    if pipeline in ("fwp", "nested") else "")
+            raise ValueError("pipeline must be one of %s, got %r%s" % (PIPELINES, pipeline, hint))
+        self.pipeline = pipeline
+        # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
+        self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
         load_op_library()
         if cluster_resolver is None:
             parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG

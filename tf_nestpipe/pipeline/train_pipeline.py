@@ -1,0 +1,162 @@
+"""`TrainPipeline`: runs training steps through the Dual-Buffer Pipeline.
+
+Step i, traced as one `tf.function` (independent subgraphs run concurrently in TF's executor):
+
+    route + retrieve batch i+1 (reads the tables before step i's update)  ─┐  overlaps
+    plan the sync: (keys updated at i) ∩ (keys prefetched for i+1)        ─┤
+    compute batch i from the active buffer: forward, backward, update  ───┘
+    sync: owners send the planned rows, fresh; requesters patch the prefetch buffer
+    swap: the patched prefetch buffer becomes step i+1's active buffer
+
+The first call primes the pipeline (routes batch 0); when the iterator runs dry the last batch
+is computed without a prefetch (drain). Every row read at step i+1 equals the row a
+non-pipelined run reads at step i+1.
+"""
+import dataclasses
+
+import tensorflow as tf
+import tf_keras
+
+from tf_nestpipe.pipeline import dual_buffer
+from tf_nestpipe.pipeline.context import COMPUTE, ROUTE, PipelineContext, pipeline_mode
+
+
+def updates_only_touched_rows(optimizer):
+    """True if `optimizer` changes only the rows a sparse gradient touches (SGD without momentum,
+    Adagrad; no weight decay or EMA). Otherwise every prefetched row is re-synced after the update
+    (e.g. tf_keras Adam decays its moments and moves every row each step)."""
+    if optimizer is None:
+        return False
+    inner = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer
+    if getattr(inner, "weight_decay", None) or getattr(inner, "use_ema", False):
+        return False
+    if isinstance(inner, tf_keras.optimizers.Adagrad):
+        return True
+    if isinstance(inner, tf_keras.optimizers.SGD):
+        momentum = getattr(inner, "momentum", 0.0)
+        return not momentum
+    return False
+
+
+@dataclasses.dataclass
+class PipelineStats:
+    """Counters of the Dual-Buffer Pipeline on this worker."""
+
+    steps: int = 0
+    primes: int = 0
+    drains: int = 0
+    rows_synced: int = 0  # fresh rows this worker received into its prefetch buffers
+    rows_planned: int = 0  # fresh rows this worker sent as an owner
+
+
+class TrainPipeline:
+    """Runs `step_fn(batch)` (per replica: forward, backward, optimizer update) for successive
+    batches of an iterator with the Dual-Buffer Pipeline.
+
+    `route_fn(batch)` must look up the same tables with the same ids as `step_fn` (typically it
+    calls the model on the batch's features); it runs with the layers in routing mode, where
+    lookups only record and prefetch and return zeros, so its dense compute is pruned.
+    `reduce_fn(outputs)` (optional) reduces the per-replica outputs inside the step function.
+    """
+
+    def __init__(self, strategy, step_fn, route_fn, optimizer=None, reduce_fn=None,
+                 skip_buffer_sync=False):
+        self._strategy = strategy
+        self._step_fn = step_fn
+        self._route_fn = route_fn
+        self._reduce_fn = reduce_fn
+        self._all_updated = not updates_only_touched_rows(optimizer)
+        self._skip_buffer_sync = skip_buffer_sync
+        self._current = None
+        self._states = None
+        self.stats = PipelineStats()
+        self._prime = tf.function(self._prime_step, reduce_retracing=True)
+        self._step = tf.function(self._pipelined_step, reduce_retracing=True)
+        self._drain = tf.function(self._drain_step, reduce_retracing=True)
+
+    # --- traced pieces -----------------------------------------------------------------------
+    def _route_pass(self, batch):
+        context = PipelineContext(ROUTE)
+        with pipeline_mode(context):
+            self._route_fn(batch)
+        return context
+
+    def _compute_pass(self, batch, states):
+        context = PipelineContext(COMPUTE, states)
+        with pipeline_mode(context):
+            outputs = self._step_fn(batch)
+        if context.states_in:
+            raise ValueError("the training step did not look up the prefetched tables %s"
+                             % sorted(context.states_in))
+        return outputs
+
+    def _local(self, value):
+        return tf.nest.map_structure(
+            lambda v: self._strategy.experimental_local_results(v)[0], value)
+
+    def _reduce(self, outputs):
+        return self._reduce_fn(outputs) if self._reduce_fn is not None else outputs
+
+    def _prime_step(self, batch):
+        return self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
+                                              args=(batch,)))
+
+    def _pipelined_step(self, batch, next_batch, states):
+        def replica_fn(batch, next_batch, states):
+            routed = self._route_pass(next_batch)
+            next_states = routed.states_out
+            plans = {}
+            for name, state in next_states.items():
+                if name in states and not self._skip_buffer_sync:
+                    layer = routed.layers[name]
+                    plans[name] = dual_buffer.plan_sync(
+                        states[name], state, layer.layout, layer.collectives(), layer.name,
+                        self._all_updated)
+            outputs = self._compute_pass(batch, states)
+            received = tf.constant(0, tf.int64)
+            sent = tf.constant(0, tf.int64)
+            with tf.control_dependencies(tf.nest.flatten(outputs)):
+                for name, plan in plans.items():
+                    layer = routed.layers[name]
+                    rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
+                                                         layer.layout, layer.collectives(), layer.name)
+                    next_states[name] = dict(next_states[name], rows=rows)
+                    received += count
+                    sent += tf.cast(plan["rows_sent"], tf.int64)
+            return outputs, next_states, received, sent
+
+        outputs, next_states, received, sent = self._strategy.run(
+            replica_fn, args=(batch, next_batch, states))
+        return self._reduce(outputs), self._local((next_states, received, sent))
+
+    def _drain_step(self, batch, states):
+        return self._reduce(self._strategy.run(lambda b, s: self._compute_pass(b, s),
+                                               args=(batch, states)))
+
+    # --- driver ------------------------------------------------------------------------------
+    def progress(self, iterator):
+        """Trains on the next batch of `iterator` and returns `step_fn`'s (reduced) outputs.
+        Raises StopIteration / OutOfRangeError once the iterator and the pipeline are empty."""
+        if self._current is None:
+            batch = next(iterator)
+            self._states = self._prime(batch)
+            self._current = batch
+            self.stats.primes += 1
+        optional = iterator.get_next_as_optional()
+        if bool(optional.has_value()):
+            next_batch = optional.get_value()
+            outputs, (self._states, received, sent) = self._step(
+                self._current, next_batch, self._states)
+            self._current = next_batch
+            self.stats.rows_synced += int(received)
+            self.stats.rows_planned += int(sent)
+        else:
+            outputs = self._drain(self._current, self._states)
+            self._current = self._states = None
+            self.stats.drains += 1
+        self.stats.steps += 1
+        return outputs
+
+    def reset(self):
+        """Drops the prefetched batch (e.g. after the tables were restored from a checkpoint)."""
+        self._current = self._states = None
