@@ -31,6 +31,7 @@ def main():
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
+    parser.add_argument("--pipeline", default="none", help="NestPipeStrategy pipeline (nestpipe modes)")
     args = parser.parse_args()
 
     if args.mode == "single":
@@ -42,7 +43,7 @@ def main():
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING))
         kind, rank = "keras", strategy.cluster_resolver.task_id
     else:
-        strategy = tnp.NestPipeStrategy()
+        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
         kind = "fused" if args.mode == "nestpipe" else "per_table"
         rank = strategy.worker_index
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)
@@ -61,7 +62,7 @@ def main():
     times = np.array(timer.times[args.warmup:]) * 1e3
     if rank == 0:
         print("RESULT " + json.dumps({
-            "mode": args.mode, "steps": len(times), "global_batch": args.global_batch,
+            "mode": args.mode, "pipeline": args.pipeline, "steps": len(times), "global_batch": args.global_batch,
             "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
             "mean_ms": float(times.mean())}), flush=True)
 

@@ -5,27 +5,15 @@
 Writes bench/results/memory.md.
 """
 import argparse
-import json
 import os
-import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from runner import HERE, run_program, write_result
 
 
 def run(workers, args):
-    worker = [sys.executable, os.path.join(HERE, "memory_worker.py"), "--rows", str(args.rows),
-              "--dim", str(args.dim)]
-    argv = worker if workers == 1 else [sys.executable, "-m", "tf_nestpipe.launch", "--workers",
-                                        str(workers), "--"] + worker
-    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                         env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"), timeout=900)
-    for line in out.stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError("memory run failed:\n" + out.stdout[-3000:])
+    return run_program([os.path.join(HERE, "memory_worker.py"), "--rows", str(args.rows),
+                        "--dim", str(args.dim)], workers=workers)
 
 
 def main():
@@ -52,9 +40,7 @@ def main():
         "",
         "Per-worker peak on 2 workers / single process: **%.2f** (ideal 0.50)." % ratio,
     ]) + "\n"
-    print(text)
-    with open(os.path.join(HERE, "results", "memory.md"), "w") as f:
-        f.write(text)
+    write_result("memory.md", text)
 
 
 if __name__ == "__main__":

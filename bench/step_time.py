@@ -6,15 +6,11 @@ one invocation; prints the ratios and writes bench/results/step_time.md.
     python bench/step_time.py [--steps 60] [--rounds 2]
 """
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
+from runner import HERE, run_program, write_result
 MODES = [("single", 1), ("nestpipe", 2), ("nestpipe_per_table", 2), ("mwms", 2)]
 # Collectives issued per training step by the embedding path (26 tables).
 EMBEDDING_COLLECTIVES = {
@@ -26,20 +22,9 @@ EMBEDDING_COLLECTIVES = {
 
 
 def run_mode(mode, workers, args):
-    worker = [sys.executable, os.path.join(HERE, "dlrm_worker.py"), "--mode", mode,
-              "--steps", str(args.steps), "--global-batch", str(args.global_batch),
-              "--table-scale", str(args.table_scale)]
-    if workers == 1:
-        argv = worker
-    else:
-        argv = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(workers), "--"] + worker
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                         cwd=REPO, env=env, timeout=900)
-    for line in out.stdout.splitlines():
-        if "RESULT " in line:
-            return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError("%s failed (rc=%d):\n%s" % (mode, out.returncode, out.stdout[-3000:]))
+    return run_program([os.path.join(HERE, "dlrm_worker.py"), "--mode", mode, "--steps", str(args.steps),
+                        "--global-batch", str(args.global_batch), "--table-scale", str(args.table_scale)],
+                       workers=workers)
 
 
 def main():
@@ -82,10 +67,7 @@ def main():
             median["mwms"] / median["nestpipe"], median["mwms"] / median["nestpipe_per_table"],
             median["nestpipe_per_table"] / median["nestpipe"], median["single"] / median["nestpipe"]),
     ]
-    text = "\n".join(lines) + "\n"
-    print(text)
-    with open(os.path.join(HERE, "results", "step_time.md"), "w") as f:
-        f.write(text)
+    write_result("step_time.md", "\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":

@@ -5,7 +5,9 @@ tag and its occurrence count inside the traced function, so a function retraced 
 but not on another still pairs the same collectives. Inside a function each collective is chained
 after the previous one by a control dependency, so all workers issue them in the same order.
 """
+import os
 import threading
+import time
 import weakref
 import zlib
 
@@ -24,6 +26,15 @@ _MAX_USES_PER_TAG = 64
 _CAPACITIES = sorted({int(np.ceil(1.19 ** k)) for k in range(0, 124)})
 _MAX_BUCKETS = 128
 _EAGER_KEY_BASE = (1 << 30) + (1 << 29)  # eager collectives (full_table) take fresh keys above
+
+
+EMULATED_LATENCY_ENV = "NESTPIPE_BENCH_EMULATED_LATENCY_MS"
+
+
+def _emulated_latency(seconds, deps):
+    """A host-side sleep (the GIL is released) that the next collective waits for."""
+    with tf.control_dependencies(deps):
+        return tf.py_function(lambda: time.sleep(seconds) or 0, [], tf.int32)
 
 
 def capacity_bucket(capacity):
@@ -57,6 +68,8 @@ class Collectives:
         self._uses_in_graph = weakref.WeakKeyDictionary()  # graph -> {tag: occurrences}
         self._last_in_graph = weakref.WeakKeyDictionary()  # graph -> last collective issued
         self._eager_key = _EAGER_KEY_BASE
+        # Benchmark-only network emulation: a sleep before every embedding collective.
+        self.emulated_latency_seconds = float(os.environ.get(EMULATED_LATENCY_ENV, "0")) / 1e3
 
     def _instance_key(self, tag, bucket=None):
         with self._lock:
@@ -83,6 +96,8 @@ class Collectives:
         graph = None if eager else tf.compat.v1.get_default_graph()
         previous = None if eager else self._last_in_graph.get(graph)
         deps = [previous] if previous is not None else []
+        if self.emulated_latency_seconds > 0:
+            deps = [_emulated_latency(self.emulated_latency_seconds, deps)]
         with tf.device(self.device), tf.control_dependencies(deps):
             out = issue(self._instance_key(tag, bucket))
         if not eager:
