@@ -67,8 +67,10 @@ class TrainPipeline:
         self._reduce_fn = reduce_fn
         self._all_updated = not updates_only_touched_rows(optimizer)
         self._skip_buffer_sync = skip_buffer_sync
-        self._current = None
+        self._collectives = strategy.extended.collectives
+        self._current = None  # the batch to compute next (its rows are prefetched in _states)
         self._states = None
+        self._upcoming = None  # Optional: the batch after it
         self.stats = PipelineStats()
         self._prime = tf.function(self._prime_step, reduce_retracing=True)
         self._step = tf.function(self._pipelined_step, reduce_retracing=True)
@@ -77,7 +79,7 @@ class TrainPipeline:
     # --- traced pieces -----------------------------------------------------------------------
     def _route_pass(self, batch):
         context = PipelineContext(ROUTE)
-        with pipeline_mode(context):
+        with pipeline_mode(context), self._collectives.stream("prefetch"):
             self._route_fn(batch)
         return context
 
@@ -101,33 +103,39 @@ class TrainPipeline:
         return self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
                                               args=(batch,)))
 
-    def _pipelined_step(self, batch, next_batch, states):
-        def replica_fn(batch, next_batch, states):
-            routed = self._route_pass(next_batch)
-            next_states = routed.states_out
-            plans = {}
+    def _pipelined_step(self, iterator, batch, next_batch, states):
+        # The batch after next is requested as an Optional: it never fails, overlaps this step,
+        # and tells the driver, without an extra eager call, whether to pipeline or drain next.
+        upcoming = iterator.get_next_as_optional()
+        outputs, next_states, received, sent = self._strategy.run(
+            self._replica_step, args=(batch, next_batch, states))
+        return self._reduce(outputs), upcoming, self._local((next_states, received, sent))
+
+    def _replica_step(self, batch, next_batch, states):
+        """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
+        routed = self._route_pass(next_batch)
+        next_states = routed.states_out
+        plans = {}
+        # Its own stream: the plan's count exchange overlaps the prefetch's row exchange.
+        with self._collectives.stream("sync_plan"):
             for name, state in next_states.items():
                 if name in states and not self._skip_buffer_sync:
                     layer = routed.layers[name]
                     plans[name] = dual_buffer.plan_sync(
                         states[name], state, layer.layout, layer.collectives(), layer.name,
                         self._all_updated)
-            outputs = self._compute_pass(batch, states)
-            received = tf.constant(0, tf.int64)
-            sent = tf.constant(0, tf.int64)
-            with tf.control_dependencies(tf.nest.flatten(outputs)):
-                for name, plan in plans.items():
-                    layer = routed.layers[name]
-                    rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
-                                                         layer.layout, layer.collectives(), layer.name)
-                    next_states[name] = dict(next_states[name], rows=rows)
-                    received += count
-                    sent += tf.cast(plan["rows_sent"], tf.int64)
-            return outputs, next_states, received, sent
-
-        outputs, next_states, received, sent = self._strategy.run(
-            replica_fn, args=(batch, next_batch, states))
-        return self._reduce(outputs), self._local((next_states, received, sent))
+        outputs = self._compute_pass(batch, states)
+        received = tf.constant(0, tf.int64)
+        sent = tf.constant(0, tf.int64)
+        with tf.control_dependencies(tf.nest.flatten(outputs)):
+            for name, plan in plans.items():
+                layer = routed.layers[name]
+                rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
+                                                     layer.layout, layer.collectives(), layer.name)
+                next_states[name] = dict(next_states[name], rows=rows)
+                received += count
+                sent += tf.cast(plan["rows_sent"], tf.int64)
+        return outputs, next_states, received, sent
 
     def _drain_step(self, batch, states):
         return self._reduce(self._strategy.run(lambda b, s: self._compute_pass(b, s),
@@ -141,22 +149,22 @@ class TrainPipeline:
             batch = next(iterator)
             self._states = self._prime(batch)
             self._current = batch
+            self._upcoming = iterator.get_next_as_optional()
             self.stats.primes += 1
-        optional = iterator.get_next_as_optional()
-        if bool(optional.has_value()):
-            next_batch = optional.get_value()
-            outputs, (self._states, received, sent) = self._step(
-                self._current, next_batch, self._states)
+        if bool(self._upcoming.has_value()):
+            next_batch = self._upcoming.get_value()
+            outputs, self._upcoming, (self._states, received, sent) = self._step(
+                iterator, self._current, next_batch, self._states)
             self._current = next_batch
             self.stats.rows_synced += int(received)
             self.stats.rows_planned += int(sent)
         else:
             outputs = self._drain(self._current, self._states)
-            self._current = self._states = None
+            self.reset()
             self.stats.drains += 1
         self.stats.steps += 1
         return outputs
 
     def reset(self):
         """Drops the prefetched batch (e.g. after the tables were restored from a checkpoint)."""
-        self._current = self._states = None
+        self._current = self._states = self._upcoming = None

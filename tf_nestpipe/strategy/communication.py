@@ -1,10 +1,13 @@
 """Cross-worker collectives used by the sharded embeddings: all-gather and padded all-to-all.
 
-Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is derived from the
+Collectives are ordered per *stream* (see `Collectives.stream`): each stream has an ordering token
+(a resource), so TensorFlow's automatic control dependencies serialize the collectives of one
+stream in program order while different streams may overlap. Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is derived from the
 tag and its occurrence count inside the traced function, so a function retraced on one worker
 but not on another still pairs the same collectives. Inside a function each collective is chained
 after the previous one by a control dependency, so all workers issue them in the same order.
 """
+import contextlib
 import os
 import threading
 import time
@@ -13,7 +16,7 @@ import zlib
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops
+from tensorflow.python.ops import collective_ops, resource_variable_ops
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
@@ -31,10 +34,17 @@ _EAGER_KEY_BASE = (1 << 30) + (1 << 29)  # eager collectives (full_table) take f
 EMULATED_LATENCY_ENV = "NESTPIPE_BENCH_EMULATED_LATENCY_MS"
 
 
-def _emulated_latency(seconds, deps):
-    """A host-side sleep (the GIL is released) that the next collective waits for."""
-    with tf.control_dependencies(deps):
-        return tf.py_function(lambda: time.sleep(seconds) or 0, [], tf.int32)
+def _delayed(seconds, tensor):
+    """`tensor`, passed through a host-side sleep (the GIL is released). Declared stateless and
+    fed by the data itself, so it is ordered by its data alone (not by every stateful op) and
+    neither pruned nor merged with another delay."""
+    def sleep_then_pass(value):
+        time.sleep(seconds)
+        return value
+
+    out = tf.numpy_function(sleep_then_pass, [tensor], tensor.dtype, stateful=False)
+    out.set_shape(tensor.shape)
+    return out
 
 
 def capacity_bucket(capacity):
@@ -66,7 +76,11 @@ class Collectives:
         self._lock = threading.Lock()
         self._key_owner = {}  # instance-key base -> tag, to refuse colliding tags
         self._uses_in_graph = weakref.WeakKeyDictionary()  # graph -> {tag: occurrences}
-        self._last_in_graph = weakref.WeakKeyDictionary()  # graph -> last collective issued
+        self._last_in_graph = weakref.WeakKeyDictionary()  # graph -> {stream: last collective}
+        self._stream = threading.local()
+        self._tokens = {}
+        for name in ("main", "prefetch", "sync_plan"):
+            self._ordering_token(name)
         self._eager_key = _EAGER_KEY_BASE
         # Benchmark-only network emulation: a sleep before every embedding collective.
         self.emulated_latency_seconds = float(os.environ.get(EMULATED_LATENCY_ENV, "0")) / 1e3
@@ -94,23 +108,54 @@ class Collectives:
     def _chained(self, tag, issue, bucket=None):
         eager = tf.executing_eagerly()
         graph = None if eager else tf.compat.v1.get_default_graph()
-        previous = None if eager else self._last_in_graph.get(graph)
+        stream = self.current_stream()
+        previous = None if eager else self._last_in_graph.get(graph, {}).get(stream)
         deps = [previous] if previous is not None else []
-        if self.emulated_latency_seconds > 0:
-            deps = [_emulated_latency(self.emulated_latency_seconds, deps)]
+        token = None if eager else self._ordering_token(stream).handle
         with tf.device(self.device), tf.control_dependencies(deps):
-            out = issue(self._instance_key(tag, bucket))
+            out = issue(self._instance_key(tag, bucket), token)
         if not eager:
-            self._last_in_graph[graph] = out
+            self._last_in_graph.setdefault(graph, {})[stream] = out
         return out
+
+    def _ordering_token(self, stream):
+        with self._lock:
+            if stream not in self._tokens:
+                with tf.init_scope(), tf.device(self.device):
+                    # Constructed directly (not tf.Variable) so no strategy creator intercepts it.
+                    self._tokens[stream] = resource_variable_ops.ResourceVariable(
+                        0.0, name="nestpipe_ordering_token_" + stream)
+            return self._tokens[stream]
+
+    def current_stream(self):
+        """Name of the stream new collectives are chained on in this thread ("main" by default)."""
+        return getattr(self._stream, "name", "main")
+
+    @contextlib.contextmanager
+    def stream(self, name):
+        """Chains the collectives issued inside on their own stream: ordered among themselves
+        (identically on every worker) but free to run concurrently with other streams, e.g. the
+        next batch's prefetch alongside the current batch's gradient exchange."""
+        previous = self.current_stream()
+        self._stream.name = name
+        try:
+            yield
+        finally:
+            self._stream.name = previous
+
+    def _maybe_delay(self, tensor):
+        if self.emulated_latency_seconds > 0 and not tf.executing_eagerly():
+            return _delayed(self.emulated_latency_seconds, tensor)
+        return tensor
 
     def all_gather(self, tensor, tag):
         """Concatenates `tensor` (same shape on every worker) from all workers along axis 0."""
         if self.num_workers == 1:
             return tf.identity(tensor)
-        return self._chained(tag, lambda key: collective_ops.all_gather_v2(
+        tensor = self._maybe_delay(tensor)
+        return self._chained(tag, lambda key, token: collective_ops.all_gather_v2(
             tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
-            communication_hint=self._hint, timeout=self.timeout_seconds))
+            communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token))
 
     def all_to_all(self, tensor, tag, bucket=None):
         """Sends `tensor[j]` to worker j and returns `[num_workers, ...]` with row i from worker i.
@@ -120,9 +165,11 @@ class Collectives:
         """
         if self.num_workers == 1:
             return tf.identity(tensor)
-        return self._chained(tag, lambda key: collective_ops.all_to_all_v2(
+        tensor = self._maybe_delay(tensor)
+        return self._chained(tag, lambda key, token: collective_ops.all_to_all_v2(
             tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
-            communication_hint=self._hint, timeout=self.timeout_seconds), bucket)
+            communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token),
+            bucket)
 
     def all_to_all_differentiable(self, tensor, tag, bucket=None):
         """All-to-all whose gradient is the reverse all-to-all of the incoming gradient."""
