@@ -91,21 +91,23 @@ class DLRM(tf_keras.Model):
 
 
 def make_dataset_fn(log, first_batch, num_batches, global_batch, repeat):
-    """dataset_fn(InputContext) yielding this worker's slice of global batches [first, first+n)."""
+    """dataset_fn(InputContext) yielding this worker's slice of global batches [first, first+n).
+
+    The worker's slices are generated once, up front, so the training loop never waits on the
+    (Python) generator: the input pipeline is plain in-memory tensors.
+    """
 
     def dataset_fn(context):
         per = context.get_per_replica_batch_size(global_batch)
         lo = context.input_pipeline_id * per
-
-        def gen():
-            for i in range(first_batch, first_batch + num_batches):
-                features, labels = log.batch(i, global_batch)
-                yield {k: v[lo:lo + per] for k, v in features.items()}, labels[lo:lo + per]
-
-        spec = ({"dense": tf.TensorSpec([per, log.num_dense], tf.float32),
-                 "sparse": tf.TensorSpec([per, len(log.table_sizes)], tf.int64)},
-                tf.TensorSpec([per, 1], tf.float32))
-        dataset = tf.data.Dataset.from_generator(gen, output_signature=spec)
+        dense, sparse, labels = [], [], []
+        for i in range(first_batch, first_batch + num_batches):
+            features, label = log.batch(i, global_batch)
+            dense.append(features["dense"][lo:lo + per])
+            sparse.append(features["sparse"][lo:lo + per])
+            labels.append(label[lo:lo + per])
+        dataset = tf.data.Dataset.from_tensor_slices(
+            ({"dense": np.stack(dense), "sparse": np.stack(sparse)}, np.stack(labels)))
         return (dataset.repeat() if repeat else dataset).prefetch(2)
 
     return dataset_fn

@@ -13,12 +13,14 @@ is computed without a prefetch (drain). Every row read at step i+1 equals the ro
 non-pipelined run reads at step i+1.
 """
 import dataclasses
+import weakref
 
 import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.pipeline.context import COMPUTE, ROUTE, PipelineContext, pipeline_mode
+from tf_nestpipe.pipeline.state_store import TensorStore
 
 
 def updates_only_touched_rows(optimizer):
@@ -68,13 +70,19 @@ class TrainPipeline:
         self._all_updated = not updates_only_touched_rows(optimizer)
         self._skip_buffer_sync = skip_buffer_sync
         self._collectives = strategy.extended.collectives
-        self._current = None  # the batch to compute next (its rows are prefetched in _states)
-        self._states = None
-        self._upcoming = None  # Optional: the batch after it
+        device = strategy.extended.worker_devices[0]
+        # Between steps, in worker-local variables: the batch to compute next, the prefetch
+        # buffers holding its rows (with its routing), and the batch after it.
+        self._current = TensorStore(device, "nestpipe_current_batch")
+        self._states = TensorStore(device, "nestpipe_prefetch_buffers")
+        self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
+        self._primed = False
+        self._has_upcoming = False
+        self._iterator_ref = None
         self.stats = PipelineStats()
-        self._prime = tf.function(self._prime_step, reduce_retracing=True)
-        self._step = tf.function(self._pipelined_step, reduce_retracing=True)
-        self._drain = tf.function(self._drain_step, reduce_retracing=True)
+        self._prime = tf.function(self._prime_step)
+        self._step = tf.function(self._pipelined_step)
+        self._drain = tf.function(self._drain_step)
 
     # --- traced pieces -----------------------------------------------------------------------
     def _route_pass(self, batch):
@@ -99,17 +107,39 @@ class TrainPipeline:
     def _reduce(self, outputs):
         return self._reduce_fn(outputs) if self._reduce_fn is not None else outputs
 
-    def _prime_step(self, batch):
-        return self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
-                                              args=(batch,)))
+    def _next_local(self, iterator):
+        """Requests the next element as an Optional; returns (has_value, this worker's value)."""
+        optional = iterator.get_next_as_optional()
+        return optional.has_value(), optional
 
-    def _pipelined_step(self, iterator, batch, next_batch, states):
+    def _store_if_present(self, store, has_value, optional):
+        def keep():
+            with tf.control_dependencies(store.assign(self._local_batch(optional.get_value()))):
+                return tf.constant(True)
+
+        return tf.cond(has_value, keep, lambda: tf.constant(False))
+
+    def _prime_step(self, iterator):
+        batch = self._local_batch(next(iterator))
+        states = self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
+                                                args=(batch,)))
+        has_upcoming, optional = self._next_local(iterator)
+        with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)):
+            return self._store_if_present(self._upcoming, has_upcoming, optional)
+
+    def _pipelined_step(self, iterator):
+        batch, next_batch, states = (self._current.read(), self._upcoming.read(),
+                                     self._states.read())
         # The batch after next is requested as an Optional: it never fails, overlaps this step,
-        # and tells the driver, without an extra eager call, whether to pipeline or drain next.
-        upcoming = iterator.get_next_as_optional()
+        # and tells the driver whether to pipeline or drain on the next call.
+        has_upcoming, optional = self._next_local(iterator)
         outputs, next_states, received, sent = self._strategy.run(
             self._replica_step, args=(batch, next_batch, states))
-        return self._reduce(outputs), upcoming, self._local((next_states, received, sent))
+        next_states, received, sent = self._local((next_states, received, sent))
+        with tf.control_dependencies(self._current.assign(next_batch)
+                                     + self._states.assign(next_states)):
+            has_upcoming = self._store_if_present(self._upcoming, has_upcoming, optional)
+        return self._reduce(outputs), has_upcoming, received, sent
 
     def _replica_step(self, batch, next_batch, states):
         """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
@@ -127,17 +157,20 @@ class TrainPipeline:
         outputs = self._compute_pass(batch, states)
         received = tf.constant(0, tf.int64)
         sent = tf.constant(0, tf.int64)
-        with tf.control_dependencies(tf.nest.flatten(outputs)):
-            for name, plan in plans.items():
-                layer = routed.layers[name]
-                rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
-                                                     layer.layout, layer.collectives(), layer.name)
-                next_states[name] = dict(next_states[name], rows=rows)
-                received += count
-                sent += tf.cast(plan["rows_sent"], tf.int64)
+        # No control dependency on `outputs`: automatic control dependencies already order the
+        # sync's table reads after the update, and waiting for the metrics' all-reduces too
+        # would put them on the critical path.
+        for name, plan in plans.items():
+            layer = routed.layers[name]
+            rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
+                                                 layer.layout, layer.collectives(), layer.name)
+            next_states[name] = dict(next_states[name], rows=rows)
+            received += count
+            sent += tf.cast(plan["rows_sent"], tf.int64)
         return outputs, next_states, received, sent
 
-    def _drain_step(self, batch, states):
+    def _drain_step(self):
+        batch, states = self._current.read(), self._states.read()
         return self._reduce(self._strategy.run(lambda b, s: self._compute_pass(b, s),
                                                args=(batch, states)))
 
@@ -145,26 +178,35 @@ class TrainPipeline:
     def progress(self, iterator):
         """Trains on the next batch of `iterator` and returns `step_fn`'s (reduced) outputs.
         Raises StopIteration / OutOfRangeError once the iterator and the pipeline are empty."""
-        if self._current is None:
-            batch = next(iterator)
-            self._states = self._prime(batch)
-            self._current = batch
-            self._upcoming = iterator.get_next_as_optional()
+        if self._iterator_ref is None or self._iterator_ref() is not iterator:
+            # A new iterator (e.g. a new fit call): the old look-ahead is dropped, as the old
+            # iterator's remaining elements would have been without the pipeline.
+            self.reset()
+            self._iterator_ref = weakref.ref(iterator)
+        if not self._primed:
+            self._has_upcoming = bool(self._prime(iterator))  # raises at the end of the data
+            self._primed = True
             self.stats.primes += 1
-        if bool(self._upcoming.has_value()):
-            next_batch = self._upcoming.get_value()
-            outputs, self._upcoming, (self._states, received, sent) = self._step(
-                iterator, self._current, next_batch, self._states)
-            self._current = next_batch
+        if self._has_upcoming:
+            outputs, has_upcoming, received, sent = self._step(iterator)
+            self._has_upcoming = bool(has_upcoming)
             self.stats.rows_synced += int(received)
             self.stats.rows_planned += int(sent)
         else:
-            outputs = self._drain(self._current, self._states)
+            outputs = self._drain()
             self.reset()
             self.stats.drains += 1
         self.stats.steps += 1
         return outputs
 
+    def _local_batch(self, batch):
+        """The batch as this worker's plain tensors: one replica per worker, and plain tensors
+        cross the tf.function boundary far faster than distributed values."""
+        return tf.nest.map_structure(
+            lambda v: self._strategy.experimental_local_results(v)[0]
+            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
+
     def reset(self):
-        """Drops the prefetched batch (e.g. after the tables were restored from a checkpoint)."""
-        self._current = self._states = self._upcoming = None
+        """Forgets the prefetched batch (e.g. after the tables were restored from a checkpoint);
+        the next `progress` primes the pipeline again from its iterator."""
+        self._primed = self._has_upcoming = False
