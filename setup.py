@@ -48,6 +48,7 @@ setup(
         "tensorflow==2.21.*",
         "tf-keras==2.21.*",
         "tensorflow-recommenders",
+        "tensorboard",
         "numpy",
     ],
     extras_require={"test": ["pytest"]},

@@ -42,7 +42,8 @@ def _delayed(seconds, tensor):
         time.sleep(seconds)
         return value
 
-    out = tf.numpy_function(sleep_then_pass, [tensor], tensor.dtype, stateful=False)
+    out = tf.numpy_function(sleep_then_pass, [tensor], tensor.dtype, stateful=False,
+                            name="nestpipe_emulated_latency")
     out.set_shape(tensor.shape)
     return out
 
