@@ -23,6 +23,9 @@ _MAX_EXACT_POSITION = 1 << 24
 
 def prefetch(table, ids, layout, collectives, table_name):
     """Routes `ids` and retrieves their rows; returns the prefetch state (a dict of tensors)."""
+    if table.dtype not in (tf.float32, tf.float64):
+        raise ValueError("the Dual-Buffer Pipeline needs float32 or float64 tables; '%s' is %s"
+                         % (table_name, table.dtype.name))
     state = route(ids, layout, collectives, table_name)
     owned = tf.stop_gradient(tf.gather(table, state["local_rows"]))
     incoming = exchange_rows(owned, state, layout, collectives, table_name, differentiable=False)

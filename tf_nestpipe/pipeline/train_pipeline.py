@@ -108,7 +108,7 @@ class TrainPipeline:
         return self._reduce_fn(outputs) if self._reduce_fn is not None else outputs
 
     def _next_local(self, iterator):
-        """Requests the next element as an Optional; returns (has_value, this worker's value)."""
+        """Requests the next element as an Optional; returns (has_value, the Optional)."""
         optional = iterator.get_next_as_optional()
         return optional.has_value(), optional
 
@@ -200,8 +200,8 @@ class TrainPipeline:
         return outputs
 
     def _local_batch(self, batch):
-        """The batch as this worker's plain tensors: one replica per worker, and plain tensors
-        cross the tf.function boundary far faster than distributed values."""
+        """The batch as this worker's plain tensors (one replica per worker), as stored between
+        steps."""
         return tf.nest.map_structure(
             lambda v: self._strategy.experimental_local_results(v)[0]
             if isinstance(v, tf.distribute.DistributedValues) else v, batch)

@@ -50,25 +50,21 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     def build(self, input_shape):
         if self._strategy is None and isinstance(tf.distribute.get_strategy(), NestPipeStrategy):
             self._strategy = tf.distribute.get_strategy()
-        strategy = self._strategy
-        if strategy is not None:
-            self._strategy = strategy
-            self.layout = ShardLayout(self.vocab_size, self.dim, strategy.num_workers,
-                                      strategy.worker_index)
+        scope = creation = contextlib.nullcontext()
+        if self._strategy is not None:
+            self.layout = ShardLayout(self.vocab_size, self.dim, self._strategy.num_workers,
+                                      self._strategy.worker_index)
+            creation = creating_row_shard(self.layout)
+            # Re-enter the scope only when called outside it (entering is illegal in a replica).
+            if not tf.distribute.has_strategy():
+                scope = self._strategy.scope()
         else:
             self.layout = ShardLayout(self.vocab_size, self.dim)
-        initializer = RowShardInitializer(self.embeddings_initializer, self.layout)
-        shape = (self.layout.local_rows, self.dim)
-        if self._strategy is not None:
-            # Re-enter the scope only when called outside it (entering is illegal in a replica).
-            scope = (self._strategy.scope() if not tf.distribute.has_strategy()
-                     else contextlib.nullcontext())
-            with scope, creating_row_shard(self.layout):
-                self.embeddings = self.add_weight(name="embeddings", shape=shape,
-                                                  initializer=initializer, trainable=True)
-        else:
-            self.embeddings = self.add_weight(name="embeddings", shape=shape,
-                                              initializer=initializer, trainable=True)
+        with scope, creation:
+            self.embeddings = self.add_weight(
+                name="embeddings", shape=(self.layout.local_rows, self.dim),
+                initializer=RowShardInitializer(self.embeddings_initializer, self.layout),
+                trainable=True)
         super().build(input_shape)
 
     def collectives(self):
