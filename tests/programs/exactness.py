@@ -7,8 +7,9 @@ the full tables and the dense weights.
 usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp] [--skip-sync]
   RUN is MODE:OPTIMIZER with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
   loop; TrainPipeline when pipelined), fit (steps_per_epoch=STEPS), epochs (3 epochs of
-  STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), one
-  (fit on a dataset of one batch);
+  STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
+  (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
+  dataset of one batch);
   each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER.npz.
 """
 import os
@@ -147,6 +148,9 @@ def train(strategy, batches, mode, opt_name, out_path):
             dataset = strategy.distribute_datasets_from_function(
                 lambda context: local_dataset_fn(context).repeat())
             history = model.fit(dataset, epochs=3, steps_per_epoch=steps // 3, verbose=0)
+        elif mode == "twice":
+            model.fit(dataset, epochs=1, steps_per_epoch=steps // 2, verbose=0)
+            history = model.fit(dataset, epochs=1, steps_per_epoch=steps // 2, verbose=0)
         else:
             history = model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0)
         print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},
