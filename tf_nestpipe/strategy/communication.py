@@ -1,11 +1,13 @@
 """Cross-worker collectives used by the sharded embeddings: all-gather and padded all-to-all.
 
-Collectives are ordered per *stream* (see `Collectives.stream`): each stream has an ordering token
-(a resource), so TensorFlow's automatic control dependencies serialize the collectives of one
-stream in program order while different streams may overlap. Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is derived from the
-tag and its occurrence count inside the traced function, so a function retraced on one worker
-but not on another still pairs the same collectives. Inside a function each collective is chained
-after the previous one by a control dependency, so all workers issue them in the same order.
+Collectives are issued on *streams* (see `Collectives.stream`). Each stream has an ordering token
+(a resource), so TensorFlow's automatic control dependencies serialize one stream's collectives in
+program order, identically on every worker, while different streams may overlap.
+
+Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is derived from the
+tag, its occurrence count inside the traced function and the bucket of its padded size, so a
+function retraced on one worker but not on another still pairs the same collectives, and each
+instance key always sees one shape (TensorFlow caches shapes by instance key).
 """
 import contextlib
 import os
