@@ -137,9 +137,11 @@ def main():
     parser.add_argument("--learning-rate", type=float, default=0.05)
     parser.add_argument("--embeddings", choices=["fused", "per_table"], default="fused",
                         help="one fused lookup for all tables, or one lookup per table")
+    parser.add_argument("--pipeline", choices=["none", "dbp"], default="none",
+                        help="NestPipeStrategy pipeline (dbp: Dual-Buffer Pipeline)")
     args = parser.parse_args()
 
-    strategy = tnp.NestPipeStrategy()
+    strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)
     log = SyntheticClickLog(table_sizes, seed=1)
     chief = strategy.worker_index == 0

@@ -86,3 +86,28 @@ def test_make_cluster_roles_and_free_ports():
     json.dumps(cluster)
     with pytest.raises(ValueError):
         make_cluster(0)
+
+
+def test_parameter_server_mode_runs_servers_and_the_command_on_the_chief(tmp_path):
+    script = write(tmp_path, "chief.py", """
+        import json, os, socket, time
+        c = json.loads(os.environ["TF_CONFIG"])
+        # wait until every server task accepts connections, then finish
+        for address in c["cluster"]["worker"] + c["cluster"]["ps"]:
+            host, port = address.rsplit(":", 1)
+            for _ in range(300):
+                try:
+                    socket.create_connection((host, int(port)), timeout=1).close()
+                    break
+                except OSError:
+                    time.sleep(0.1)
+            else:
+                raise SystemExit("server %s never came up" % address)
+        print("chief saw", sorted(c["cluster"]), c["task"])
+    """)
+    result = launcher("--workers", "1", "--ps", "1", "--chief", "--", sys.executable, script,
+                      timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "[chief:0] chief saw ['chief', 'ps', 'worker'] {'type': 'chief', 'index': 0}" in result.stdout
+    assert "[ps:0] tf_nestpipe.server: ps:0 serving at" in result.stdout
+    assert "[worker:0] tf_nestpipe.server: worker:0 serving at" in result.stdout
