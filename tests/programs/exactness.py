@@ -4,7 +4,7 @@ Run in one process (no TF_CONFIG: the reference) or on a cluster through the lau
 the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
 the full tables and the dense weights.
 
-usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp] [--skip-sync]
+usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp|fwp] [--skip-sync]
   RUN is MODE:OPTIMIZER with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
   loop; TrainPipeline when pipelined), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
@@ -100,7 +100,7 @@ def train(strategy, batches, mode, opt_name, out_path):
         return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
 
     stats = None
-    if mode == "loop" and strategy.pipeline != "none":
+    if mode == "loop" and strategy.pipeline == "dbp":
         def step_fn(batch):
             features, labels = batch
             with tf.GradientTape() as tape:
@@ -122,10 +122,19 @@ def train(strategy, batches, mode, opt_name, out_path):
         @tf.function(input_signature=spec)
         def train_step(features, labels):
             def step_fn(features, labels):
-                with tf.GradientTape() as tape:
-                    logits = model(features, training=True)
-                    per_example = loss_fn(labels, logits)
-                    loss = tf.nn.compute_average_loss(per_example, global_batch_size=GLOBAL_BATCH)
+                if strategy.pipeline == "fwp":  # micro-batches in one frozen window
+                    with tf.GradientTape() as tape, tnp.pipeline.frozen_window():
+                        loss = tf.add_n([
+                            tf.nn.compute_average_loss(loss_fn(l, model(f, training=True)),
+                                                       global_batch_size=GLOBAL_BATCH)
+                            for (f, l), _ in tnp.pipeline.split_batch(
+                                (features, labels), strategy.micro_batches)])
+                else:
+                    with tf.GradientTape() as tape:
+                        logits = model(features, training=True)
+                        per_example = loss_fn(labels, logits)
+                        loss = tf.nn.compute_average_loss(per_example,
+                                                          global_batch_size=GLOBAL_BATCH)
                 grads = tape.gradient(loss, model.trainable_variables)
                 optimizer.apply_gradients(zip(grads, model.trainable_variables))
                 return loss
@@ -176,7 +185,7 @@ def main():
     for arg in sys.argv:
         if arg.startswith("--pipeline="):
             pipeline = arg.split("=", 1)[1]
-    strategy = tnp.NestPipeStrategy(pipeline=pipeline,
+    strategy = tnp.NestPipeStrategy(pipeline=pipeline, micro_batches=3,
                                     unsafe_skip_buffer_sync="--skip-sync" in sys.argv)
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker

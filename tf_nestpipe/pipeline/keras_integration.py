@@ -1,15 +1,17 @@
-"""tf_keras `fit` through the Dual-Buffer Pipeline.
+"""tf_keras `fit` through the NestPipe pipelines.
 
-`Model.make_train_function` is wrapped once (at `import tf_nestpipe`): for a model built under a
-`NestPipeStrategy(pipeline="dbp")`, the train function becomes a `TrainPipeline` whose step is
-the model's own `train_step` and whose route pass calls the model on the batch's inputs. Other
-models, and `steps_per_execution > 1`, `run_eagerly` or a cluster coordinator, keep Keras's own
-train function.
+`Model.make_train_function` is wrapped once (at `import tf_nestpipe`). For a model built under
+`NestPipeStrategy(pipeline="dbp")` the train function becomes a `TrainPipeline` whose step is the
+model's own `train_step` and whose route pass calls the model on the batch's inputs. Under
+`pipeline="fwp"` each step runs the standard train step over `micro_batches` micro-batches in a
+frozen window (one tape, one update). Other models, and `steps_per_execution > 1`, `run_eagerly`
+or a cluster coordinator, keep Keras's own train function.
 """
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
+from tf_nestpipe.pipeline.frozen_window import frozen_window, split_batch
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 
 _ORIGINAL = keras_training.Model.make_train_function
@@ -37,6 +39,9 @@ def make_train_function(self, force=False):
         return _ORIGINAL(self, force)
     if self.train_function is not None and not force:
         return self.train_function
+    if strategy.pipeline == "fwp":
+        self.train_function = _frozen_window_train_function(self, strategy)
+        return self.train_function
     model = self
 
     def step_fn(data):
@@ -59,6 +64,48 @@ def make_train_function(self, force=False):
     model._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
     self.train_function = pipeline.progress
     return self.train_function
+
+
+def _frozen_window_train_step(model, data, micro_batches):
+    """Keras's standard train step, over micro-batches of `data` in one frozen window."""
+    x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+    parts = split_batch({k: v for k, v in (("x", x), ("y", y), ("w", sample_weight))
+                         if v is not None}, micro_batches)
+    predictions, losses = [], []
+    with tf.GradientTape() as tape, frozen_window():
+        for part, share in parts:
+            y_pred = model(part["x"], training=True)
+            # compute_loss averages over the micro-batch; `share` turns that into its part of
+            # the batch mean (the loss tracker is updated per micro-batch, weighted by its size).
+            losses.append(model.compute_loss(part["x"], part.get("y"), y_pred, part.get("w"))
+                          * share)
+            predictions.append(y_pred)
+        loss = tf.add_n(losses)
+    model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
+    return model.compute_metrics(x, y, y_pred, sample_weight)
+
+
+def _frozen_window_train_function(model, strategy):
+    if type(model).train_step is not keras_training.Model.train_step:
+        raise ValueError(
+            "pipeline='fwp' runs tf_keras's standard train step over micro-batches, but %s "
+            "overrides train_step. Split the batch yourself inside tnp.pipeline.frozen_window() "
+            "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % type(model).__name__)
+
+    def step_fn(data):
+        outputs = _frozen_window_train_step(model, data, strategy.micro_batches)
+        with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
+            model._train_counter.assign_add(1)  # pylint: disable=protected-access
+        return outputs
+
+    @tf.function(reduce_retracing=True)
+    def train_function(iterator):
+        outputs = strategy.run(step_fn, args=(next(iterator),))
+        return keras_training.reduce_per_replica(outputs, strategy,
+                                                 reduction=model.distribute_reduction_method)
+
+    return train_function
 
 
 def install():

@@ -6,6 +6,7 @@ import tf_keras
 
 from tf_nestpipe.pipeline import context as pipeline_context
 from tf_nestpipe.pipeline import dual_buffer
+from tf_nestpipe.pipeline.frozen_window import current_window, windowed_lookup
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
@@ -92,6 +93,13 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
         flat_ids = tf.reshape(flat_ids, [-1])
         rows = self._pipelined_rows(flat_ids)
+        window = current_window()
+        if rows is None and window is not None and self.layout.num_shards > 1:
+            rows = windowed_lookup(
+                window, self.name, flat_ids,
+                lambda ids: sharded_lookup(self.embeddings, ids, self.layout, self.collectives(),
+                                           table_name=self.name),
+                self.dim, self.embeddings.dtype)
         if rows is None:
             rows = sharded_lookup(self.embeddings, flat_ids, self.layout, self.collectives(),
                                   table_name=self.name)

@@ -21,7 +21,7 @@ from tf_nestpipe.strategy.communication import (CommunicationImplementation, Col
                                                 resolve_implementation)
 
 _SHARD_ATTR = "_nestpipe_row_shard"
-PIPELINES = ("none", "dbp")
+PIPELINES = ("none", "dbp", "fwp")
 _creation_state = threading.local()
 
 
@@ -178,6 +178,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
+    `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
+    all-to-all of one micro-batch overlaps the dense compute of another.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -185,12 +187,15 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="none",
-                 unsafe_skip_buffer_sync=False):
+                 micro_batches=4, unsafe_skip_buffer_sync=False):
         if pipeline not in PIPELINES:
-            hint = (" (the Frozen-Window Pipeline is not implemented yet)"
-                    if pipeline in ("fwp", "nested") else "")
+            hint = (" (the nested DBP + FWP pipeline is not implemented yet)"
+                    if pipeline == "nested" else "")
             raise ValueError("pipeline must be one of %s, got %r%s" % (PIPELINES, pipeline, hint))
+        if int(micro_batches) < 1:
+            raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
         self.pipeline = pipeline
+        self.micro_batches = int(micro_batches)
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
         self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
         load_op_library()

@@ -1,0 +1,76 @@
+"""Frozen-Window Pipeline (DESIGN.md section 4): micro-batches inside one synchronous step.
+
+Between a batch's first lookup and its sparse update the tables do not change: every row is
+*frozen* for the window. So the batch is split into M micro-batches, each looked up on its own:
+the all-to-all of micro-batch j+1 depends only on the routing of the earlier ones, not on their
+dense compute, and runs while micro-batch j computes. A window cache makes each micro-batch fetch
+only the ids no earlier micro-batch fetched (total traffic = the whole batch's dedup); a cached
+row's gradient flows back through the exchange that fetched it. Gradients of all micro-batches
+are summed on one tape, so there is one dense all-reduce and one sparse update per batch.
+
+Custom loops:
+
+    with tf.GradientTape() as tape, tnp.pipeline.frozen_window():
+        loss = tf.add_n([loss_fn(mb) * share for mb, share in tnp.pipeline.split_batch(batch, M)])
+"""
+import contextlib
+import threading
+
+import tensorflow as tf
+
+_local = threading.local()
+
+
+class WindowCache:
+    """Ids fetched so far in this window and their rows, per table."""
+
+    def __init__(self):
+        self.keys = {}
+        self.rows = {}
+
+
+def current_window():
+    """The WindowCache of the frozen window being traced in this thread, or None."""
+    return getattr(_local, "window", None)
+
+
+@contextlib.contextmanager
+def frozen_window():
+    """Within this context, sharded lookups of the same table share a window cache: use it
+    around the micro-batches of one batch, before the batch's update."""
+    previous = current_window()
+    _local.window = WindowCache()
+    try:
+        yield _local.window
+    finally:
+        _local.window = previous
+
+
+def windowed_lookup(cache, name, ids, lookup, dim, dtype):
+    """Rows for `ids` where `lookup(new_ids)` fetches only the ids not yet in `cache[name]`."""
+    unique, inverse = tf.unique(ids, out_idx=tf.int32)
+    cached_keys = cache.keys.get(name, tf.zeros([0], ids.dtype))
+    cached_rows = cache.rows.get(name, tf.zeros([0, dim], dtype))
+    new_keys, _ = tf.raw_ops.ListDiff(x=unique, y=cached_keys, out_idx=tf.int32)
+    new_rows = lookup(new_keys)
+    keys = tf.concat([cached_keys, new_keys], axis=0)
+    rows = tf.concat([cached_rows, new_rows], axis=0)
+    cache.keys[name], cache.rows[name] = keys, rows
+    order = tf.argsort(keys)
+    position = tf.gather(order, tf.searchsorted(tf.gather(keys, order), unique))
+    return tf.gather(tf.gather(rows, position), inverse)
+
+
+def split_batch(batch, micro_batches):
+    """Splits every tensor (or ragged tensor) of `batch` along axis 0 into `micro_batches`
+    contiguous parts; returns a list of (part, share) with share = part size / batch size."""
+    leaves = tf.nest.flatten(batch)
+    size = tf.shape(leaves[0], out_type=tf.int64)[0] if not isinstance(leaves[0], tf.RaggedTensor) \
+        else leaves[0].nrows()
+    bounds = [size * j // micro_batches for j in range(micro_batches + 1)]
+    parts = []
+    for j in range(micro_batches):
+        part = tf.nest.map_structure(lambda t: t[bounds[j]:bounds[j + 1]], batch)
+        share = tf.cast(bounds[j + 1] - bounds[j], tf.float32) / tf.cast(tf.maximum(size, 1), tf.float32)
+        parts.append((part, share))
+    return parts
