@@ -32,6 +32,7 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
     parser.add_argument("--pipeline", default="none", help="NestPipeStrategy pipeline (nestpipe modes)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="for pipeline=fwp")
     args = parser.parse_args()
 
     if args.mode == "single":
@@ -43,7 +44,7 @@ def main():
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING))
         kind, rank = "keras", strategy.cluster_resolver.task_id
     else:
-        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
+        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches)
         kind = "fused" if args.mode == "nestpipe" else "per_table"
         rank = strategy.worker_index
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)

@@ -1,8 +1,8 @@
-"""Communication exposure of the DLRM step on 2 workers, pipeline none vs dbp, from profiler traces.
+"""Communication exposure of the DLRM step on 2 workers, pipeline none vs dbp vs fwp, from profiler traces.
 
     python bench/timeline.py [--latency-ms 0 3]
 
-Writes bench/results/timeline.md and Chrome traces bench/results/timeline_{none,dbp}.json
+Writes bench/results/timeline.md and Chrome traces bench/results/timeline_{none,dbp,fwp}.json
 (open them in chrome://tracing or ui.perfetto.dev).
 """
 import argparse
@@ -21,7 +21,7 @@ def main():
     args = parser.parse_args()
     rows = []
     for latency in args.latency_ms:
-        for pipeline in ("none", "dbp"):
+        for pipeline in ("none", "dbp", "fwp"):
             trace = (os.path.join(HERE, "results", "timeline_%s.json" % pipeline)
                      if latency == args.latency_ms[0] else "")
             result = run_program([os.path.join(HERE, "timeline_worker.py"), "--pipeline", pipeline,
@@ -37,7 +37,7 @@ def main():
              "exposure = time a collective runs while no other op runs / time collectives run. "
              "Emulated latency: a benchmark-only sleep before each embedding collective. The profiler "
              "itself slows steps down. Chrome traces of the first setting: "
-             "`bench/results/timeline_none.json`, `bench/results/timeline_dbp.json`. Date: %s."
+             "`bench/results/timeline_{none,dbp,fwp}.json` (fwp: 4 micro-batches). Date: %s."
              % (args.steps, time.strftime("%Y-%m-%d")), "",
              "| latency | pipeline | step ms | communication ms | exposed ms | exposure | routing ms | retrieval ms | sync ms | compute ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
