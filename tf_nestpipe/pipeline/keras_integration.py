@@ -43,20 +43,12 @@ def make_train_function(self, force=False):
         self.train_function = _frozen_window_train_function(self, strategy)
         return self.train_function
     model = self
-
-    def step_fn(data):
-        outputs = model.train_step(data)
-        with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
-            model._train_counter.assign_add(1)  # pylint: disable=protected-access
-        return outputs
+    step_fn = _counting_step(model, model.train_step)
+    reduce_fn = _reducer(model, strategy)
 
     def route_fn(data):
         x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
         model(x, training=False)
-
-    def reduce_fn(outputs):
-        return keras_training.reduce_per_replica(outputs, strategy,
-                                                 reduction=model.distribute_reduction_method)
 
     pipeline = TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
                              reduce_fn=reduce_fn,
@@ -64,6 +56,26 @@ def make_train_function(self, force=False):
     model._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
     self.train_function = pipeline.progress
     return self.train_function
+
+
+def _counting_step(model, train_step):
+    """`train_step` followed by the model's train-counter increment, as in Keras's own step."""
+    def step_fn(data):
+        outputs = train_step(data)
+        with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
+            model._train_counter.assign_add(1)  # pylint: disable=protected-access
+        return outputs
+
+    return step_fn
+
+
+def _reducer(model, strategy):
+    """Reduces per-replica step outputs the way Keras's train function does."""
+    def reduce_fn(outputs):
+        return keras_training.reduce_per_replica(outputs, strategy,
+                                                 reduction=model.distribute_reduction_method)
+
+    return reduce_fn
 
 
 def _frozen_window_train_step(model, data, micro_batches):
@@ -93,17 +105,13 @@ def _frozen_window_train_function(model, strategy):
             "overrides train_step. Split the batch yourself inside tnp.pipeline.frozen_window() "
             "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % type(model).__name__)
 
-    def step_fn(data):
-        outputs = _frozen_window_train_step(model, data, strategy.micro_batches)
-        with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
-            model._train_counter.assign_add(1)  # pylint: disable=protected-access
-        return outputs
+    step_fn = _counting_step(
+        model, lambda data: _frozen_window_train_step(model, data, strategy.micro_batches))
+    reduce_fn = _reducer(model, strategy)
 
     @tf.function(reduce_retracing=True)
     def train_function(iterator):
-        outputs = strategy.run(step_fn, args=(next(iterator),))
-        return keras_training.reduce_per_replica(outputs, strategy,
-                                                 reduction=model.distribute_reduction_method)
+        return reduce_fn(strategy.run(step_fn, args=(next(iterator),)))
 
     return train_function
 
