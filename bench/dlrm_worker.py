@@ -15,7 +15,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
 
 import dlrm  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
@@ -49,10 +48,7 @@ def main():
         rank = strategy.worker_index
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)
     log = SyntheticClickLog(table_sizes, seed=1)
-    with strategy.scope():
-        model = dlrm.DLRM(dlrm.make_embeddings(kind, table_sizes, args.dim), dim=args.dim)
-        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.05),
-                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    model = dlrm.build_compiled_dlrm(strategy, kind, table_sizes, args.dim)
     dataset_fn = dlrm.make_dataset_fn(log, 0, args.steps, args.global_batch, repeat=True)
     if args.mode == "single":
         dataset = dataset_fn(tf.distribute.InputContext())

@@ -10,7 +10,6 @@ import tempfile
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
 
-import tf_keras  # noqa: E402
 
 import dlrm  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
@@ -28,10 +27,7 @@ def main():
     strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
     sizes = criteo_kaggle_table_sizes(0.002)
     log = SyntheticClickLog(sizes, seed=1)
-    with strategy.scope():
-        model = dlrm.DLRM(dlrm.make_embeddings("fused", sizes, 16), dim=16)
-        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.05),
-                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    model = dlrm.build_compiled_dlrm(strategy, "fused", sizes)
     iterator = iter(strategy.distribute_datasets_from_function(
         dlrm.make_dataset_fn(log, 0, 60, 512, repeat=True)))
     train_function = model.make_train_function()

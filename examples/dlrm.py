@@ -90,6 +90,19 @@ class DLRM(tf_keras.Model):
         return self.top(tf.concat([dense_out, interactions], axis=1))
 
 
+def build_compiled_dlrm(strategy, kind, table_sizes, dim=16, learning_rate=0.05,
+                        make_metrics=list):
+    """Builds and compiles the DLRM (embeddings of `kind`, see `make_embeddings`) under `strategy`:
+    Adagrad, binary cross-entropy on logits, and the metrics `make_metrics()` creates (in the
+    scope, as Keras requires)."""
+    with strategy.scope():
+        model = DLRM(make_embeddings(kind, table_sizes, dim), dim=dim)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(learning_rate),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=make_metrics())
+    return model
+
+
 def make_dataset_fn(log, first_batch, num_batches, global_batch, repeat):
     """dataset_fn(InputContext) yielding this worker's slice of global batches [first, first+n).
 
@@ -148,11 +161,10 @@ def main():
     if args.global_batch % strategy.num_workers:
         raise SystemExit("--global-batch %d must be divisible by the %d workers"
                          % (args.global_batch, strategy.num_workers))
-    with strategy.scope():
-        model = DLRM(make_embeddings(args.embeddings, table_sizes, args.dim), dim=args.dim)
-        model.compile(optimizer=tf_keras.optimizers.Adagrad(args.learning_rate),
-                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
-                      metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+    model = build_compiled_dlrm(strategy, args.embeddings, table_sizes, args.dim,
+                                args.learning_rate,
+                                make_metrics=lambda: [tf_keras.metrics.AUC(from_logits=True,
+                                                                           name="auc")])
     train = strategy.distribute_datasets_from_function(
         make_dataset_fn(log, 0, args.steps, args.global_batch, repeat=True))
     held_out = strategy.distribute_datasets_from_function(

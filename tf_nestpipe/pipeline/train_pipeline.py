@@ -101,6 +101,8 @@ class TrainPipeline:
         return outputs
 
     def _local(self, value):
+        """`value` as this worker's plain tensors (one replica per worker; plain tensors pass
+        through unchanged)."""
         return tf.nest.map_structure(
             lambda v: self._strategy.experimental_local_results(v)[0], value)
 
@@ -114,13 +116,13 @@ class TrainPipeline:
 
     def _store_if_present(self, store, has_value, optional):
         def keep():
-            with tf.control_dependencies(store.assign(self._local_batch(optional.get_value()))):
+            with tf.control_dependencies(store.assign(self._local(optional.get_value()))):
                 return tf.constant(True)
 
         return tf.cond(has_value, keep, lambda: tf.constant(False))
 
     def _prime_step(self, iterator):
-        batch = self._local_batch(next(iterator))
+        batch = self._local(next(iterator))
         states = self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
                                                 args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
@@ -198,13 +200,6 @@ class TrainPipeline:
             self.stats.drains += 1
         self.stats.steps += 1
         return outputs
-
-    def _local_batch(self, batch):
-        """The batch as this worker's plain tensors (one replica per worker), as stored between
-        steps."""
-        return tf.nest.map_structure(
-            lambda v: self._strategy.experimental_local_results(v)[0]
-            if isinstance(v, tf.distribute.DistributedValues) else v, batch)
 
     def reset(self):
         """Forgets the prefetched batch (e.g. after the tables were restored from a checkpoint);

@@ -9,7 +9,6 @@ one seed gives the same full table at any worker count and no worker materialize
 import contextlib
 import threading
 
-import numpy as np
 import tensorflow as tf
 import tf_keras
 
@@ -114,9 +113,9 @@ class RowShardInitializer:
             return tf.ones(local_shape, dtype)
         if isinstance(init, tf_keras.initializers.Constant):
             return tf.cast(tf.fill(local_shape, init.value), dtype)
-        rows = layout.global_ids()
         if layout.num_shards == 1:
             return init(full_shape, dtype=dtype)
+        rows = layout.global_ids()
         if isinstance(init, _ROW_WISE) and dtype == tf.float32:
             with _rows_only_random(full_shape, rows) as subset:
                 values = init(full_shape, dtype=dtype)

@@ -27,7 +27,7 @@ _creation_state = threading.local()
 
 def is_row_shard(variable):
     """True for a sharded-embedding row shard or one of its optimizer slots."""
-    return getattr(variable, _SHARD_ATTR, None) is not None
+    return row_shard_layout(variable) is not None
 
 
 def row_shard_layout(variable):
