@@ -3,12 +3,20 @@
 
 Modes: single (one process, tf_keras Embedding, no strategy), nestpipe (NestPipeStrategy with one
 fused ShardedEmbeddingCollection), nestpipe_per_table (one ShardedEmbedding per table), mwms
-(MultiWorkerMirroredStrategy, RING, replicated tf_keras Embedding).
+(MultiWorkerMirroredStrategy, RING, replicated tf_keras Embedding), local (every task of the
+cluster trains the nestpipe model alone on its share of the global batch, no communication at
+all: the compute-only bound of a cluster run on the same cores).
+
+`--profile-steps K` then profiles K more steps and adds the communication time, the exposed
+communication and the exposure ratio (medians) to the result; `--trace PATH` writes worker 0's
+Chrome trace of them.
 """
 import argparse
 import json
 import os
+import statistics
 import sys
+import tempfile
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
@@ -24,15 +32,24 @@ from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noq
 def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("--mode", required=True,
-                        choices=["single", "nestpipe", "nestpipe_per_table", "mwms"])
+                        choices=["single", "nestpipe", "nestpipe_per_table", "mwms", "local"])
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--warmup", type=int, default=10)
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
     parser.add_argument("--pipeline", default="none", help="NestPipeStrategy pipeline (nestpipe modes)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="for pipeline=fwp")
+    parser.add_argument("--micro-batches", type=int, default=4, help="for pipeline=fwp/nested")
+    parser.add_argument("--cluster-samples", action="store_true", help="key-centric clustering")
+    parser.add_argument("--profile-steps", type=int, default=0)
+    parser.add_argument("--trace", default="", help="Chrome trace of the profiled steps (worker 0)")
     args = parser.parse_args()
+    global_batch, rank = args.global_batch, 0
+    if args.mode == "local":
+        tasks = json.loads(os.environ.pop("TF_CONFIG", "{}"))
+        workers = len(tasks.get("cluster", {}).get("worker", [])) or 1
+        rank = tasks.get("task", {}).get("index", 0)
+        global_batch = args.global_batch // workers
 
     if args.mode == "single":
         strategy = tf.distribute.get_strategy()
@@ -43,25 +60,47 @@ def main():
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING))
         kind, rank = "keras", strategy.cluster_resolver.task_id
     else:
-        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches)
-        kind = "fused" if args.mode == "nestpipe" else "per_table"
-        rank = strategy.worker_index
+        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches,
+                                        cluster_samples=args.cluster_samples)
+        kind = "per_table" if args.mode == "nestpipe_per_table" else "fused"
+        rank = max(rank, strategy.worker_index)
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)
     log = SyntheticClickLog(table_sizes, seed=1)
     model = dlrm.build_compiled_dlrm(strategy, kind, table_sizes, args.dim)
-    dataset_fn = dlrm.make_dataset_fn(log, 0, args.steps, args.global_batch, repeat=True)
-    if args.mode == "single":
+    dataset_fn = dlrm.make_dataset_fn(log, 0, args.steps, global_batch, repeat=True)
+    if args.mode in ("single", "local"):
         dataset = dataset_fn(tf.distribute.InputContext())
     else:
         dataset = strategy.distribute_datasets_from_function(dataset_fn)
     timer = dlrm.StepTimer()
     model.fit(dataset, epochs=1, steps_per_epoch=args.steps, callbacks=[timer], verbose=0)
     times = np.array(timer.times[args.warmup:]) * 1e3
+    result = {"mode": args.mode, "pipeline": args.pipeline, "steps": len(times),
+              "global_batch": args.global_batch, "median_ms": float(np.median(times)),
+              "p90_ms": float(np.percentile(times, 90)), "mean_ms": float(times.mean())}
+    if args.profile_steps:
+        result.update(profile(model, dataset, args.profile_steps, args.trace if rank == 0 else ""))
     if rank == 0:
-        print("RESULT " + json.dumps({
-            "mode": args.mode, "pipeline": args.pipeline, "steps": len(times), "global_batch": args.global_batch,
-            "median_ms": float(np.median(times)), "p90_ms": float(np.percentile(times, 90)),
-            "mean_ms": float(times.mean())}), flush=True)
+        print("RESULT " + json.dumps(result), flush=True)
+
+
+def profile(model, dataset, steps, trace):
+    """Profiles `steps` more training steps; returns median communication and exposure."""
+    iterator = iter(dataset)
+    train_function = model.make_train_function()
+    for _ in range(3):  # the new iterator re-primes a pipeline
+        train_function(iterator)
+    timeline = tnp.pipeline.profile_steps(lambda: train_function(iterator), steps,
+                                          tempfile.mkdtemp(prefix="nestpipe_profile_"))
+    profiles = timeline.profiles()
+    if trace:
+        timeline.to_chrome_trace(trace)
+    median = statistics.median
+    return {"profiled_step_ms": median([p.step_ms for p in profiles]),
+            "communication_ms": median([p.communication_ms for p in profiles]),
+            "exposed_ms": median([p.exposed_communication_ms for p in profiles]),
+            "exposure_ratio": median([p.exposure_ratio for p in profiles]),
+            "stage_ms": {s: median([p.stage_ms[s] for p in profiles]) for s in profiles[0].stage_ms}}
 
 
 if __name__ == "__main__":

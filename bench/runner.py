@@ -3,6 +3,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
@@ -22,7 +23,12 @@ def run_program(argv, workers=1, env=None, timeout=900, launcher_flags=()):
     for line in out.stdout.splitlines():
         if "RESULT " in line:
             return json.loads(line.split("RESULT ", 1)[1])
-    raise RuntimeError("%s failed (rc=%d):\n%s" % (" ".join(argv), out.returncode, out.stdout[-3000:]))
+    log = tempfile.NamedTemporaryFile("w", prefix="nestpipe_bench_", suffix=".log", delete=False)
+    with log:
+        log.write(out.stdout)
+    errors = [line for line in out.stdout.splitlines() if "Error" in line or "error:" in line]
+    raise RuntimeError("%s failed (rc=%d); full output in %s; errors:\n%s\n...\n%s" % (
+        " ".join(argv), out.returncode, log.name, "\n".join(errors[-10:]), out.stdout[-2000:]))
 
 
 def write_result(name, text):

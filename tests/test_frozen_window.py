@@ -41,7 +41,8 @@ def test_split_batch_covers_the_batch_with_shares_summing_to_one():
     assert parts[2][0][0]["bag"].to_list() == [[1], [2, 3], [1], [2, 3]]
 
 
-def test_fwp_fit_refuses_models_with_their_own_train_step():
+@pytest.mark.parametrize("pipeline", ["fwp", "nested"])
+def test_micro_batching_fit_refuses_models_with_their_own_train_step(pipeline):
     class Custom(tf_keras.Model):
         def __init__(self):
             super().__init__()
@@ -53,7 +54,7 @@ def test_fwp_fit_refuses_models_with_their_own_train_step():
         def train_step(self, data):
             return super().train_step(data)
 
-    strategy = tnp.NestPipeStrategy(pipeline="fwp", micro_batches=2)
+    strategy = tnp.NestPipeStrategy(pipeline=pipeline, micro_batches=2)
     with strategy.scope():
         model = Custom()
         model.compile("sgd", "mse")

@@ -8,6 +8,7 @@ import time
 import pytest
 
 from conftest import run_command
+from tf_nestpipe.launch.__main__ import main as launch_main
 from tf_nestpipe.launch.local_cluster import make_cluster
 
 
@@ -31,6 +32,29 @@ def test_each_task_gets_its_own_tf_config_and_prefix(tmp_path):
     assert result.returncode == 0, result.stdout
     for i in range(3):
         assert "[worker:%d] task worker %d 3 ['a', 'b']" % (i, i) in result.stdout
+
+
+def test_cluster_spec_and_task_prefix(tmp_path):
+    script = write(tmp_path, "where.py", """
+        import json, os
+        c = json.loads(os.environ["TF_CONFIG"])
+        print("at", c["cluster"]["worker"][c["task"]["index"]], "mark", os.environ["MARK"])
+    """)
+    spec = json.dumps({"worker": ["10.1.2.3:4000", "10.1.2.4:4001"]})
+    result = launcher("--workers", "2", "--cluster-spec", spec,
+                      "--task-prefix", "env MARK={role}{index}", "--", sys.executable, script)
+    assert result.returncode == 0, result.stdout
+    assert "[worker:0] at 10.1.2.3:4000 mark worker0" in result.stdout
+    assert "[worker:1] at 10.1.2.4:4001 mark worker1" in result.stdout
+
+
+@pytest.mark.parametrize("bad,message", [("{not json", "not valid JSON"),
+                                         ('{"worker": "a:1"}', "lists of"),
+                                         ('{"ps": ["a:1"]}', "needs a 'worker' or 'chief'")])
+def test_bad_cluster_spec_is_refused(bad, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        launch_main(["--cluster-spec", bad, "--", "true"])
+    assert exit_info.value.code == 2 and message in capsys.readouterr().err
 
 
 def test_failure_tears_down_the_cluster_fast_and_leaves_no_orphans(tmp_path):

@@ -1,6 +1,7 @@
-"""The Dual-Buffer and Frozen-Window Pipelines on 2 and 3 workers equal non-pipelined
-single-process training after 50 steps (hot Zipf keys: consecutive batches share keys, so the
-buffer sync must run), and skipping the sync on purpose makes the parameters differ."""
+"""The Dual-Buffer, Frozen-Window and nested pipelines on 2 and 3 workers, with and without
+key-centric clustering, equal non-pipelined single-process training after 50 steps (hot Zipf
+keys: consecutive batches share keys, so the buffer sync must run), and skipping the sync on
+purpose makes the parameters differ."""
 import os
 import sys
 
@@ -18,14 +19,18 @@ DBP_RUNS = {
         "one:sgd"],
     3: ["loop:sgd", "loop:adagrad", "loop:adam", "fit:adagrad"],
 }
-FWP_RUNS = {2: ["loop:adagrad", "fit:adam"], 3: ["loop:sgd", "fit:adagrad"]}
+NESTED_RUNS = {2: ["loop:sgd", "loop:adagrad", "fit:adam", "loop:adagrad:cluster", "fit:sgd:cluster"],
+               3: ["loop:adagrad", "fit:adam"]}
+FWP_RUNS = {2: ["loop:adagrad", "fit:adam"], 3: ["loop:sgd", "fit:adagrad", "loop:adam:cluster"]}
 
 
 @pytest.fixture(scope="session")
 def dbp_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("dbp")
     program = os.path.join(PROGRAMS, "exactness.py")
-    runs = sorted(set(DBP_RUNS[2] + DBP_RUNS[3] + FWP_RUNS[2] + FWP_RUNS[3]))
+    # The reference trains without pipeline (clustering does not apply): one run per MODE:OPT.
+    runs = sorted(set(":".join(r.split(":")[:2]) for r in sum(
+        list(DBP_RUNS.values()) + list(FWP_RUNS.values()) + list(NESTED_RUNS.values()), [])))
     ref = run_command([sys.executable, program, str(out / "ref"), str(STEPS)] + runs)
     assert ref.returncode == 0, ref.stdout[-4000:]
     prefixes = {"ref": str(out / "ref")}
@@ -39,6 +44,11 @@ def dbp_results(tmp_path_factory):
                         + ["--pipeline=fwp"])
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes["fwp%d" % workers] = str(out / ("fwp%d" % workers))
+    for workers, worker_runs in NESTED_RUNS.items():
+        result = launch(workers, [program, str(out / ("nested%d" % workers)), str(STEPS)]
+                        + worker_runs + ["--pipeline=nested"])
+        assert result.returncode == 0, result.stdout[-6000:]
+        prefixes["nested%d" % workers] = str(out / ("nested%d" % workers))
     broken = launch(2, [program, str(out / "nosync"), str(STEPS), "loop:adagrad",
                         "--pipeline=dbp", "--skip-sync"])
     assert broken.returncode == 0, broken.stdout[-6000:]
@@ -48,6 +58,11 @@ def dbp_results(tmp_path_factory):
 
 def _load(prefix, run):
     return np.load("%s.%s.npz" % (prefix, run.replace(":", ".")))
+
+
+def _ref(results, run):
+    """The single-process reference of a run (the same MODE:OPT, no pipeline)."""
+    return _load(results["ref"], ":".join(run.split(":")[:2]))
 
 
 CASES = [(w, run) for w, runs in sorted(DBP_RUNS.items()) for run in runs]
@@ -74,11 +89,39 @@ FWP_CASES = [(w, run) for w, runs in sorted(FWP_RUNS.items()) for run in runs]
 
 @pytest.mark.parametrize("workers,run", FWP_CASES, ids=["%dw-%s" % c for c in FWP_CASES])
 def test_fwp_matches_unpipelined_single_process(dbp_results, workers, run):
-    """3 micro-batches per step in a frozen window, window cache on."""
-    ref, got = _load(dbp_results["ref"], run), _load(dbp_results["fwp%d" % workers], run)
-    assert sorted(ref.files) == sorted(got.files) and len(ref.files) == 6
-    for name in ref.files:
+    """3 micro-batches per step in a frozen window, window cache on (clustered: ':cluster')."""
+    _assert_params_equal(_ref(dbp_results, run), _load(dbp_results["fwp%d" % workers], run))
+
+
+NESTED_CASES = [(w, run) for w, runs in sorted(NESTED_RUNS.items()) for run in runs]
+
+
+def _assert_params_equal(ref, got):
+    params = [n for n in ref.files if not n.startswith("stats/")]
+    assert len(params) == 6 and all(n in got.files for n in params)
+    for name in params:
         np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.parametrize("workers,run", NESTED_CASES, ids=["%dw-%s" % c for c in NESTED_CASES])
+def test_nested_matches_unpipelined_single_process(dbp_results, workers, run):
+    """DBP + FWP: 3 micro-batches per step, each with its own prefetch buffer, all re-synced
+    (clustered: ':cluster')."""
+    got = _load(dbp_results["nested%d" % workers], run)
+    _assert_params_equal(_ref(dbp_results, run), got)
+    assert int(got["stats/steps"]) == STEPS and int(got["stats/drains"]) == 1
+    assert int(got["stats/rows_synced"]) > 0
+    # The window cache: later micro-batches fetch only ids the first did not.
+    assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
+
+
+def test_clustering_puts_fewer_rows_in_the_first_micro_batch(dbp_results):
+    plain = _load(dbp_results["nested2"], "loop:adagrad")
+    clustered = _load(dbp_results["nested2"], "loop:adagrad:cluster")
+    # Same batches, same total of distinct rows per step (the window cache dedups the batch) ...
+    assert int(clustered["stats/rows_requested"]) == int(plain["stats/rows_requested"])
+    # ... but the first (exposed) micro-batch fetches fewer of them.
+    assert int(clustered["stats/first_lookup_rows"]) < int(plain["stats/first_lookup_rows"])
 
 
 def test_skipping_the_buffer_sync_breaks_exactness(dbp_results):
@@ -97,10 +140,8 @@ def test_sparse_optimizers_sync_only_touched_rows():
     assert not updates_only_touched_rows(None)
 
 
-def test_unknown_or_unbuilt_pipelines_are_refused():
+def test_unknown_pipelines_are_refused():
     with pytest.raises(ValueError, match="pipeline must be one of"):
         tnp.NestPipeStrategy(pipeline="turbo")
-    with pytest.raises(ValueError, match="nested DBP \\+ FWP pipeline is not implemented yet"):
-        tnp.NestPipeStrategy(pipeline="nested")
     with pytest.raises(ValueError, match="micro_batches must be >= 1"):
         tnp.NestPipeStrategy(pipeline="fwp", micro_batches=0)

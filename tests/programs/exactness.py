@@ -4,14 +4,16 @@ Run in one process (no TF_CONFIG: the reference) or on a cluster through the lau
 the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
 the full tables and the dense weights.
 
-usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp|fwp] [--skip-sync]
-  RUN is MODE:OPTIMIZER with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
-  loop; TrainPipeline when pipelined), fit (steps_per_epoch=STEPS), epochs (3 epochs of
+usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp|fwp|nested]
+                    [--skip-sync]
+  RUN is MODE:OPTIMIZER[:cluster] (cluster: key-centric clustering of the micro-batches) with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
+  loop; TrainPipeline under dbp / nested; 3 micro-batches under fwp / nested), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
   dataset of one batch);
   each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER.npz.
 """
+import contextlib
 import os
 import sys
 
@@ -99,20 +101,34 @@ def train(strategy, batches, mode, opt_name, out_path):
                  for b in batches]
         return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
 
-    stats = None
-    if mode == "loop" and strategy.pipeline == "dbp":
-        def step_fn(batch):
-            features, labels = batch
-            with tf.GradientTape() as tape:
-                logits = model(features, training=True)
-                loss = tf.nn.compute_average_loss(loss_fn(labels, logits),
-                                                  global_batch_size=GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-            return loss
+    micro = strategy.pipeline in ("fwp", "nested")
 
-        pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
-                                     optimizer=optimizer,
+    def micro_batches(batch):
+        """The step's micro-batches (clustered by both id features with --cluster)."""
+        keys = tnp.pipeline.integer_leaves(batch[0]) if strategy.cluster_samples else None
+        return tnp.pipeline.split_batch(batch, strategy.micro_batches, cluster_keys=keys)
+
+    def window():
+        return tnp.pipeline.frozen_window() if micro else contextlib.nullcontext()
+
+    def step_fn(batch):
+        with tf.GradientTape() as tape, window():
+            parts = micro_batches(batch) if micro else [(batch, 1.0)]
+            loss = tf.add_n([tf.nn.compute_average_loss(loss_fn(l, model(f, training=True)),
+                                                        global_batch_size=GLOBAL_BATCH)
+                             for (f, l), _ in parts])
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    def route_fn(batch):
+        with window():
+            for (f, _), _ in (micro_batches(batch) if micro else [(batch, 1.0)]):
+                model(f)
+
+    stats = None
+    if mode == "loop" and strategy.pipeline in ("dbp", "nested"):
+        pipeline = tnp.TrainPipeline(strategy, step_fn, route_fn, optimizer=optimizer,
                                      skip_buffer_sync=strategy.unsafe_skip_buffer_sync)
         iterator = iter(strategy.distribute_datasets_from_function(local_dataset_fn))
         for _ in range(steps):
@@ -121,24 +137,7 @@ def train(strategy, batches, mode, opt_name, out_path):
     elif mode == "loop":
         @tf.function(input_signature=spec)
         def train_step(features, labels):
-            def step_fn(features, labels):
-                if strategy.pipeline == "fwp":  # micro-batches in one frozen window
-                    with tf.GradientTape() as tape, tnp.pipeline.frozen_window():
-                        loss = tf.add_n([
-                            tf.nn.compute_average_loss(loss_fn(l, model(f, training=True)),
-                                                       global_batch_size=GLOBAL_BATCH)
-                            for (f, l), _ in tnp.pipeline.split_batch(
-                                (features, labels), strategy.micro_batches)])
-                else:
-                    with tf.GradientTape() as tape:
-                        logits = model(features, training=True)
-                        per_example = loss_fn(labels, logits)
-                        loss = tf.nn.compute_average_loss(per_example,
-                                                          global_batch_size=GLOBAL_BATCH)
-                grads = tape.gradient(loss, model.trainable_variables)
-                optimizer.apply_gradients(zip(grads, model.trainable_variables))
-                return loss
-            per_replica = strategy.run(step_fn, args=(features, labels))
+            per_replica = strategy.run(step_fn, args=((features, labels),))
             return strategy.reduce(tf.distribute.ReduceOp.SUM, per_replica, axis=None)
 
         for step, batch in enumerate(batches):
@@ -172,8 +171,10 @@ def train(strategy, batches, mode, opt_name, out_path):
     if stats is not None:
         print("pipeline stats", stats, flush=True)
     if rank == 0:
-        extra = {} if stats is None else {"stats/rows_synced": stats.rows_synced,
-                                          "stats/steps": stats.steps, "stats/drains": stats.drains}
+        extra = {} if stats is None else {
+            "stats/rows_synced": stats.rows_synced, "stats/steps": stats.steps,
+            "stats/drains": stats.drains, "stats/rows_requested": stats.rows_requested,
+            "stats/first_lookup_rows": stats.first_lookup_rows}
         np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)}, **extra)
     print("saved", mode, opt_name, flush=True)
 
@@ -191,8 +192,11 @@ def main():
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5
     for run in runs:
-        mode, opt_name = run.split(":")
-        train(strategy, batches, mode, opt_name, "%s.%s.%s.npz" % (prefix, mode, opt_name))
+        mode, opt_name, *options = run.split(":")
+        # Read when a run's train function is made: clustering can differ between runs.
+        strategy.cluster_samples = "cluster" in options
+        train(strategy, batches, mode, opt_name,
+              "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] -- COMMAND ...`"""
 import argparse
+import json
 import sys
 
 from tf_nestpipe.launch.local_cluster import LocalCluster
@@ -22,6 +23,12 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=None, help="seconds before teardown")
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="extra environment variable for every task")
+    parser.add_argument("--cluster-spec", default=None, metavar="JSON",
+                        help="use these task addresses instead of free localhost ports, e.g. "
+                             "'{\"worker\": [\"10.0.0.1:2222\", \"10.0.0.2:2222\"]}'")
+    parser.add_argument("--task-prefix", default="", metavar="TEMPLATE",
+                        help="run each task under this command, {role} and {index} filled in "
+                             "(e.g. 'ip netns exec ns_{role}{index}')")
     args = parser.parse_args(flags)
     if not command:
         parser.error("no command: add `-- python script.py ARGS`")
@@ -31,7 +38,20 @@ def main(argv=None):
             parser.error("--env expects K=V, got %r" % item)
         key, value = item.split("=", 1)
         env[key] = value
-    cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env)
+    spec = None
+    if args.cluster_spec is not None:
+        try:
+            spec = json.loads(args.cluster_spec)
+        except ValueError as e:
+            parser.error("--cluster-spec is not valid JSON (%s)" % e)
+        if not isinstance(spec, dict) or not all(
+                isinstance(v, list) and all(isinstance(a, str) for a in v) for v in spec.values()):
+            parser.error("--cluster-spec must map roles to lists of 'host:port' strings")
+    try:
+        cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env, cluster=spec,
+                               task_prefix=args.task_prefix)
+    except ValueError as e:
+        parser.error(str(e))
     return cluster.run(timeout=args.timeout)
 
 

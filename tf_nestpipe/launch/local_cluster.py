@@ -8,6 +8,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -71,12 +72,21 @@ class LocalCluster:
 
     def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                  chief: bool = False, env: Optional[Dict[str, str]] = None,
-                 output=None):
+                 output=None, cluster: Optional[Dict[str, List[str]]] = None,
+                 task_prefix: str = ""):
+        """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
+        namespaces); `task_prefix` is a command template put before each task's command, with
+        `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`)."""
         if not command:
             raise ValueError("no command given: use `-- python script.py ARGS`")
         self.command = list(command)
-        self.cluster = make_cluster(num_workers, num_ps, chief)
-        self.parameter_server_mode = num_ps > 0
+        if cluster is None:
+            cluster = make_cluster(num_workers, num_ps, chief)
+        elif not cluster.get("worker") and not cluster.get("chief"):
+            raise ValueError("the cluster spec needs a 'worker' or 'chief' list, got %r" % (cluster,))
+        self.cluster = {role: list(addresses) for role, addresses in cluster.items()}
+        self.parameter_server_mode = bool(self.cluster.get("ps"))
+        self.task_prefix = task_prefix
         self.env = dict(env or {})
         self.output = output or sys.stdout
         self._lock = threading.Lock()
@@ -105,6 +115,8 @@ class LocalCluster:
                 env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
                 env.setdefault("PYTHONUNBUFFERED", "1")
                 argv, runs_command = self._task_command(role)
+                if self.task_prefix:
+                    argv = shlex.split(self.task_prefix.format(role=role, index=index)) + argv
                 process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                            stderr=subprocess.STDOUT, text=True,
                                            errors="replace", preexec_fn=_die_with_parent)

@@ -56,9 +56,11 @@ def apply_sync(table, next_state, plan, layout, collectives, table_name):
     slots = plan["slots"]  # [W, cap_s]: positions within each requester's prefetch slots
     valid = slots >= 0
     flat_slot = tf.where(valid, tf.range(num_shards)[:, None] * next_state["capacity"] + slots, 0)
-    unique = tf.gather(next_state["slot_to_unique"], flat_slot)
-    fresh = tf.gather(table, tf.gather(next_state["local_rows"], tf.maximum(unique, 0)))
-    fresh = fresh * tf.cast(valid, fresh.dtype)[..., None]
+    # Only the planned positions are read (a lookup may own no rows at all: gather nothing).
+    planned = tf.where(valid)
+    unique = tf.gather(next_state["slot_to_unique"], tf.gather_nd(flat_slot, planned))
+    fresh = tf.scatter_nd(planned, tf.gather(table, tf.gather(next_state["local_rows"], unique)),
+                          tf.cast(tf.concat([tf.shape(slots), [dim]], 0), tf.int64))
     payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
     received = collectives.all_to_all(payload, table_name + "/sync", plan["bucket"])
     position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding

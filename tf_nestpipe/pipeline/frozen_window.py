@@ -18,6 +18,8 @@ import threading
 
 import tensorflow as tf
 
+from tf_nestpipe.pipeline import clustering
+
 _local = threading.local()
 
 
@@ -61,12 +63,31 @@ def windowed_lookup(cache, name, ids, lookup, dim, dtype):
     return tf.gather(tf.gather(rows, position), inverse)
 
 
-def split_batch(batch, micro_batches):
+def batch_size_of(batch):
+    """The number of samples (dimension 0) of a nested batch, as an int64 scalar."""
+    first = tf.nest.flatten(batch, expand_composites=False)[0]
+    if isinstance(first, tf.RaggedTensor):
+        return first.nrows(out_type=tf.int64)
+    return tf.shape(first, out_type=tf.int64)[0]
+
+
+def cluster_batch(batch, cluster_keys, micro_batches):
+    """`batch` with its samples reordered by key-centric clustering of `cluster_keys` (see
+    `tf_nestpipe.pipeline.clustering`)."""
+    permutation = clustering.cluster_permutation(cluster_keys, batch_size_of(batch), micro_batches)
+    return tf.nest.map_structure(lambda t: tf.gather(t, permutation), batch)
+
+
+def split_batch(batch, micro_batches, cluster_keys=None):
     """Splits every tensor (or ragged tensor) of `batch` along axis 0 into `micro_batches`
-    contiguous parts; returns a list of (part, share) with share = part size / batch size."""
-    leaves = tf.nest.flatten(batch)
-    size = tf.shape(leaves[0], out_type=tf.int64)[0] if not isinstance(leaves[0], tf.RaggedTensor) \
-        else leaves[0].nrows()
+    contiguous parts; returns a list of (part, share) with share = part size / batch size.
+
+    With `cluster_keys` (a list of the batch's id tensors, e.g. `clustering.integer_leaves(x)`)
+    the samples are first reordered by key-centric clustering, so micro-batches share keys and
+    the one with the fewest keys comes first."""
+    if cluster_keys is not None:
+        batch = cluster_batch(batch, cluster_keys, micro_batches)
+    size = batch_size_of(batch)
     bounds = [size * j // micro_batches for j in range(micro_batches + 1)]
     parts = []
     for j in range(micro_batches):

@@ -4,14 +4,19 @@
 `NestPipeStrategy(pipeline="dbp")` the train function becomes a `TrainPipeline` whose step is the
 model's own `train_step` and whose route pass calls the model on the batch's inputs. Under
 `pipeline="fwp"` each step runs the standard train step over `micro_batches` micro-batches in a
-frozen window (one tape, one update). Other models, and `steps_per_execution > 1`, `run_eagerly`
-or a cluster coordinator, keep Keras's own train function.
+frozen window (one tape, one update). `pipeline="nested"` is both: a `TrainPipeline` whose route
+pass prefetches the next batch micro-batch by micro-batch and whose step is the micro-batched
+train step reading those buffers. With `cluster_samples=True` the micro-batches are formed by
+key-centric clustering of the batch's integer features. Other models, and
+`steps_per_execution > 1`, `run_eagerly` or a cluster coordinator, keep Keras's own train
+function.
 """
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
-from tf_nestpipe.pipeline.frozen_window import frozen_window, split_batch
+from tf_nestpipe.pipeline.clustering import integer_leaves
+from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 
 _ORIGINAL = keras_training.Model.make_train_function
@@ -33,22 +38,35 @@ def _pipelined_strategy(model):
 
 
 def make_train_function(self, force=False):
-    """`Model.make_train_function`, pipelined under `NestPipeStrategy(pipeline="dbp")`."""
+    """`Model.make_train_function`, pipelined under `NestPipeStrategy(pipeline="dbp" | "fwp" |
+    "nested")`."""
     strategy = _pipelined_strategy(self)
     if strategy is None:
         return _ORIGINAL(self, force)
     if self.train_function is not None and not force:
         return self.train_function
+    if strategy.pipeline in ("fwp", "nested"):
+        _check_standard_train_step(self, strategy.pipeline)
     if strategy.pipeline == "fwp":
         self.train_function = _frozen_window_train_function(self, strategy)
         return self.train_function
     model = self
-    step_fn = _counting_step(model, model.train_step)
     reduce_fn = _reducer(model, strategy)
+    if strategy.pipeline == "nested":
+        micro_batches, cluster = strategy.micro_batches, strategy.cluster_samples
+        step_fn = _counting_step(
+            model, lambda data: _frozen_window_train_step(model, data, micro_batches, cluster))
 
-    def route_fn(data):
-        x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
-        model(x, training=False)
+        def route_fn(data):
+            with frozen_window():
+                for part, _ in _micro_batches(data, micro_batches, cluster):
+                    model(part["x"], training=False)
+    else:
+        step_fn = _counting_step(model, model.train_step)
+
+        def route_fn(data):
+            x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
+            model(x, training=False)
 
     pipeline = TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
                              reduce_fn=reduce_fn,
@@ -78,11 +96,21 @@ def _reducer(model, strategy):
     return reduce_fn
 
 
-def _frozen_window_train_step(model, data, micro_batches):
-    """Keras's standard train step, over micro-batches of `data` in one frozen window."""
+def _micro_batches(data, micro_batches, cluster):
+    """The (part, share) micro-batches of a Keras batch `data` as dicts with keys x, y, w; with
+    `cluster`, after key-centric clustering by the integer features of x."""
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
-    parts = split_batch({k: v for k, v in (("x", x), ("y", y), ("w", sample_weight))
-                         if v is not None}, micro_batches)
+    batch = {k: v for k, v in (("x", x), ("y", y), ("w", sample_weight)) if v is not None}
+    if cluster:
+        keys = integer_leaves(x)
+        if keys:
+            batch = cluster_batch(batch, keys, micro_batches)
+    return split_batch(batch, micro_batches)
+
+
+def _frozen_window_train_step(model, data, micro_batches, cluster=False):
+    """Keras's standard train step, over micro-batches of `data` in one frozen window."""
+    parts = _micro_batches(data, micro_batches, cluster)
     predictions, losses = [], []
     with tf.GradientTape() as tape, frozen_window():
         for part, share in parts:
@@ -94,19 +122,25 @@ def _frozen_window_train_step(model, data, micro_batches):
             predictions.append(y_pred)
         loss = tf.add_n(losses)
     model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    # Metrics see the whole batch in micro-batch order (the order clustering chose).
+    whole = tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *[p for p, _ in parts])
     y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
-    return model.compute_metrics(x, y, y_pred, sample_weight)
+    return model.compute_metrics(whole["x"], whole.get("y"), y_pred, whole.get("w"))
+
+
+def _check_standard_train_step(model, pipeline):
+    """Micro-batching pipelines run tf_keras's standard train step; refuse overridden ones."""
+    if type(model).train_step is not keras_training.Model.train_step:
+        raise ValueError(
+            "pipeline=%r runs tf_keras's standard train step over micro-batches, but %s "
+            "overrides train_step. Split the batch yourself inside tnp.pipeline.frozen_window() "
+            "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % (pipeline, type(model).__name__))
 
 
 def _frozen_window_train_function(model, strategy):
-    if type(model).train_step is not keras_training.Model.train_step:
-        raise ValueError(
-            "pipeline='fwp' runs tf_keras's standard train step over micro-batches, but %s "
-            "overrides train_step. Split the batch yourself inside tnp.pipeline.frozen_window() "
-            "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % type(model).__name__)
-
     step_fn = _counting_step(
-        model, lambda data: _frozen_window_train_step(model, data, strategy.micro_batches))
+        model, lambda data: _frozen_window_train_step(model, data, strategy.micro_batches,
+                                                      strategy.cluster_samples))
     reduce_fn = _reducer(model, strategy)
 
     @tf.function(reduce_retracing=True)

@@ -49,6 +49,18 @@ class PipelineStats:
     drains: int = 0
     rows_synced: int = 0  # fresh rows this worker received into its prefetch buffers
     rows_planned: int = 0  # fresh rows this worker sent as an owner
+    rows_requested: int = 0  # distinct rows this worker prefetched (all tables and lookups)
+    first_lookup_rows: int = 0  # of which by the first lookup of each step (first micro-batch)
+
+
+def _rows_requested(states):
+    """Distinct rows requested per lookup index (summed over tables): `[lookups]` int64."""
+    per_lookup = {}
+    for table_states in states.values():
+        for j, state in enumerate(table_states):
+            per_lookup.setdefault(j, []).append(tf.reduce_sum(tf.cast(state["splits"], tf.int64)))
+    return tf.stack([tf.add_n(per_lookup[j]) for j in sorted(per_lookup)]) if per_lookup else \
+        tf.zeros([0], tf.int64)
 
 
 class TrainPipeline:
@@ -95,9 +107,9 @@ class TrainPipeline:
         context = PipelineContext(COMPUTE, states)
         with pipeline_mode(context):
             outputs = self._step_fn(batch)
-        if context.states_in:
-            raise ValueError("the training step did not look up the prefetched tables %s"
-                             % sorted(context.states_in))
+        if context.unused():
+            raise ValueError("the training step did not look up the prefetched tables %s as "
+                             "often as the route pass did" % context.unused())
         return outputs
 
     def _local(self, value):
@@ -135,13 +147,14 @@ class TrainPipeline:
         # The batch after next is requested as an Optional: it never fails, overlaps this step,
         # and tells the driver whether to pipeline or drain on the next call.
         has_upcoming, optional = self._next_local(iterator)
-        outputs, next_states, received, sent = self._strategy.run(
+        outputs, next_states, received, sent, requested = self._strategy.run(
             self._replica_step, args=(batch, next_batch, states))
-        next_states, received, sent = self._local((next_states, received, sent))
+        next_states, received, sent, requested = self._local(
+            (next_states, received, sent, requested))
         with tf.control_dependencies(self._current.assign(next_batch)
                                      + self._states.assign(next_states)):
             has_upcoming = self._store_if_present(self._upcoming, has_upcoming, optional)
-        return self._reduce(outputs), has_upcoming, received, sent
+        return self._reduce(outputs), has_upcoming, received, sent, requested
 
     def _replica_step(self, batch, next_batch, states):
         """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
@@ -150,26 +163,32 @@ class TrainPipeline:
         plans = {}
         # Its own stream: the plan's count exchange overlaps the prefetch's row exchange.
         with self._collectives.stream("sync_plan"):
-            for name, state in next_states.items():
+            for name, prefetched in next_states.items():
                 if name in states and not self._skip_buffer_sync:
                     layer = routed.layers[name]
-                    plans[name] = dual_buffer.plan_sync(
-                        states[name], state, layer.layout, layer.collectives(), layer.name,
-                        self._all_updated)
+                    # Rows updated at step i: every row any lookup of this table read at step i.
+                    updated = {"local_rows": tf.concat([s["local_rows"] for s in states[name]], 0)}
+                    plans[name] = [dual_buffer.plan_sync(updated, state, layer.layout,
+                                                         layer.collectives(), layer.name,
+                                                         self._all_updated)
+                                   for state in prefetched]
         outputs = self._compute_pass(batch, states)
         received = tf.constant(0, tf.int64)
         sent = tf.constant(0, tf.int64)
         # No control dependency on `outputs`: automatic control dependencies already order the
         # sync's table reads after the update, and waiting for the metrics' all-reduces too
         # would put them on the critical path.
-        for name, plan in plans.items():
+        for name, table_plans in plans.items():
             layer = routed.layers[name]
-            rows, count = dual_buffer.apply_sync(layer.embeddings, next_states[name], plan,
-                                                 layer.layout, layer.collectives(), layer.name)
-            next_states[name] = dict(next_states[name], rows=rows)
-            received += count
-            sent += tf.cast(plan["rows_sent"], tf.int64)
-        return outputs, next_states, received, sent
+            synced = []
+            for state, plan in zip(next_states[name], table_plans):
+                rows, count = dual_buffer.apply_sync(layer.embeddings, state, plan, layer.layout,
+                                                     layer.collectives(), layer.name)
+                synced.append(dict(state, rows=rows))
+                received += count
+                sent += tf.cast(plan["rows_sent"], tf.int64)
+            next_states[name] = synced
+        return outputs, next_states, received, sent, _rows_requested(next_states)
 
     def _drain_step(self):
         batch, states = self._current.read(), self._states.read()
@@ -190,10 +209,13 @@ class TrainPipeline:
             self._primed = True
             self.stats.primes += 1
         if self._has_upcoming:
-            outputs, has_upcoming, received, sent = self._step(iterator)
+            outputs, has_upcoming, received, sent, requested = self._step(iterator)
             self._has_upcoming = bool(has_upcoming)
             self.stats.rows_synced += int(received)
             self.stats.rows_planned += int(sent)
+            requested = requested.numpy().tolist()
+            self.stats.rows_requested += sum(requested)
+            self.stats.first_lookup_rows += requested[0] if requested else 0
         else:
             outputs = self._drain()
             self.reset()

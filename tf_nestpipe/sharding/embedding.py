@@ -74,17 +74,23 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             return None
         return self._strategy.extended.collectives
 
-    def _pipelined_rows(self, flat_ids):
-        """Rows for `flat_ids` inside a pipelined step, or None when no pipeline is active."""
+    def _row_fetcher(self):
+        """The function that fetches rows for a vector of ids in the current trace: the
+        synchronous sharded lookup, or inside a pipelined pass the prefetch (route mode: records
+        the state, returns zeros) or the read of the prefetched buffer (compute mode)."""
         context = pipeline_context.current()
-        if context is None or self._strategy is None or self.layout.num_shards == 1:
-            return None
+        if context is None:
+            return lambda ids: sharded_lookup(self.embeddings, ids, self.layout, self.collectives(),
+                                              table_name=self.name)
         if context.mode == pipeline_context.ROUTE:
-            context.record(self, dual_buffer.prefetch(self.embeddings, flat_ids, self.layout,
-                                                      self.collectives(), self.name))
-            return tf.zeros([tf.size(flat_ids), self.dim], self.embeddings.dtype)
-        return dual_buffer.lookup_from_buffer(self.embeddings, context.take(self), self.layout,
-                                              self.collectives(), self.name)
+            def prefetch(ids):
+                context.record(self, dual_buffer.prefetch(self.embeddings, ids, self.layout,
+                                                          self.collectives(), self.name))
+                return tf.zeros([tf.size(ids), self.dim], self.embeddings.dtype)
+
+            return prefetch
+        return lambda ids: dual_buffer.lookup_from_buffer(
+            self.embeddings, context.take(self), self.layout, self.collectives(), self.name)
 
     def _lookup(self, flat_ids):
         valid = None
@@ -92,17 +98,15 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
         flat_ids = tf.reshape(flat_ids, [-1])
-        rows = self._pipelined_rows(flat_ids)
-        window = current_window()
-        if rows is None and window is not None and self.layout.num_shards > 1:
-            rows = windowed_lookup(
-                window, self.name, flat_ids,
-                lambda ids: sharded_lookup(self.embeddings, ids, self.layout, self.collectives(),
-                                           table_name=self.name),
-                self.dim, self.embeddings.dtype)
-        if rows is None:
-            rows = sharded_lookup(self.embeddings, flat_ids, self.layout, self.collectives(),
-                                  table_name=self.name)
+        if self._strategy is None or self.layout.num_shards == 1:
+            rows = sharded_lookup(self.embeddings, flat_ids, self.layout, None, table_name=self.name)
+        else:
+            fetch = self._row_fetcher()
+            window = current_window()
+            # In a frozen window each lookup fetches only the ids no earlier lookup fetched.
+            rows = (fetch(flat_ids) if window is None else
+                    windowed_lookup(window, self.name, flat_ids, fetch, self.dim,
+                                    self.embeddings.dtype))
         if valid is not None:
             rows = rows * tf.cast(valid, rows.dtype)[:, None]
         return rows

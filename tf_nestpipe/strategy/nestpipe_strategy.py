@@ -21,7 +21,7 @@ from tf_nestpipe.strategy.communication import (CommunicationImplementation, Col
                                                 resolve_implementation)
 
 _SHARD_ATTR = "_nestpipe_row_shard"
-PIPELINES = ("none", "dbp", "fwp")
+PIPELINES = ("none", "dbp", "fwp", "nested")
 _creation_state = threading.local()
 
 
@@ -179,7 +179,10 @@ class NestPipeStrategy(distribute_lib.Strategy):
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
-    all-to-all of one micro-batch overlaps the dense compute of another.
+    all-to-all of one micro-batch overlaps the dense compute of another. `pipeline="nested"` is
+    both: the next batch is prefetched micro-batch by micro-batch while the current batch's
+    micro-batches compute from their buffers. `cluster_samples=True` forms the micro-batches by
+    key-centric sample clustering (same result, fewer keys in the first micro-batch).
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -187,15 +190,14 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="none",
-                 micro_batches=4, unsafe_skip_buffer_sync=False):
+                 micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False):
         if pipeline not in PIPELINES:
-            hint = (" (the nested DBP + FWP pipeline is not implemented yet)"
-                    if pipeline == "nested" else "")
-            raise ValueError("pipeline must be one of %s, got %r%s" % (PIPELINES, pipeline, hint))
+            raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
         if int(micro_batches) < 1:
             raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
         self.pipeline = pipeline
         self.micro_batches = int(micro_batches)
+        self.cluster_samples = bool(cluster_samples)
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
         self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
         load_op_library()
