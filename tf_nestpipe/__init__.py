@@ -10,7 +10,11 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
 from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                   ShardLayout)
-from tf_nestpipe.strategy import CommunicationImplementation, NestPipeStrategy  # noqa: E402
+from tf_nestpipe.strategy import (CommunicationImplementation, NestPipeStrategy,  # noqa: E402
+                                  ParameterServerStrategy)
+from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
+                                               MaxSizePartitioner, MinSizePartitioner,
+                                               ModShardsPartitioner)
 
 from tf_nestpipe.pipeline import TrainPipeline  # noqa: E402
 from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa: E402
@@ -22,7 +26,12 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
+    "FixedShardsPartitioner",
+    "MaxSizePartitioner",
+    "MinSizePartitioner",
+    "ModShardsPartitioner",
     "NestPipeStrategy",
+    "ParameterServerStrategy",
     "ShardLayout",
     "ShardedEmbedding",
     "ShardedEmbeddingCollection",

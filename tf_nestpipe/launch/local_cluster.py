@@ -68,7 +68,8 @@ class _Task:
 
 class LocalCluster:
     """Runs `command` on every training task of a localhost cluster; ps tasks (and, in
-    parameter-server mode, workers) run the `tf_nestpipe.server` entry point instead."""
+    parameter-server mode, workers) run the `tf_nestpipe.server` entry point instead. In
+    parameter-server mode a worker server that dies is restarted (up to 3 times)."""
 
     def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                  chief: bool = False, env: Optional[Dict[str, str]] = None,
@@ -87,6 +88,8 @@ class LocalCluster:
         self.cluster = {role: list(addresses) for role, addresses in cluster.items()}
         self.parameter_server_mode = bool(self.cluster.get("ps"))
         self.task_prefix = task_prefix
+        self.max_worker_restarts = 3  # per worker server, parameter-server mode only
+        self._restarts: Dict[str, int] = {}
         self.env = dict(env or {})
         self.output = output or sys.stdout
         self._lock = threading.Lock()
@@ -104,26 +107,50 @@ class LocalCluster:
                 self.output.write(prefix + line)
                 self.output.flush()
 
+    def _spawn(self, role: str, index: int) -> _Task:
+        env = dict(os.environ)
+        env.update(self.env)
+        env["TF_CONFIG"] = json.dumps(
+            {"cluster": self.cluster, "task": {"type": role, "index": index}})
+        env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+        env.setdefault("PYTHONUNBUFFERED", "1")
+        argv, runs_command = self._task_command(role)
+        if self.task_prefix:
+            argv = shlex.split(self.task_prefix.format(role=role, index=index)) + argv
+        process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
+                                   stderr=subprocess.STDOUT, text=True,
+                                   errors="replace", preexec_fn=_die_with_parent)
+        task = _Task("%s:%d" % (role, index), process, runs_command)
+        task.pump = threading.Thread(target=self._pump, args=(task,), daemon=True)
+        task.pump.start()
+        return task
+
     def start(self):
         """Starts one process per task."""
         for role, addresses in self.cluster.items():
             for index in range(len(addresses)):
-                env = dict(os.environ)
-                env.update(self.env)
-                env["TF_CONFIG"] = json.dumps(
-                    {"cluster": self.cluster, "task": {"type": role, "index": index}})
-                env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-                env.setdefault("PYTHONUNBUFFERED", "1")
-                argv, runs_command = self._task_command(role)
-                if self.task_prefix:
-                    argv = shlex.split(self.task_prefix.format(role=role, index=index)) + argv
-                process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
-                                           stderr=subprocess.STDOUT, text=True,
-                                           errors="replace", preexec_fn=_die_with_parent)
-                task = _Task("%s:%d" % (role, index), process, runs_command)
-                task.pump = threading.Thread(target=self._pump, args=(task,), daemon=True)
-                task.pump.start()
-                self.tasks.append(task)
+                self.tasks.append(self._spawn(role, index))
+
+    def _restart_if_worker_server(self, position: int, code: int) -> bool:
+        """Parameter-server mode: a worker server that died is started again on its address
+        (the coordinator re-schedules its functions and the worker rejoins). Returns whether
+        it was restarted."""
+        task = self.tasks[position]
+        role, index = task.role.split(":")
+        if not (self.parameter_server_mode and role == "worker" and not task.runs_command):
+            return False
+        restarts = self._restarts.get(task.role, 0)
+        if restarts >= self.max_worker_restarts:
+            return False
+        self._restarts[task.role] = restarts + 1
+        with self._lock:
+            self.output.write("[launch] %s exited (%s); restarting it (%d of %d)\n"
+                              % (task.role, code, restarts + 1, self.max_worker_restarts))
+            self.output.flush()
+        if task.pump is not None:
+            task.pump.join(timeout=5)
+        self.tasks[position] = self._spawn(role, int(index))
+        return True
 
     def kill_all(self):
         """Kills every task's process group and reaps it."""
@@ -145,11 +172,11 @@ class LocalCluster:
         try:
             while True:
                 pending = False
-                for task in self.tasks:
+                for position, task in enumerate(self.tasks):
                     code = task.process.poll()
                     if code is None:
                         pending = pending or task.runs_command
-                    elif code != 0:
+                    elif code != 0 and not self._restart_if_worker_server(position, code):
                         failed = (task.role, code)
                         break
                 if failed or not pending:

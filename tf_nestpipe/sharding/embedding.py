@@ -1,12 +1,14 @@
 """`ShardedEmbedding`: a tf_keras embedding layer whose table is row-sharded across workers."""
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import context as pipeline_context
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.pipeline.frozen_window import current_window, windowed_lookup
+from tf_nestpipe.sharding import partitioners
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
@@ -47,8 +49,22 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         # if the layer is first called outside the scope.
         current = tf.distribute.get_strategy()
         self._strategy = current if isinstance(current, NestPipeStrategy) else None
+        # Parameter-server mode: the table is a ShardedVariable on the ps tasks, its rows laid
+        # out by the strategy's partitioner ("div": contiguous ranges, "mod": round-robin).
+        self._ps_row_order = None
+        if isinstance(current, tf.distribute.ParameterServerStrategy):
+            self._ps_row_order = partitioners.row_order(
+                current.extended._variable_partitioner)  # pylint: disable=protected-access
 
     def build(self, input_shape):
+        if self._ps_row_order is not None:
+            self.layout = ShardLayout(self.vocab_size, self.dim)
+            # Created in the scope: the strategy shards it over the ps tasks.
+            self.embeddings = self.add_weight(name="embeddings", shape=(self.vocab_size, self.dim),
+                                              initializer=self.embeddings_initializer,
+                                              trainable=True)
+            super().build(input_shape)
+            return
         if self._strategy is None and isinstance(tf.distribute.get_strategy(), NestPipeStrategy):
             self._strategy = tf.distribute.get_strategy()
         scope = creation = contextlib.nullcontext()
@@ -98,7 +114,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
         flat_ids = tf.reshape(flat_ids, [-1])
-        if self._strategy is None or self.layout.num_shards == 1:
+        if self._ps_row_order is not None:
+            rows = self._parameter_server_lookup(flat_ids)
+        elif self._strategy is None or self.layout.num_shards == 1:
             rows = sharded_lookup(self.embeddings, flat_ids, self.layout, None, table_name=self.name)
         else:
             fetch = self._row_fetcher()
@@ -110,6 +128,28 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         if valid is not None:
             rows = rows * tf.cast(valid, rows.dtype)[:, None]
         return rows
+
+    def _table_shards(self):
+        """The table's shard variables in order (one if the partitioner did not split it)."""
+        return list(getattr(self.embeddings, "variables", [self.embeddings]))
+
+    def _parameter_server_lookup(self, flat_ids):
+        """Rows of `flat_ids` from the ps shards (the gradient is an IndexedSlices per shard)."""
+        if self.invalid_id_policy == "error":
+            in_range = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
+            check = tf.debugging.Assert(
+                tf.reduce_all(in_range),
+                ["ShardedEmbedding '%s': ids out of range [0, %d); fix the input pipeline or use "
+                 "invalid_id_policy='zero'. Offending ids:" % (self.name, self.vocab_size),
+                 tf.boolean_mask(flat_ids, tf.logical_not(in_range))], summarize=20)
+            with tf.control_dependencies([check]):
+                flat_ids = tf.identity(flat_ids)
+        shards = self._table_shards()
+        if len(shards) == 1:
+            return tf.gather(shards[0], flat_ids)
+        if self._ps_row_order == partitioners.ROW_ORDER_MOD:
+            return tf.compat.v1.nn.embedding_lookup(shards, flat_ids, partition_strategy="mod")
+        return tf.nn.embedding_lookup(shards, flat_ids)
 
     def call(self, inputs):
         if isinstance(inputs, tf.RaggedTensor):
@@ -150,9 +190,18 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         return input_shape[:-1].concatenate([self.dim])
 
     def full_table(self):
-        """Returns the whole `[vocab_size, dim]` table as a NumPy array (a collective: call it on
-        every worker at the same point)."""
+        """Returns the whole `[vocab_size, dim]` table as a NumPy array (under NestPipeStrategy a
+        collective: call it on every worker at the same point; in parameter-server mode, read
+        from the ps tasks by the chief)."""
         layout = self.layout
+        if self._ps_row_order is not None:
+            shards = [v.numpy() for v in self._table_shards()]
+            if self._ps_row_order == partitioners.ROW_ORDER_MOD and len(shards) > 1:
+                full = np.zeros((self.vocab_size, self.dim), shards[0].dtype)
+                for k, shard in enumerate(shards):
+                    full[k::len(shards)] = shard
+                return full
+            return np.concatenate(shards, axis=0)
         local = tf.convert_to_tensor(self.embeddings)
         if layout.num_shards == 1:
             return local.numpy()

@@ -1,7 +1,9 @@
-"""The synchronous NestPipe distribution strategy and its collectives."""
+"""The synchronous NestPipe distribution strategy and its collectives, and the
+parameter-server strategy."""
 from tf_nestpipe.strategy.communication import CommunicationImplementation, Collectives
 from tf_nestpipe.strategy.nestpipe_strategy import (NestPipeExtended, NestPipeStrategy,
                                                     is_row_shard)
+from tf_nestpipe.strategy.parameter_server import ParameterServerStrategy
 
 __all__ = ["CommunicationImplementation", "Collectives", "NestPipeExtended", "NestPipeStrategy",
-           "is_row_shard"]
+           "ParameterServerStrategy", "is_row_shard"]

@@ -1,0 +1,160 @@
+"""Parameter-server mode on a chief + 2 workers + 2 ps cluster (run on the chief by the launcher
+with `--workers 2 --ps 2 --chief`). Writes OUT_DIR/ps_mode.json.
+
+usage: ps_mode.py OUT_DIR [--kill-worker]
+  Records the shard layout each partitioner gives a table; trains a model with a sharded table
+  through ClusterCoordinator.schedule / join (counting the executed steps on a ps variable) and
+  through tf_keras fit with a DatasetCreator. With --kill-worker, worker 1 is SIGKILLed while the
+  scheduled steps run (the launcher restarts it).
+"""
+import json
+import os
+import signal
+import sys
+import threading
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tf_nestpipe as tnp  # noqa: E402
+
+VOCAB, DIM, BATCH = 1000, 8, 32
+STEPS = 60
+
+
+def layouts(strategy):
+    """Shard shapes and devices of a [VOCAB, DIM] table under each partitioner."""
+    cases = {"fixed3": tnp.FixedShardsPartitioner(3), "min_size": tnp.MinSizePartitioner(8 << 10),
+             "max_size": tnp.MaxSizePartitioner(max_shard_bytes=12 << 10),
+             "mod": tnp.ModShardsPartitioner()}
+    result = {}
+    for name, partitioner in cases.items():
+        if hasattr(partitioner, "bind"):
+            partitioner.bind(strategy.num_ps)
+        # The strategy reads its partitioner at variable creation.
+        strategy.extended._variable_partitioner = partitioner  # pylint: disable=protected-access
+        with strategy.scope():
+            table = tnp.ShardedEmbedding(VOCAB, DIM, name="layout_" + name,
+                                         embeddings_initializer=tf_keras.initializers.RandomUniform(
+                                             -1, 1, seed=1))
+            table.build((None,))
+        shards = table._table_shards()  # pylint: disable=protected-access
+        ids = tf.constant([0, 1, 2, 3, 998, 999], tf.int64)
+        result[name] = {"shapes": [v.shape.as_list() for v in shards],
+                        "devices": [v.device for v in shards],
+                        "lookup_ok": bool(np.allclose(table(ids).numpy(),
+                                                      table.full_table()[ids.numpy()]))}
+    return result
+
+
+def make_dataset(_context=None):
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, size=(4096,)) - 1, VOCAB - 1).astype(np.int64)
+    labels = (ids % 2).astype(np.float32)[:, None]
+    return tf.data.Dataset.from_tensor_slices((ids, labels)).repeat().batch(BATCH)
+
+
+def build_model(strategy):
+    with strategy.scope():
+        model = tf_keras.Sequential([tnp.ShardedEmbedding(VOCAB, DIM, name="table"),
+                                     tf_keras.layers.Dense(1)])
+        model.build((None,))
+    return model
+
+
+def kill_worker_soon(index, delay):
+    """SIGKILLs the server process of worker `index` of this cluster after `delay` seconds."""
+    cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
+
+    def find_and_kill():
+        time.sleep(delay)
+        for pid in os.listdir("/proc"):
+            if not pid.isdigit():
+                continue
+            try:
+                with open("/proc/%s/environ" % pid, "rb") as f:
+                    env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
+            except OSError:
+                continue
+            config = env.get(b"TF_CONFIG")
+            if not config:
+                continue
+            config = json.loads(config)
+            if config.get("cluster") == cluster and config["task"] == {"type": "worker",
+                                                                       "index": index}:
+                os.kill(int(pid), signal.SIGKILL)
+                print("killed worker %d (pid %s)" % (index, pid), flush=True)
+
+    thread = threading.Thread(target=find_and_kill, daemon=True)
+    thread.start()
+    return thread
+
+
+def scheduled_training(strategy, kill):
+    """Schedules STEPS SGD steps; returns the loss trend and the executed-step count."""
+    model = build_model(strategy)
+    with strategy.scope():
+        executed = tf.Variable(0, dtype=tf.int64, name="executed_steps")
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
+                                                 reduction=tf_keras.losses.Reduction.NONE)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    iterator = iter(coordinator.create_per_worker_dataset(make_dataset))
+
+    @tf.function
+    def step(iterator):
+        def replica_fn(ids, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(loss_fn(labels, model(ids, training=True)))
+            variables = model.trainable_variables
+            grads = tape.gradient(loss, variables)
+            for var, grad in zip(variables, grads):
+                var.assign_sub(0.5 * tf.convert_to_tensor(grad))
+            executed.assign_add(1)
+            return loss
+        return strategy.run(replica_fn, args=next(iterator))
+
+    killer = kill_worker_soon(1, 3.0) if kill else None
+    losses = []
+    for _ in range(STEPS):
+        losses.append(coordinator.schedule(step, args=(iterator,)))
+        time.sleep(0.05 if kill else 0.0)
+    coordinator.join()
+    if killer is not None:
+        killer.join()
+    values = [float(loss.fetch()) for loss in losses]
+    return {"executed": int(executed.numpy()), "scheduled": len(losses),
+            "first_loss": float(np.mean(values[:10])), "last_loss": float(np.mean(values[-10:])),
+            "variables": [v.name for v in model.trainable_variables]}
+
+
+def fit_training(strategy):
+    model = build_model(strategy)
+    with strategy.scope():
+        model.compile(tf_keras.optimizers.Adagrad(0.5),
+                      tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    history = model.fit(tf_keras.utils.experimental.DatasetCreator(make_dataset), epochs=2,
+                        steps_per_epoch=20, verbose=0)
+    slots = [shard.device for v in model.optimizer.variables()
+             for shard in getattr(v, "variables", [v])]
+    return {"loss": history.history["loss"], "slot_devices": slots}
+
+
+def main():
+    out_dir = sys.argv[1]
+    strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.MinSizePartitioner(4 << 10))
+    result = {"num_ps": strategy.num_ps, "num_workers": strategy.num_workers,
+              "layouts": layouts(strategy)}
+    strategy.extended._variable_partitioner = tnp.MinSizePartitioner(4 << 10, max_shards=2)  # pylint: disable=protected-access
+    result["scheduled"] = scheduled_training(strategy, "--kill-worker" in sys.argv)
+    result["fit"] = fit_training(strategy)
+    with open(os.path.join(out_dir, "ps_mode.json"), "w") as f:
+        json.dump(result, f)
+    print("ps_mode done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,82 @@
+"""Partitioners for parameter-server mode: callables `(shape, dtype, axis=0) -> [num partitions
+per axis]`, the signature `tf.distribute.ParameterServerStrategy` takes.
+
+`FixedShardsPartitioner`, `MinSizePartitioner` and `MaxSizePartitioner` behave as TensorFlow's
+(they are subclasses); `max_shards=None` in `MinSizePartitioner` means "one shard per ps task",
+filled in by `tnp.ParameterServerStrategy`. `ModShardsPartitioner` shards rows round-robin
+(id k on shard k mod K) instead of in contiguous ranges, so the hot small ids of a Zipf-distributed
+feature spread over all ps tasks; `ShardedEmbedding` reads such tables with the "mod" layout.
+"""
+import tensorflow as tf
+
+_partitioners = tf.distribute.experimental.partitioners
+
+ROW_ORDER_DIV = "div"
+ROW_ORDER_MOD = "mod"
+
+
+def row_order(partitioner):
+    """How a partitioner lays out the rows of a sharded table: "div" (contiguous ranges, TF's
+    ShardedVariable default) or "mod" (round-robin)."""
+    return getattr(partitioner, "row_order", ROW_ORDER_DIV)
+
+
+class FixedShardsPartitioner(_partitioners.FixedShardsPartitioner):
+    """Splits every variable into `num_shards` shards along axis 0 (fewer if it has fewer rows)."""
+
+    row_order = ROW_ORDER_DIV
+
+
+class MaxSizePartitioner(_partitioners.MaxSizePartitioner):
+    """As many shards as needed so that none exceeds `max_shard_bytes` (at most `max_shards`)."""
+
+    row_order = ROW_ORDER_DIV
+
+
+class MinSizePartitioner(_partitioners.MinSizePartitioner):
+    """As many shards as possible with each at least `min_shard_bytes`, up to `max_shards`
+    (None: the number of ps tasks, set by the strategy)."""
+
+    row_order = ROW_ORDER_DIV
+
+    def __init__(self, min_shard_bytes=256 << 10, max_shards=None, bytes_per_string=16):
+        self._unbound = max_shards is None
+        super().__init__(min_shard_bytes=min_shard_bytes, max_shards=max_shards or 1,
+                         bytes_per_string=bytes_per_string)
+
+    def bind(self, num_ps):
+        """Fills in `max_shards = num_ps` if it was left to the strategy."""
+        if self._unbound:
+            self._max_shards = int(num_ps)
+            self._unbound = False
+
+    def __call__(self, shape, dtype, axis=0):
+        if self._unbound:
+            raise ValueError("MinSizePartitioner(max_shards=None) takes its shard limit from the "
+                             "number of ps tasks: pass it to tnp.ParameterServerStrategy, or set "
+                             "max_shards")
+        return super().__call__(shape, dtype, axis)
+
+
+class ModShardsPartitioner(_partitioners.FixedShardsPartitioner):
+    """`num_shards` shards (None: one per ps task) holding rows round-robin: row k on shard k mod
+    num_shards, at position k // num_shards. Balances Zipf-hot ids across the ps tasks."""
+
+    row_order = ROW_ORDER_MOD
+
+    def __init__(self, num_shards=None):
+        self._unbound = num_shards is None
+        super().__init__(num_shards or 1)
+
+    def bind(self, num_ps):
+        """Fills in `num_shards = num_ps` if it was left to the strategy."""
+        if self._unbound:
+            self._num_shards = int(num_ps)
+            self._unbound = False
+
+    def __call__(self, shape, dtype, axis=0):
+        if self._unbound:
+            raise ValueError("ModShardsPartitioner(num_shards=None) takes its shard count from "
+                             "the number of ps tasks: pass it to tnp.ParameterServerStrategy, or "
+                             "set num_shards")
+        return super().__call__(shape, dtype, axis)

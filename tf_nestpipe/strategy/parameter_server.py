@@ -1,0 +1,62 @@
+"""`tnp.ParameterServerStrategy`: TensorFlow's parameter-server training (a chief coordinates,
+workers run scheduled functions, variables live on ps tasks) with tf_nestpipe's tables, custom
+ops and DOWNPOUR update windows."""
+import tensorflow as tf
+from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+
+from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.ops import load_op_library
+
+
+class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
+    """A `tf.distribute.ParameterServerStrategy` over the chief, workers and ps tasks of
+    `TF_CONFIG` (`python -m tf_nestpipe.launch --workers N --ps K --chief -- python script.py`
+    starts one; worker and ps tasks run `python -m tf_nestpipe.server`, which loads our ops).
+
+    `variable_partitioner` shards variables over the ps tasks (see
+    `tf_nestpipe.sharding.partitioners`; a partitioner that takes its size from the number of ps
+    tasks is bound here). `update_window=1` is what every scheduled step does today: read the
+    parameters from the ps, push the update (Hogwild-style). DOWNPOUR windows (`update_window`
+    T > 1 local steps with a `local_optimizer` between pulls and pushes) are not built yet and
+    are refused rather than silently ignored.
+    """
+
+    def __init__(self, cluster_resolver=None, variable_partitioner=None, update_window=1,
+                 local_optimizer=None):
+        if int(update_window) < 1:
+            raise ValueError("update_window must be >= 1, got %r" % (update_window,))
+        if int(update_window) > 1 or local_optimizer is not None:
+            raise NotImplementedError(
+                "DOWNPOUR update windows (update_window > 1, local_optimizer) are not implemented "
+                "yet: every scheduled step pushes its update (update_window=1). Use "
+                "update_window=1 without a local_optimizer.")
+        load_op_library()
+        if cluster_resolver is None:
+            config = parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG
+            if config is None or not config.cluster.get("ps"):
+                raise ValueError(
+                    "tnp.ParameterServerStrategy needs a TF_CONFIG cluster with ps tasks (and a "
+                    "chief running this script); start one with `python -m tf_nestpipe.launch "
+                    "--workers N --ps K --chief -- python script.py`")
+            cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
+        num_ps = len(cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        if hasattr(variable_partitioner, "bind"):
+            variable_partitioner.bind(num_ps)
+        super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
+        self.update_window = int(update_window)
+        self.local_optimizer = local_optimizer
+
+    @property
+    def variable_partitioner(self):
+        """The partitioner variables created in the scope are sharded with (or None)."""
+        return self.extended._variable_partitioner  # pylint: disable=protected-access
+
+    @property
+    def num_ps(self):
+        """Number of parameter-server tasks."""
+        return self.extended._num_ps  # pylint: disable=protected-access
+
+    @property
+    def num_workers(self):
+        """Number of worker tasks."""
+        return self.extended._num_workers  # pylint: disable=protected-access
