@@ -10,7 +10,8 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
 from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                   ShardLayout)
-from tf_nestpipe.strategy import (CommunicationImplementation, NestPipeStrategy,  # noqa: E402
+from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
+                                  LocalAdagrad, LocalSGD, NestPipeStrategy,
                                   ParameterServerStrategy)
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
                                                MaxSizePartitioner, MinSizePartitioner,
@@ -26,7 +27,10 @@ __version__ = "0.1.0"
 __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
+    "DownpourTrainer",
     "FixedShardsPartitioner",
+    "LocalAdagrad",
+    "LocalSGD",
     "MaxSizePartitioner",
     "MinSizePartitioner",
     "ModShardsPartitioner",

@@ -27,6 +27,11 @@ def _pipelined_strategy(model):
     from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy  # avoid an import cycle
 
     strategy = model.distribute_strategy
+    if getattr(strategy, "update_window", 1) > 1:
+        raise ValueError(
+            "tf_keras fit pushes every step's update to the ps, but this "
+            "tnp.ParameterServerStrategy has update_window=%d: train with "
+            "tnp.DownpourTrainer, or use update_window=1 with fit" % strategy.update_window)
     if not isinstance(strategy, NestPipeStrategy) or strategy.pipeline == "none":
         return None
     if model.run_eagerly or model._cluster_coordinator:  # pylint: disable=protected-access

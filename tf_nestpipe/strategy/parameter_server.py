@@ -5,6 +5,7 @@ import tensorflow as tf
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
 from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
 
 
@@ -15,21 +16,18 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
 
     `variable_partitioner` shards variables over the ps tasks (see
     `tf_nestpipe.sharding.partitioners`; a partitioner that takes its size from the number of ps
-    tasks is bound here). `update_window=1` is what every scheduled step does today: read the
-    parameters from the ps, push the update (Hogwild-style). DOWNPOUR windows (`update_window`
-    T > 1 local steps with a `local_optimizer` between pulls and pushes) are not built yet and
-    are refused rather than silently ignored.
+    tasks is bound here). `update_window=T` and `local_optimizer` ("sgd", "adagrad",
+    `tnp.LocalSGD(lr)`, `tnp.LocalAdagrad(lr)`) configure DOWNPOUR training with
+    `tnp.DownpourTrainer`: T local steps per worker between a pull and a push of the summed
+    gradient; T=1 pushes every step (Hogwild-style). tf_keras `fit` pushes every step and
+    refuses a strategy with `update_window > 1`.
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, update_window=1,
                  local_optimizer=None):
         if int(update_window) < 1:
             raise ValueError("update_window must be >= 1, got %r" % (update_window,))
-        if int(update_window) > 1 or local_optimizer is not None:
-            raise NotImplementedError(
-                "DOWNPOUR update windows (update_window > 1, local_optimizer) are not implemented "
-                "yet: every scheduled step pushes its update (update_window=1). Use "
-                "update_window=1 without a local_optimizer.")
+        local_optimizer_from(local_optimizer)  # validates it
         load_op_library()
         if cluster_resolver is None:
             config = parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG

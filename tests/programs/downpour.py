@@ -1,0 +1,117 @@
+"""DOWNPOUR windows on a chief + 2 workers + 2 ps cluster (run on the chief by the launcher with
+`--workers 2 --ps 2 --chief`). Writes OUT_DIR/downpour.json.
+
+usage: downpour.py OUT_DIR
+  exact: one window (T=3, local SGD, global SGD with learning rate 1) must leave the ps holding
+  pulled - sum of the three local-step gradients, computed here by a plain model on the same
+  three batches. train_T<T>_<opt>: 90 local steps of each setting; the losses must fall, and the
+  local Adagrad accumulators must live on the workers.
+"""
+import json
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tf_nestpipe as tnp  # noqa: E402
+
+VOCAB, DIM, BATCH = 200, 4, 16
+STEPS = 90  # local steps per setting: 90 windows of T=1, 30 of T=3
+
+
+def make_model():
+    model = tf_keras.Sequential([
+        tnp.ShardedEmbedding(VOCAB, DIM, combiner="mean", name="table",
+                             embeddings_initializer=tf_keras.initializers.RandomUniform(-0.3, 0.3,
+                                                                                        seed=1)),
+        tf_keras.layers.Dense(8, activation="relu",
+                              kernel_initializer=tf_keras.initializers.GlorotUniform(seed=2)),
+        tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=3))])
+    model.build((None, 3))
+    return model
+
+
+def dataset_fn(_context=None):
+    rng = np.random.default_rng(0)
+    ids = np.minimum(rng.zipf(1.3, size=(2048, 3)) - 1, VOCAB - 1).astype(np.int64)
+    labels = ((ids[:, 0] % 3) == 0).astype(np.float32)[:, None]
+    return tf.data.Dataset.from_tensor_slices((ids, labels)).repeat().batch(BATCH)
+
+
+def loss_fn(labels, logits):
+    return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
+
+
+def exact_window(out):
+    strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.ModShardsPartitioner(),
+                                           update_window=3, local_optimizer=tnp.LocalSGD(0.5))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                                  tf_keras.optimizers.SGD(1.0))
+    before = trainer.global_values()
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    trainer.schedule(iterator)
+    coordinator.join()
+    after = trainer.global_values()
+    # Reference: a plain model from the pulled values, three SGD(0.5) steps, summed gradients.
+    reference = make_model()
+    for variable, value in zip(reference.trainable_variables, before):
+        variable.assign(value)
+    total = [np.zeros_like(v) for v in before]
+    for features, labels in dataset_fn().take(3):
+        with tf.GradientTape() as tape:
+            loss = loss_fn(labels, reference(features, training=True))
+        grads = tape.gradient(loss, reference.trainable_variables)
+        for i, (variable, grad) in enumerate(zip(reference.trainable_variables, grads)):
+            grad = tf.convert_to_tensor(grad)
+            variable.assign_sub(0.5 * grad)
+            total[i] += grad.numpy()
+    expected = [b - t for b, t in zip(before, total)]
+    out["exact"] = {"max_diff": max(float(np.abs(a - e).max()) for a, e in zip(after, expected)),
+                    "moved": max(float(np.abs(a - b).max()) for a, b in zip(after, before)),
+                    "shards": [len(g.shards) for g in trainer._groups],  # pylint: disable=protected-access
+                    "row_orders": [g.row_order for g in trainer._groups]}  # pylint: disable=protected-access
+
+
+def train(out):
+    for window, local in ((1, "sgd"), (3, "sgd"), (3, "adagrad")):
+        strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.FixedShardsPartitioner(2),
+                                               update_window=window,
+                                               local_optimizer=(tnp.LocalAdagrad(0.2)
+                                                                if local == "adagrad" else
+                                                                tnp.LocalSGD(0.2)))
+        coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+        trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                                      tf_keras.optimizers.Adagrad(0.5))
+        iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+        windows = STEPS // window
+        results = [trainer.schedule(iterator) for _ in range(windows)]
+        coordinator.join()
+        values = [r.fetch() for r in results]
+        losses = [float(loss) for loss, _ in values]
+        pushed = sum(int(p) for _, p in values)
+        slots = [type(s).__name__ for s in trainer.local_slots if s is not None]
+        ps_optimizer = [shard.device for v in trainer.optimizer.variables()
+                        for shard in getattr(v, "variables", [v])]
+        out["train_T%d_%s" % (window, local)] = {
+            "first_loss": float(np.mean(losses[:windows // 3])),
+            "last_loss": float(np.mean(losses[-(windows // 3):])),
+            "pushed_per_sample": pushed / float(STEPS * BATCH),
+            "local_slot_types": slots, "global_optimizer_devices": ps_optimizer}
+
+
+def main():
+    out = {}
+    exact_window(out)
+    train(out)
+    with open(os.path.join(sys.argv[1], "downpour.json"), "w") as f:
+        json.dump(out, f)
+    print("downpour done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""DOWNPOUR update windows on a real chief + 2 workers + 2 ps cluster: one window equals a
+plain model's T local steps with the summed gradient pushed (exactly), and T=1 / T=3 with local
+SGD and local Adagrad train, with the local optimizer's state on the workers only."""
+import json
+import os
+import sys
+
+import pytest
+
+from conftest import PROGRAMS, run_command
+
+
+@pytest.fixture(scope="session")
+def downpour_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("downpour")
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--ps",
+                          "2", "--chief", "--timeout", "240", "--", sys.executable,
+                          os.path.join(PROGRAMS, "downpour.py"), str(out)], timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:]
+    with open(out / "downpour.json") as f:
+        return json.load(f)
+
+
+def test_one_window_pushes_the_sum_of_its_local_step_gradients(downpour_results):
+    exact = downpour_results["exact"]
+    assert exact["moved"] > 1e-2  # the window changed the ps values ...
+    assert exact["max_diff"] < 1e-5  # ... to exactly pulled - sum of the 3 local-step gradients
+    # The table is split round-robin (mod) over both ps tasks, the dense kernels by ranges.
+    assert exact["shards"][0] == 2 and exact["row_orders"][0] == "mod"
+
+
+@pytest.mark.parametrize("setting", ["train_T1_sgd", "train_T3_sgd", "train_T3_adagrad"])
+def test_windows_train(downpour_results, setting):
+    result = downpour_results[setting]
+    assert result["last_loss"] < result["first_loss"]
+    # Stateful local optimizer: its accumulators are per-worker variables; the ps holds only
+    # the global optimizer's state.
+    expected_slots = 5 if setting.endswith("adagrad") else 0
+    assert result["local_slot_types"] == ["_LocalVariable"] * expected_slots
+    assert sum(d.startswith("/job:ps/") for d in result["global_optimizer_devices"]) == 9
+
+
+def test_longer_windows_push_less_per_sample(downpour_results):
+    t1 = downpour_results["train_T1_sgd"]["pushed_per_sample"]
+    t3 = downpour_results["train_T3_sgd"]["pushed_per_sample"]
+    assert t3 < 0.7 * t1
+
+
+def test_fit_refuses_a_downpour_strategy():
+    """fit would push every step: a strategy with update_window > 1 is refused there."""
+    from tf_nestpipe.pipeline import keras_integration
+
+    class FakeStrategy:
+        update_window = 3
+
+    class Model:
+        distribute_strategy = FakeStrategy()
+
+    with pytest.raises(ValueError, match="tnp.DownpourTrainer"):
+        keras_integration._pipelined_strategy(Model())

@@ -1,0 +1,282 @@
+"""DOWNPOUR update windows over `tnp.ParameterServerStrategy` (DESIGN.md section 5).
+
+One scheduled *window* on a worker: pull the parameters from the ps tasks into that worker's
+own copy of the model, run `update_window` (T) local steps on it with a local optimizer (its
+slot variables live on the worker, never on a ps), sum the T gradients, push the sum to the ps
+where the global optimizer applies it. T=1 pushes every step's gradient (Hogwild-style).
+
+Each worker keeps its copy of the model in per-worker variables (TensorFlow's
+`PerWorkerVariable`: one instance per worker, the function resolves it to the worker it runs
+on), so windows on different workers never share local state. The copy is a full one (tables
+included); pulling only the rows a window needs is not done yet. Automatic control dependencies
+do not order per-worker variables, so the window orders pull, local steps and updates itself.
+"""
+import contextlib
+import re
+
+import tensorflow as tf
+from tensorflow.python.distribute import ps_values
+from tensorflow.python.eager import context
+from tensorflow.python.framework import ops
+from tensorflow.python.saved_model import save_context
+
+from tf_nestpipe.sharding import partitioners
+
+
+class _LocalVariable(ps_values.PerWorkerVariable):
+    """A per-worker variable that a gradient tape can differentiate: trainable, and its handle
+    is captured once per traced function (TensorFlow's captures a new one at every access, so
+    the tape never sees the reads it watched)."""
+
+    def __init__(self, strategy, next_creator, **kwargs):
+        super().__init__(strategy, next_creator, **kwargs)
+        self._trainable = True
+
+    @property
+    def handle(self):
+        if context.executing_eagerly() or save_context.in_save_context():
+            return self._coordinator_instance.handle
+        self._maybe_create_per_worker_vars()
+        closure, spec = self.handle_call_time_value()
+        return ops.get_default_graph().capture_call_time_value(
+            closure, spec, key=("tf_nestpipe_local_variable", id(self)))
+
+
+@contextlib.contextmanager
+def worker_local_variables(strategy):
+    """Within this context (and `strategy.scope()`), new variables are per-worker
+    `_LocalVariable`s: one independent copy on every worker, none on a ps."""
+    extended = strategy.extended
+
+    def create(next_creator, **kwargs):
+        kwargs["per_worker_variable"] = True
+        return next_creator(**kwargs)
+
+    def per_worker(next_creator, **kwargs):
+        return _LocalVariable(strategy, next_creator, **kwargs)
+
+    original = extended._create_per_worker_variable  # pylint: disable=protected-access
+    extended._create_per_worker_variable = per_worker  # pylint: disable=protected-access
+    try:
+        with strategy.scope(), tf.variable_creator_scope(create):
+            yield
+    finally:
+        extended._create_per_worker_variable = original  # pylint: disable=protected-access
+
+
+class LocalSGD:
+    """Local optimizer: v -= learning_rate * g (stateless)."""
+
+    def __init__(self, learning_rate):
+        self.learning_rate = float(learning_rate)
+
+    def create_slots(self, variable):
+        """No state."""
+        del variable
+        return None
+
+    def apply(self, variable, gradient, slot):
+        """One update of a worker-local variable; returns the op."""
+        del slot
+        if isinstance(gradient, tf.IndexedSlices):
+            return variable.scatter_sub(tf.IndexedSlices(self.learning_rate * gradient.values,
+                                                         gradient.indices))
+        return variable.assign_sub(self.learning_rate * gradient)
+
+
+class LocalAdagrad:
+    """Local optimizer: acc += g^2; v -= learning_rate * g / sqrt(acc). The accumulator is a
+    variable on the worker that holds `variable`."""
+
+    def __init__(self, learning_rate, initial_accumulator_value=0.1, epsilon=1e-7):
+        self.learning_rate = float(learning_rate)
+        self.initial_accumulator_value = float(initial_accumulator_value)
+        self.epsilon = float(epsilon)
+
+    def create_slots(self, variable):
+        """The accumulator (created by the trainer as a per-worker variable)."""
+        return tf.Variable(tf.fill(variable.shape, tf.cast(self.initial_accumulator_value,
+                                                           variable.dtype)),
+                           trainable=False, name="local_adagrad_accumulator")
+
+    def apply(self, variable, gradient, slot):
+        """One update of a worker-local variable and its accumulator; returns the op."""
+        if isinstance(gradient, tf.IndexedSlices):
+            gradient = _dedup(gradient)
+            squared = tf.IndexedSlices(tf.square(gradient.values), gradient.indices)
+            with tf.control_dependencies([slot.scatter_add(squared)]):
+                acc = tf.gather(slot, gradient.indices)
+            step = self.learning_rate * gradient.values / (tf.sqrt(acc) + self.epsilon)
+            return variable.scatter_sub(tf.IndexedSlices(step, gradient.indices))
+        with tf.control_dependencies([slot.assign_add(tf.square(gradient))]):
+            acc = tf.convert_to_tensor(slot)
+        return variable.assign_sub(self.learning_rate * gradient / (tf.sqrt(acc) + self.epsilon))
+
+
+def local_optimizer_from(spec):
+    """`"sgd"` / `"adagrad"` (learning rate 0.1), a LocalSGD / LocalAdagrad, or None (SGD 0.1)."""
+    if spec is None or spec == "sgd":
+        return LocalSGD(0.1)
+    if spec == "adagrad":
+        return LocalAdagrad(0.1)
+    if isinstance(spec, (LocalSGD, LocalAdagrad)):
+        return spec
+    raise ValueError("local_optimizer must be 'sgd', 'adagrad', tnp.LocalSGD(lr) or "
+                     "tnp.LocalAdagrad(lr), got %r" % (spec,))
+
+
+def _dedup(slices):
+    """IndexedSlices with each index once (values summed)."""
+    unique, position = tf.unique(slices.indices)
+    return tf.IndexedSlices(tf.math.unsorted_segment_sum(slices.values, position, tf.size(unique)),
+                            unique, slices.dense_shape)
+
+
+def _add(total, gradient):
+    if total is None:
+        return gradient
+    if isinstance(gradient, tf.IndexedSlices) or isinstance(total, tf.IndexedSlices):
+        total, gradient = (g if isinstance(g, tf.IndexedSlices) else
+                           tf.IndexedSlices(g, tf.range(tf.shape(g, out_type=tf.int64)[0]))
+                           for g in (total, gradient))
+        return tf.IndexedSlices(tf.concat([total.values, gradient.values], 0),
+                                tf.concat([tf.cast(total.indices, tf.int64),
+                                           tf.cast(gradient.indices, tf.int64)], 0))
+    return total + gradient
+
+
+class _ParameterGroup:
+    """One parameter of the model: its shards on the ps tasks (one if unsplit) and the row
+    layout of a split table ("div" ranges or "mod" round-robin)."""
+
+    def __init__(self, shards, row_order):
+        self.shards = shards
+        self.row_order = row_order
+        self.sizes = [int(s.shape[0]) for s in shards] if shards[0].shape.rank else [1]
+        self.rows = sum(self.sizes)
+
+    def pull(self):
+        """The whole parameter, rows in their natural order."""
+        if len(self.shards) == 1:
+            return tf.convert_to_tensor(self.shards[0])
+        values = [tf.convert_to_tensor(s) for s in self.shards]
+        if self.row_order == partitioners.ROW_ORDER_MOD:
+            count = len(self.shards)
+            return tf.dynamic_stitch([tf.range(k, self.rows, count) for k in range(count)], values)
+        return tf.concat(values, axis=0)
+
+    def split(self, gradient):
+        """The gradient of the whole parameter as one gradient per shard."""
+        if len(self.shards) == 1:
+            return [gradient]
+        count = len(self.shards)
+        offsets = [sum(self.sizes[:k]) for k in range(count)]
+        if not isinstance(gradient, tf.IndexedSlices):
+            if self.row_order == partitioners.ROW_ORDER_MOD:
+                return [tf.gather(gradient, tf.range(k, self.rows, count)) for k in range(count)]
+            return tf.split(gradient, self.sizes, axis=0)
+        indices = tf.cast(gradient.indices, tf.int64)
+        parts = []
+        for k in range(count):
+            if self.row_order == partitioners.ROW_ORDER_MOD:
+                mask, local = tf.equal(indices % count, k), indices // count
+            else:
+                mask = tf.logical_and(indices >= offsets[k], indices < offsets[k] + self.sizes[k])
+                local = indices - offsets[k]
+            parts.append(tf.IndexedSlices(tf.boolean_mask(gradient.values, mask),
+                                          tf.boolean_mask(local, mask)))
+        return parts
+
+
+def _groups(model):
+    """The model's trainable parameters as groups of ps shards, in variable order."""
+    mod_tables = set()
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        if getattr(layer, "_ps_row_order", None) == partitioners.ROW_ORDER_MOD:
+            mod_tables.update(id(v) for v in layer._table_shards())  # pylint: disable=protected-access
+    groups, current, current_name = [], [], None
+    for variable in model.trainable_variables:
+        name = re.sub(r"/part_\d+(:\d+)?$", "", variable.name)
+        if current and (name != current_name or "/part_" not in variable.name):
+            groups.append(current)
+            current = []
+        current.append(variable)
+        current_name = name
+    if current:
+        groups.append(current)
+    return [_ParameterGroup(g, partitioners.ROW_ORDER_MOD if id(g[0]) in mod_tables else
+                            partitioners.ROW_ORDER_DIV) for g in groups]
+
+
+class DownpourTrainer:
+    """DOWNPOUR over `strategy` (a `tnp.ParameterServerStrategy`; its `update_window` and
+    `local_optimizer` set T and the local optimizer). `model_fn()` builds the model: once in the
+    strategy scope (the global model on the ps tasks, `self.model`) and once more in per-worker
+    variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)` returns a scalar; `optimizer` is the global optimizer
+    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient."""
+
+    def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer):
+        self.strategy = strategy
+        self.coordinator = coordinator
+        self.update_window = strategy.update_window
+        self.local_optimizer = local_optimizer_from(strategy.local_optimizer)
+        self.loss_fn = loss_fn
+        self.optimizer = optimizer
+        with strategy.scope():
+            self.model = model_fn()
+        self._groups = _groups(self.model)
+        with worker_local_variables(strategy):
+            self.local_model = model_fn()
+            self.local_slots = [self.local_optimizer.create_slots(v)
+                                for v in self.local_model.trainable_variables]
+        shapes = [tuple(v.shape.as_list()) for v in self.local_model.trainable_variables]
+        expected = [(g.rows,) + tuple(g.shards[0].shape.as_list()[1:]) for g in self._groups]
+        if shapes != expected:
+            raise ValueError("model_fn built different models: local parameters %s, global %s"
+                             % (shapes, expected))
+        self._window = tf.function(self._window_fn)
+        self.windows = 0
+        self.pushed_values = 0  # parameter values (floats) pushed to the ps, all windows
+
+    def _window_fn(self, iterator):
+        def replica_fn():
+            variables = self.local_model.trainable_variables
+            # Pull. Per-worker variables get no automatic control dependencies: every read and
+            # update below is ordered explicitly.
+            after = [v.assign(g.pull(), read_value=False) for v, g in zip(variables, self._groups)]
+            totals = [None] * len(variables)
+            losses = []
+            for _ in range(self.update_window):
+                features, labels = next(iterator)
+                with tf.control_dependencies(after):
+                    with tf.GradientTape() as tape:
+                        loss = self.loss_fn(labels, self.local_model(features, training=True))
+                    gradients = tape.gradient(loss, variables)
+                    after = [self.local_optimizer.apply(v, g, s) for v, g, s in
+                             zip(variables, gradients, self.local_slots)]
+                totals = [_add(t, g) for t, g in zip(totals, gradients)]
+                losses.append(loss)
+            shard_gradients, shard_variables, pushed = [], [], []
+            for group, total in zip(self._groups, totals):  # push the summed gradients
+                if isinstance(total, tf.IndexedSlices):
+                    total = _dedup(total)
+                    pushed.append(tf.size(total.values))
+                else:
+                    pushed.append(tf.size(total))
+                shard_gradients += group.split(total)
+                shard_variables += group.shards
+            with tf.control_dependencies(after):
+                self.optimizer.apply_gradients(zip(shard_gradients, shard_variables))
+            return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed)
+
+        return self.strategy.run(replica_fn)
+
+    def global_values(self):
+        """The model's parameters as NumPy arrays, rows in natural order (read from the ps)."""
+        return [group.pull().numpy() for group in self._groups]
+
+    def schedule(self, iterator):
+        """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
+        pushed)."""
+        self.windows += 1
+        return self.coordinator.schedule(self._window, args=(iterator,))
