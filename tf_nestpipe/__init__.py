@@ -13,6 +13,7 @@ from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection, 
 from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
                                   LocalAdagrad, LocalSGD, NestPipeStrategy,
                                   ParameterServerStrategy)
+from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
                                                MaxSizePartitioner, MinSizePartitioner,
                                                ModShardsPartitioner)
@@ -37,6 +38,7 @@ __all__ = [
     "NestPipeStrategy",
     "ParameterServerStrategy",
     "ShardLayout",
+    "ShardedCheckpoint",
     "ShardedEmbedding",
     "ShardedEmbeddingCollection",
     "TFConfigError",

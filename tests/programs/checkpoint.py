@@ -1,0 +1,91 @@
+"""Save / restore / reshard checkpoints of a NestPipe training run.
+
+usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore] [--snapshot-at N] [--save-at N ...]
+  Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
+  FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
+  number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
+  OUT_PREFIX.npz with every parameter and slot after the last step.
+"""
+import os
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import exactness as ex  # noqa: E402
+import tf_nestpipe as tnp  # noqa: E402
+
+
+def main():
+    prefix, ckpt_dir, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+    save_at = [int(a) for a in sys.argv[sys.argv.index("--save-at") + 1:]] if "--save-at" in sys.argv else []
+    strategy = tnp.NestPipeStrategy()
+    rank, workers = strategy.worker_index, strategy.num_workers
+    with strategy.scope():
+        model = ex.TinyRanker()
+        optimizer = ex.make_optimizer("adagrad")
+    batches = ex.make_batches(last)
+    with strategy.scope():  # build in the scope: mirrored dense weights, row-shard slots
+        model(ex.local_slice(batches[0], rank, workers)[0])
+        optimizer.build(model.trainable_variables)
+    checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer)
+    if "--restore" in sys.argv:
+        step = checkpoint.restore(ckpt_dir)
+        assert step == first, "restored step %d, expected %d" % (step, first)
+        print("restored step", step, flush=True)
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
+                                                 reduction=tf_keras.losses.Reduction.NONE)
+
+    @tf.function
+    def train_step(features, labels):
+        def step_fn(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                                  global_batch_size=ex.GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step_fn, args=(features, labels))
+
+    snapshot = (int(sys.argv[sys.argv.index("--snapshot-at") + 1])
+                if "--snapshot-at" in sys.argv else None)
+    for step in range(first, last):
+        train_step(*ex.local_slice(batches[step], rank, workers))
+        if step + 1 in save_at:
+            checkpoint.save(ckpt_dir, step + 1)
+            print("saved step", step + 1, flush=True)
+        if step + 1 == snapshot:
+            write_parameters(strategy, model, optimizer, "%s.%d.npz" % (prefix, snapshot))
+    write_parameters(strategy, model, optimizer, prefix + ".npz")
+    print("done", first, last, flush=True)
+
+
+def write_parameters(strategy, model, optimizer, path):
+    """Worker 0 writes the full tables, their Adagrad accumulators and the dense weights (every
+    worker must call this: it gathers the shards)."""
+    rank, workers = strategy.worker_index, strategy.num_workers
+    tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
+    # Adagrad accumulators of the tables, assembled like the tables (a collective).
+    slots = {}
+    for name, layer in (("table_a", model.table_a), ("table_b", model.table_b)):
+        slot = [v for v in optimizer.variables()
+                if v.name.startswith("accumulator/") and layer.embeddings.name in v.name][0]
+        local = tf.convert_to_tensor(slot)
+        pad = layer.layout.max_local_rows - layer.layout.local_rows
+        gathered = (strategy.extended.collectives.all_gather(
+            tf.pad(local, [[0, pad], [0, 0]]), "test/slots_" + name).numpy()
+            if workers > 1 else local.numpy())
+        ids = np.arange(layer.vocab_size)
+        slots["slot/" + name] = gathered[(ids % workers) * layer.layout.max_local_rows
+                                         + ids // workers]
+    dense = {"dense/%d" % i: v.numpy() for i, v in enumerate(model.trainable_variables)
+             if "table_" not in v.name}
+    if rank == 0:
+        np.savez(path, **tables, **slots, **dense)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,131 @@
+"""Checkpoints of NestPipe training that restore on any number of workers.
+
+`ShardedCheckpoint(strategy, model=..., optimizer=...)` wraps a `tf.train.Checkpoint`. `save`
+writes, per step, one TensorFlow checkpoint per worker (its own table row shards, the optimizer
+slots next to them, and its copy of the mirrored dense state) plus a JSON manifest naming the
+worker count; a step counts as written only once every worker finished (the manifest is written
+last). `restore` on the same number of workers reads each worker's own file. On a different
+number of workers it reshards: every row-shard variable (tables and their optimizer slots) is
+rebuilt from the rows of all old shards (id k: old owner k mod W, local row k // W; new owner
+k mod W'), and every other variable is read from worker 0's file. Build the model and the
+optimizer (`optimizer.build(model.trainable_variables)` inside `strategy.scope()`, so the slots
+of row shards are row shards too) before a resharding restore.
+"""
+import json
+import os
+import re
+
+import numpy as np
+import tensorflow as tf
+from tensorflow.python.checkpoint import graph_view
+from tensorflow.python.trackable import trackable_utils
+
+from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+
+MANIFEST = "manifest.json"
+
+
+def _step_dir(directory, step):
+    return os.path.join(directory, "step-%d" % step)
+
+
+def _worker_prefix(directory, step, rank, num_workers):
+    return os.path.join(_step_dir(directory, step), "worker-%d-of-%d" % (rank, num_workers))
+
+
+def latest_step(directory):
+    """The newest step of `directory` whose manifest exists (every worker finished), or None."""
+    if not tf.io.gfile.isdir(directory):
+        return None
+    steps = []
+    for name in tf.io.gfile.listdir(directory):
+        match = re.fullmatch(r"step-(\d+)/?", name)
+        if match and tf.io.gfile.exists(os.path.join(directory, name.rstrip("/"), MANIFEST)):
+            steps.append(int(match.group(1)))
+    return max(steps) if steps else None
+
+
+def _variable_keys(root):
+    """{variable: checkpoint key} for every variable reachable from `root`."""
+    objects, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
+    keys = {}
+    for obj in objects:
+        if isinstance(obj, tf.Variable):
+            path = trackable_utils.object_path_to_string(paths[obj])
+            keys[id(obj)] = (obj, trackable_utils.checkpoint_key(path, "VARIABLE_VALUE"))
+    return list(keys.values())
+
+
+class ShardedCheckpoint:
+    """A checkpoint of `objects` (e.g. model=, optimizer=) for `strategy`'s workers, restorable
+    on another worker count (see the module docstring)."""
+
+    def __init__(self, strategy, **objects):
+        self.strategy = strategy
+        self.checkpoint = tf.train.Checkpoint(**objects)
+
+    def _barrier(self, tag):
+        if self.strategy.num_workers > 1:
+            self.strategy.extended.collectives.all_gather(tf.constant([1], tf.int32), tag)
+
+    def save(self, directory, step):
+        """Writes this worker's part of step `step`; returns the step's directory. Call on every
+        worker at the same point of training."""
+        rank, workers = self.strategy.worker_index, self.strategy.num_workers
+        prefix = _worker_prefix(directory, step, rank, workers)
+        tf.io.gfile.makedirs(os.path.dirname(prefix))
+        self.checkpoint.write(prefix)
+        self._barrier("nestpipe/checkpoint_saved")
+        if rank == 0:
+            manifest = {"step": int(step), "num_workers": workers, "format": 1}
+            with tf.io.gfile.GFile(os.path.join(_step_dir(directory, step), MANIFEST), "w") as f:
+                f.write(json.dumps(manifest))
+        self._barrier("nestpipe/checkpoint_manifest")
+        return _step_dir(directory, step)
+
+    def restore(self, directory, step=None):
+        """Restores step `step` (default: the latest complete one); returns the step. Call on
+        every worker."""
+        step = latest_step(directory) if step is None else step
+        if step is None:
+            raise FileNotFoundError("no complete checkpoint (step-N/%s) in %s" % (MANIFEST, directory))
+        manifest_path = os.path.join(_step_dir(directory, step), MANIFEST)
+        if not tf.io.gfile.exists(manifest_path):
+            raise FileNotFoundError("checkpoint step %d in %s is incomplete (no %s): a worker did "
+                                    "not finish writing it" % (step, directory, MANIFEST))
+        with tf.io.gfile.GFile(manifest_path) as f:
+            saved_workers = json.loads(f.read())["num_workers"]
+        rank, workers = self.strategy.worker_index, self.strategy.num_workers
+        if saved_workers == workers:
+            self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
+            return step
+        readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
+                   for k in range(saved_workers)]
+        available = set(readers[0].get_variable_to_shape_map())
+        missing = []
+        for variable, key in _variable_keys(self.checkpoint):
+            if key not in available:
+                missing.append(key)
+                continue
+            layout = row_shard_layout(variable)
+            if layout is None:
+                value = readers[0].get_tensor(key)
+            else:
+                value = _reshard_rows([reader.get_tensor(key) for reader in readers], layout)
+            variable.assign(value)
+        if missing:
+            raise ValueError("variables %s are not in checkpoint step %d of %s (a model or "
+                             "optimizer of another shape?)" % (missing, step, directory))
+        return step
+
+
+def _reshard_rows(old_shards, layout):
+    """This worker's rows under `layout` from the row shards of an old layout over
+    `len(old_shards)` workers (id k lived on old shard k mod W at row k // W)."""
+    old_workers = len(old_shards)
+    ids = np.arange(layout.local_rows, dtype=np.int64) * layout.num_shards + layout.shard_index
+    rows = np.zeros((layout.local_rows,) + old_shards[0].shape[1:], old_shards[0].dtype)
+    for owner in range(old_workers):
+        mine = ids % old_workers == owner
+        rows[mine] = old_shards[owner][ids[mine] // old_workers]
+    return rows
