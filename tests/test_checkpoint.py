@@ -30,7 +30,8 @@ def checkpoint_runs(tmp_path_factory):
     # Uninterrupted on 2 workers (a checkpoint written at step 5 on the way).
     run(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"])
     shutil.copytree(ckpt, ckpt_same)
-    run(2, [str(out / "same"), ckpt_same, "5", "15", "--restore"])          # 2 -> 2
+    run(2, [str(out / "same"), ckpt_same, "5", "15", "--restore",           # 2 -> 2
+            "--export", str(out / "saved_model")])
     run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
     run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
     return out
@@ -54,6 +55,29 @@ def test_three_to_one_worker_reshards_rows_and_slots(checkpoint_runs):
     _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "one.npz"))
     with open(checkpoint_runs / "ckpt" / "step-10" / "manifest.json") as f:
         assert json.load(f)["num_workers"] == 3
+
+
+SERVE = """
+import sys
+import numpy as np
+import tensorflow as tf
+loaded = tf.saved_model.load(sys.argv[1])
+data = np.load(sys.argv[2])
+serve = loaded.signatures["serving_default"]
+out = serve(ids=tf.constant(data["ids"]), dense=tf.constant(data["dense"]),
+            bag_values=tf.constant(data["bag_values"]),
+            bag_row_splits=tf.constant(data["bag_row_splits"]))["outputs"].numpy()
+assert "tf_nestpipe" not in sys.modules
+print("max_diff", float(np.abs(out - data["predictions"]).max()), "rows", out.shape[0])
+"""
+
+
+def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
+    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model"),
+                          str(checkpoint_runs / "same.predictions.npz")])
+    assert result.returncode == 0, result.stdout[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
+    assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
 
 
 def test_reshard_rows_against_numpy():

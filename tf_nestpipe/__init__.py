@@ -14,6 +14,7 @@ from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer, 
                                   LocalAdagrad, LocalSGD, NestPipeStrategy,
                                   ParameterServerStrategy)
 from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
+from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
                                                MaxSizePartitioner, MinSizePartitioner,
                                                ModShardsPartitioner)
@@ -43,5 +44,6 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "TFConfigError",
     "TrainPipeline",
+    "export_saved_model",
     "parse_tf_config",
 ]

@@ -1,6 +1,7 @@
 """Save / restore / reshard checkpoints of a NestPipe training run.
 
-usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore] [--snapshot-at N] [--save-at N ...]
+usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore] [--snapshot-at N] [--export DIR]
+                     [--save-at N ...]
   Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
@@ -60,7 +61,26 @@ def main():
         if step + 1 == snapshot:
             write_parameters(strategy, model, optimizer, "%s.%d.npz" % (prefix, snapshot))
     write_parameters(strategy, model, optimizer, prefix + ".npz")
+    if "--export" in sys.argv:
+        export(strategy, model, sys.argv[sys.argv.index("--export") + 1], batches[0],
+               prefix + ".predictions.npz")
     print("done", first, last, flush=True)
+
+
+def export(strategy, model, directory, batch, path):
+    """Exports a SavedModel and records the model's predictions on the whole `batch`."""
+    signature = {"ids": tf.TensorSpec([None, 2], tf.int64),
+                 "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
+                                            row_splits_dtype=tf.int64),
+                 "dense": tf.TensorSpec([None, ex.NUM_DENSE], tf.float32)}
+    tnp.export_saved_model(model, directory, signature, strategy)
+    features, _ = ex.local_slice(batch, 0, 1)  # the whole global batch
+    with strategy.scope():
+        predictions = model(features).numpy()  # every worker: the lookups are collectives
+    if strategy.worker_index == 0:
+        np.savez(path, predictions=predictions, ids=features["ids"], dense=features["dense"],
+                 bag_values=features["bag"].values.numpy(),
+                 bag_row_splits=features["bag"].row_splits.numpy())
 
 
 def write_parameters(strategy, model, optimizer, path):

@@ -12,6 +12,7 @@ from tf_nestpipe.sharding import partitioners
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
+from tf_nestpipe.strategy.export import export_table
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy, creating_row_shard
 
 COMBINERS = (None, "sum", "mean")
@@ -114,7 +115,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
         flat_ids = tf.reshape(flat_ids, [-1])
-        if self._ps_row_order is not None:
+        full = export_table(self)
+        if full is not None:  # tracing a SavedModel's serving function: core ops only
+            rows = tf.gather(full, flat_ids)
+        elif self._ps_row_order is not None:
             rows = self._parameter_server_lookup(flat_ids)
         elif self._strategy is None or self.layout.num_shards == 1:
             rows = sharded_lookup(self.embeddings, flat_ids, self.layout, None, table_name=self.name)
