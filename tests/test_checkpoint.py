@@ -34,6 +34,14 @@ def checkpoint_runs(tmp_path_factory):
             "--export", str(out / "saved_model")])
     run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
     run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
+    # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes
+    # from the checkpoint of step 5.
+    restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                             "--restarts", "1", "--", sys.executable, PROGRAM,
+                             str(out / "restarted"), str(out / "ckpt_restart"), "0", "15",
+                             "--resume", "--die-at", "8", "--save-at", "5", "10"], timeout=300)
+    assert restarted.returncode == 0, restarted.stdout[-5000:]
+    (out / "restarted.log").write_text(restarted.stdout)
     return out
 
 
@@ -78,6 +86,15 @@ def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
+
+
+def test_a_killed_worker_stops_the_cluster_and_the_restart_resumes_exactly(checkpoint_runs):
+    log = (checkpoint_runs / "restarted.log").read_text()
+    assert "worker 1 dies after step 8" in log
+    assert "[launch] task worker:1 failed (-9)" in log
+    assert "[launch] restarting the cluster (restart 1 of 1)" in log
+    assert log.count("restored step 5") == 2  # both workers of the second attempt
+    _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "restarted.npz"))
 
 
 def test_reshard_rows_against_numpy():

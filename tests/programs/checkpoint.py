@@ -1,13 +1,14 @@
 """Save / restore / reshard checkpoints of a NestPipe training run.
 
-usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore] [--snapshot-at N] [--export DIR]
-                     [--save-at N ...]
+usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--snapshot-at N]
+                     [--export DIR] [--die-at N] [--save-at N ...]
   Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
   OUT_PREFIX.npz with every parameter and slot after the last step.
 """
 import os
+import signal
 import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -38,6 +39,11 @@ def main():
         step = checkpoint.restore(ckpt_dir)
         assert step == first, "restored step %d, expected %d" % (step, first)
         print("restored step", step, flush=True)
+    if "--resume" in sys.argv and tnp.strategy.checkpoint.latest_step(ckpt_dir) is not None:
+        first = checkpoint.restore(ckpt_dir)
+        print("restored step", first, flush=True)
+    die_at = int(sys.argv[sys.argv.index("--die-at") + 1]) if "--die-at" in sys.argv else None
+    marker = os.path.join(ckpt_dir, ".worker1_died")
     loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
                                                  reduction=tf_keras.losses.Reduction.NONE)
 
@@ -58,6 +64,10 @@ def main():
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
             print("saved step", step + 1, flush=True)
+        if step + 1 == die_at and rank == 1 and not os.path.exists(marker):
+            open(marker, "w").close()
+            print("worker 1 dies after step", step + 1, flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
         if step + 1 == snapshot:
             write_parameters(strategy, model, optimizer, "%s.%d.npz" % (prefix, snapshot))
     write_parameters(strategy, model, optimizer, prefix + ".npz")

@@ -23,6 +23,9 @@ def main(argv=None):
     parser.add_argument("--timeout", type=float, default=None, help="seconds before teardown")
     parser.add_argument("--env", action="append", default=[], metavar="K=V",
                         help="extra environment variable for every task")
+    parser.add_argument("--restarts", type=int, default=0,
+                        help="after a failure, start the whole cluster again up to N times "
+                             "(scripts resume from their latest checkpoint)")
     parser.add_argument("--cluster-spec", default=None, metavar="JSON",
                         help="use these task addresses instead of free localhost ports, e.g. "
                              "'{\"worker\": [\"10.0.0.1:2222\", \"10.0.0.2:2222\"]}'")
@@ -52,7 +55,9 @@ def main(argv=None):
                                task_prefix=args.task_prefix)
     except ValueError as e:
         parser.error(str(e))
-    return cluster.run(timeout=args.timeout)
+    if args.restarts < 0:
+        parser.error("--restarts must be >= 0")
+    return cluster.run(timeout=args.timeout, restarts=args.restarts)
 
 
 if __name__ == "__main__":

@@ -81,6 +81,8 @@ class LocalCluster:
         if not command:
             raise ValueError("no command given: use `-- python script.py ARGS`")
         self.command = list(command)
+        self._generated_addresses = cluster is None
+        self._num_workers, self._num_ps, self._chief = num_workers, num_ps, chief
         if cluster is None:
             cluster = make_cluster(num_workers, num_ps, chief)
         elif not cluster.get("worker") and not cluster.get("chief"):
@@ -194,8 +196,11 @@ class LocalCluster:
             return 1
         return 0
 
-    def run(self, timeout: Optional[float] = None) -> int:
-        """Starts the cluster and waits for it; returns the launcher's exit code."""
+    def run(self, timeout: Optional[float] = None, restarts: int = 0) -> int:
+        """Starts the cluster and waits for it; returns the launcher's exit code. After a failed
+        attempt the whole cluster is started again, up to `restarts` times (with fresh ports
+        unless the addresses were given): a training script that resumes from its latest
+        checkpoint then continues where the failed attempt saved last."""
         previous = {}
 
         def _terminate(signum, _frame):
@@ -206,8 +211,21 @@ class LocalCluster:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, _terminate)
         try:
-            self.start()
-            return self.wait(timeout)
+            for attempt in range(int(restarts) + 1):
+                if attempt:
+                    with self._lock:
+                        self.output.write("[launch] restarting the cluster (restart %d of %d)\n"
+                                          % (attempt, restarts))
+                        self.output.flush()
+                    self.tasks = []
+                    self._restarts = {}
+                    if self._generated_addresses:
+                        self.cluster = make_cluster(self._num_workers, self._num_ps, self._chief)
+                self.start()
+                code = self.wait(timeout)
+                if code == 0:
+                    return 0
+            return code
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
