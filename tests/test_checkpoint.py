@@ -1,9 +1,9 @@
-"""Checkpoints under NestPipeStrategy: a run saved on 2 workers and resumed on 2, on 3 (whose
-checkpoint then resumes on 1) ends with the same tables, slots and dense weights as the
-uninterrupted run; incomplete or missing checkpoints give clear errors."""
+"""Checkpoints under NestPipeStrategy: a run saved on 2 workers and resumed on 2 (after a worker
+was killed, or after SIGTERM), or on 3 (whose checkpoint then resumes on 1), ends with the same
+tables, slots and dense weights as the uninterrupted run; the exported SavedModel serves the
+same predictions without tf_nestpipe; incomplete or missing checkpoints give clear errors."""
 import json
 import os
-import shutil
 import sys
 
 import numpy as np
@@ -19,7 +19,7 @@ PROGRAM = os.path.join(PROGRAMS, "checkpoint.py")
 @pytest.fixture(scope="session")
 def checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoint")
-    ckpt, ckpt_same = str(out / "ckpt"), str(out / "ckpt_same")
+    ckpt = str(out / "ckpt")
 
     def run(workers, args):
         result = (launch(workers, [PROGRAM] + args) if workers > 1 else
@@ -29,9 +29,6 @@ def checkpoint_runs(tmp_path_factory):
 
     # Uninterrupted on 2 workers (a checkpoint written at step 5 on the way).
     run(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"])
-    shutil.copytree(ckpt, ckpt_same)
-    run(2, [str(out / "same"), ckpt_same, "5", "15", "--restore",           # 2 -> 2
-            "--export", str(out / "saved_model")])
     run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
     run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
     # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes
@@ -39,9 +36,17 @@ def checkpoint_runs(tmp_path_factory):
     restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
                              "--restarts", "1", "--", sys.executable, PROGRAM,
                              str(out / "restarted"), str(out / "ckpt_restart"), "0", "15",
-                             "--resume", "--die-at", "8", "--save-at", "5", "10"], timeout=300)
+                             "--resume", "--die-at", "8", "--export", str(out / "saved_model"),
+                             "--save-at", "5", "10"], timeout=300)
     assert restarted.returncode == 0, restarted.stdout[-5000:]
     (out / "restarted.log").write_text(restarted.stdout)
+    # Worker 1 gets SIGTERM in step 7: every worker saves step 7 and exits; the restart resumes.
+    preempted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                             "--restarts", "1", "--", sys.executable, PROGRAM,
+                             str(out / "preempted"), str(out / "ckpt_preempt"), "0", "15",
+                             "--resume", "--sigterm-at", "7"], timeout=300)
+    assert preempted.returncode == 0, preempted.stdout[-5000:]
+    (out / "preempted.log").write_text(preempted.stdout)
     return out
 
 
@@ -49,10 +54,6 @@ def _assert_same(a, b):
     assert sorted(a.files) == sorted(b.files) and len(a.files) == 8
     for name in a.files:
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=1e-5, err_msg=name)
-
-
-def test_resume_on_the_same_workers_matches_the_uninterrupted_run(checkpoint_runs):
-    _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "same.npz"))
 
 
 def test_two_to_three_workers_reshards_rows_and_slots(checkpoint_runs):
@@ -82,7 +83,7 @@ print("max_diff", float(np.abs(out - data["predictions"]).max()), "rows", out.sh
 
 def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
     result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model"),
-                          str(checkpoint_runs / "same.predictions.npz")])
+                          str(checkpoint_runs / "restarted.predictions.npz")])
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
@@ -95,6 +96,15 @@ def test_a_killed_worker_stops_the_cluster_and_the_restart_resumes_exactly(check
     assert "[launch] restarting the cluster (restart 1 of 1)" in log
     assert log.count("restored step 5") == 2  # both workers of the second attempt
     _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "restarted.npz"))
+
+
+def test_sigterm_checkpoints_every_worker_and_the_restart_resumes_exactly(checkpoint_runs):
+    log = (checkpoint_runs / "preempted.log").read_text()
+    assert "worker 1 gets SIGTERM in step 7" in log
+    assert log.count("tf_nestpipe: preempted; saved step 7") == 2
+    assert "[launch] task worker:" in log and "failed (42)" in log
+    assert log.count("restored step 7") == 2
+    _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "preempted.npz"))
 
 
 def test_reshard_rows_against_numpy():

@@ -15,6 +15,7 @@ from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer, 
                                   ParameterServerStrategy)
 from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
 from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
+from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
                                                MaxSizePartitioner, MinSizePartitioner,
                                                ModShardsPartitioner)
@@ -38,6 +39,7 @@ __all__ = [
     "ModShardsPartitioner",
     "NestPipeStrategy",
     "ParameterServerStrategy",
+    "PreemptionCheckpointHandler",
     "ShardLayout",
     "ShardedCheckpoint",
     "ShardedEmbedding",

@@ -1,7 +1,7 @@
 """Save / restore / reshard checkpoints of a NestPipe training run.
 
 usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--snapshot-at N]
-                     [--export DIR] [--die-at N] [--save-at N ...]
+                     [--export DIR] [--die-at N] [--sigterm-at N] [--save-at N ...]
   Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
@@ -44,6 +44,9 @@ def main():
         print("restored step", first, flush=True)
     die_at = int(sys.argv[sys.argv.index("--die-at") + 1]) if "--die-at" in sys.argv else None
     marker = os.path.join(ckpt_dir, ".worker1_died")
+    sigterm_at = (int(sys.argv[sys.argv.index("--sigterm-at") + 1])
+                  if "--sigterm-at" in sys.argv else None)
+    preemption = tnp.PreemptionCheckpointHandler(strategy, checkpoint, ckpt_dir)
     loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
                                                  reduction=tf_keras.losses.Reduction.NONE)
 
@@ -60,11 +63,18 @@ def main():
     snapshot = (int(sys.argv[sys.argv.index("--snapshot-at") + 1])
                 if "--snapshot-at" in sys.argv else None)
     for step in range(first, last):
+        if step + 1 == sigterm_at and rank == 1 and not os.path.exists(marker):
+            os.makedirs(ckpt_dir, exist_ok=True)
+            open(marker, "w").close()
+            print("worker 1 gets SIGTERM in step", step + 1, flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
         train_step(*ex.local_slice(batches[step], rank, workers))
+        preemption.step_end(step + 1)
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
             print("saved step", step + 1, flush=True)
         if step + 1 == die_at and rank == 1 and not os.path.exists(marker):
+            os.makedirs(ckpt_dir, exist_ok=True)
             open(marker, "w").close()
             print("worker 1 dies after step", step + 1, flush=True)
             os.kill(os.getpid(), signal.SIGKILL)

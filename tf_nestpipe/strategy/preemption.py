@@ -1,0 +1,60 @@
+"""Checkpoint on preemption, in the spirit of
+`tf.distribute.experimental.PreemptionCheckpointHandler`: SIGTERM to any worker makes every
+worker save a checkpoint at the same step and exit.
+
+A SIGTERM only sets a flag in the receiving worker. At each `step_end(step)` the workers
+all-gather their flags (one tiny collective every `check_every` steps); if any worker was
+signalled, all of them write a `ShardedCheckpoint` of that step and exit with
+`PREEMPTED_EXIT_CODE`, so that a restart (e.g. `python -m tf_nestpipe.launch --restarts N`)
+resumes from it.
+"""
+import signal
+import sys
+
+import tensorflow as tf
+
+PREEMPTED_EXIT_CODE = 42
+
+
+class PreemptionCheckpointHandler:
+    """Saves `checkpoint` (a `tnp.ShardedCheckpoint`) to `directory` and exits on every worker
+    once any worker got SIGTERM. Call `step_end(step)` after each training step (same steps on
+    every worker)."""
+
+    def __init__(self, strategy, checkpoint, directory, check_every=1, exit_fn=None):
+        if int(check_every) < 1:
+            raise ValueError("check_every must be >= 1, got %r" % (check_every,))
+        self.strategy = strategy
+        self.checkpoint = checkpoint
+        self.directory = directory
+        self.check_every = int(check_every)
+        self.exit_fn = exit_fn or (lambda: sys.exit(PREEMPTED_EXIT_CODE))
+        self.signalled = False
+        self._previous = signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum, frame):
+        del signum, frame
+        self.signalled = True  # acted on at the next step boundary, on every worker
+
+    def any_worker_signalled(self):
+        """Whether any worker got SIGTERM (a collective on more than one worker)."""
+        flag = tf.constant([int(self.signalled)], tf.int32)
+        if self.strategy.num_workers == 1:
+            return bool(self.signalled)
+        flags = self.strategy.extended.collectives.all_gather(flag, "nestpipe/preemption")
+        return bool(tf.reduce_max(flags).numpy())
+
+    def step_end(self, step):
+        """After training step `step` (1-based count of finished steps): if a worker was
+        preempted, saves step `step` on every worker and exits."""
+        if step % self.check_every:
+            return
+        if self.any_worker_signalled():
+            self.checkpoint.save(self.directory, step)
+            print("tf_nestpipe: preempted; saved step %d to %s" % (step, self.directory),
+                  flush=True)
+            self.exit_fn()
+
+    def close(self):
+        """Restores the previous SIGTERM handler."""
+        signal.signal(signal.SIGTERM, self._previous)
