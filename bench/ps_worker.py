@@ -49,8 +49,10 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
-from tf_nestpipe.data import (load_or_prepare_movielens, make_dataset, movielens_schema,  # noqa: E402
-                              split_files)
+from tf_nestpipe.data import load_or_prepare_movielens, make_dataset, split_files  # noqa: E402
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+from dlrm import model_inputs  # noqa: E402  (the example's MovieLens input mapping)
 
 DATASET = "movielens-1m"
 HIDDEN = (64, 32)
@@ -115,20 +117,6 @@ class RecModel(tf_keras.Model):
     def embedding_layers(self):
         """The tables in a fixed order (single-hot, then multi-hot), as embedding layers."""
         return self.tables + [b.embedding if isinstance(b, MeanBag) else b for b in self.bags]
-
-
-def model_inputs(metadata):
-    """(to_model_inputs map function, single-hot table sizes, multi-hot sizes) of the schema."""
-    schema = movielens_schema(metadata)
-    singles = [f for f in schema.sparse if f.length == 1]
-    bags = {f.name: f.vocab_size for f in schema.sparse if f.length is None}
-
-    def to_model_inputs(features, labels):
-        inputs = {"sparse": tf.stack([features[f.name] for f in singles], axis=1)}
-        inputs.update({name: features[name] for name in bags})
-        return inputs, labels
-
-    return schema, to_model_inputs, [f.vocab_size for f in singles], bags
 
 
 def loss_fn(labels, logits):

@@ -126,10 +126,10 @@ def build_compiled_dlrm(strategy, kind, table_sizes, dim=16, learning_rate=0.05,
     return model
 
 
-def movielens_data(name, global_batch):
-    """(train, test, single-hot table sizes, multi-hot sizes) of converted MovieLens `name`:
-    tf.data datasets of global batches ({"sparse": [B, F], <multi-hot name>: ragged}, labels)."""
-    data_dir, metadata = load_or_prepare_movielens(name)
+def model_inputs(metadata):
+    """(schema, to_model_inputs, single-hot table sizes, multi-hot sizes) of converted MovieLens:
+    `to_model_inputs(features, labels)` maps the reader's batches to this model's inputs
+    ({"sparse": [B, F] single-hot ids, <multi-hot name>: ragged ids}, labels)."""
     schema = movielens_schema(metadata)
     singles = [f for f in schema.sparse if f.length == 1]
     bags = {f.name: f.vocab_size for f in schema.sparse if f.length is None}
@@ -139,11 +139,19 @@ def movielens_data(name, global_batch):
         inputs.update({name: features[name] for name in bags})
         return inputs, labels
 
+    return schema, to_model_inputs, [f.vocab_size for f in singles], bags
+
+
+def movielens_data(name, global_batch):
+    """(train, test, single-hot table sizes, multi-hot sizes, metadata) of converted MovieLens
+    `name`: tf.data datasets of global batches of this model's inputs."""
+    data_dir, metadata = load_or_prepare_movielens(name)
+    schema, to_model_inputs, table_sizes, bags = model_inputs(metadata)
     train = make_dataset(split_files(data_dir, "train", metadata), schema, global_batch,
                          shuffle=True, seed=1).map(to_model_inputs)
     test = make_dataset(split_files(data_dir, "test", metadata), schema,
                         global_batch).map(to_model_inputs)
-    return train, test, [f.vocab_size for f in singles], bags, metadata
+    return train, test, table_sizes, bags, metadata
 
 
 def make_dataset_fn(log, first_batch, num_batches, global_batch, repeat):

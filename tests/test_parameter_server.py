@@ -82,5 +82,5 @@ def test_parameter_server_strategy_needs_ps_tasks(monkeypatch):
         tnp.ParameterServerStrategy()
     with pytest.raises(ValueError, match="update_window must be >= 1"):
         tnp.ParameterServerStrategy(update_window=0)
-    with pytest.raises(NotImplementedError, match="not implemented yet"):
-        tnp.ParameterServerStrategy(update_window=3)
+    with pytest.raises(ValueError, match="local_optimizer must be"):
+        tnp.ParameterServerStrategy(update_window=3, local_optimizer="momentum")

@@ -156,7 +156,7 @@ class _ParameterGroup:
         self.rows = sum(self.sizes)
 
     def pull(self):
-        """The whole parameter, rows in their natural order."""
+        """The whole parameter as one tensor, rows in their natural (id) order."""
         if len(self.shards) == 1:
             return tf.convert_to_tensor(self.shards[0])
         values = [tf.convert_to_tensor(s) for s in self.shards]
@@ -212,7 +212,8 @@ class DownpourTrainer:
     """DOWNPOUR over `strategy` (a `tnp.ParameterServerStrategy`; its `update_window` and
     `local_optimizer` set T and the local optimizer). `model_fn()` builds the model: once in the
     strategy scope (the global model on the ps tasks, `self.model`) and once more in per-worker
-    variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)` returns a scalar; `optimizer` is the global optimizer
+    variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)`
+    returns a scalar; `optimizer` is the global optimizer
     (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient."""
 
     def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer):
@@ -235,8 +236,7 @@ class DownpourTrainer:
             raise ValueError("model_fn built different models: local parameters %s, global %s"
                              % (shapes, expected))
         self._window = tf.function(self._window_fn)
-        self.windows = 0
-        self.pushed_values = 0  # parameter values (floats) pushed to the ps, all windows
+        self.windows = 0  # windows scheduled so far
 
     def _window_fn(self, iterator):
         def replica_fn():
