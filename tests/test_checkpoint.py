@@ -31,6 +31,9 @@ def checkpoint_runs(tmp_path_factory):
     run(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"])
     run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
     run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
+    # The Dual-Buffer Pipeline: uninterrupted, and resumed from step 5 on 3 workers.
+    run(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp", "--save-at", "5"])
+    run(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore", "--dbp"])
     # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes
     # from the checkpoint of step 5.
     restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
@@ -105,6 +108,14 @@ def test_sigterm_checkpoints_every_worker_and_the_restart_resumes_exactly(checkp
     assert "[launch] task worker:" in log and "failed (42)" in log
     assert log.count("restored step 7") == 2
     _assert_same(np.load(checkpoint_runs / "full.npz"), np.load(checkpoint_runs / "preempted.npz"))
+
+
+def test_a_dual_buffer_run_resumes_exactly_on_other_workers(checkpoint_runs):
+    """Pipelines on: the restored run primes a new pipeline from the restored tables."""
+    full = np.load(checkpoint_runs / "dbp_full.npz")
+    _assert_same(full, np.load(checkpoint_runs / "dbp_resumed.npz"))
+    # ... and the pipelined run equals the plain one.
+    _assert_same(np.load(checkpoint_runs / "full.npz"), full)
 
 
 def test_reshard_rows_against_numpy():

@@ -1,7 +1,7 @@
 """Save / restore / reshard checkpoints of a NestPipe training run.
 
 usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--snapshot-at N]
-                     [--export DIR] [--die-at N] [--sigterm-at N] [--save-at N ...]
+                     [--export DIR] [--die-at N] [--sigterm-at N] [--dbp] [--save-at N ...]
   Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
@@ -60,6 +60,13 @@ def main():
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         strategy.run(step_fn, args=(features, labels))
 
+    run_step = train_step
+    if "--dbp" in sys.argv:
+        pipeline, iterator = dual_buffer_pipeline(strategy, model, optimizer, loss_fn,
+                                                  batches[first:last])
+        # The pipeline reads the same batches from its own iterator.
+        run_step = lambda features, labels: pipeline.progress(iterator)  # noqa: E731
+
     snapshot = (int(sys.argv[sys.argv.index("--snapshot-at") + 1])
                 if "--snapshot-at" in sys.argv else None)
     for step in range(first, last):
@@ -68,7 +75,7 @@ def main():
             open(marker, "w").close()
             print("worker 1 gets SIGTERM in step", step + 1, flush=True)
             os.kill(os.getpid(), signal.SIGTERM)
-        train_step(*ex.local_slice(batches[step], rank, workers))
+        run_step(*ex.local_slice(batches[step], rank, workers))
         preemption.step_end(step + 1)
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
@@ -101,6 +108,33 @@ def export(strategy, model, directory, batch, path):
         np.savez(path, predictions=predictions, ids=features["ids"], dense=features["dense"],
                  bag_values=features["bag"].values.numpy(),
                  bag_row_splits=features["bag"].row_splits.numpy())
+
+
+def dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches):
+    """A TrainPipeline over this worker's slices of `batches`, and its iterator."""
+    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
+             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
+                                        row_splits_dtype=tf.int64),
+             "dense": tf.TensorSpec([None, ex.NUM_DENSE], tf.float32)},
+            tf.TensorSpec([None, 1], tf.float32))
+
+    def dataset_fn(context):
+        local = [ex.local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
+                 for b in batches]
+        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
+
+    def step_fn(batch):
+        features, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                              global_batch_size=ex.GLOBAL_BATCH)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
+                                 optimizer=optimizer)
+    return pipeline, iter(strategy.distribute_datasets_from_function(dataset_fn))
 
 
 def write_parameters(strategy, model, optimizer, path):
