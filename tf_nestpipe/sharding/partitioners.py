@@ -33,50 +33,47 @@ class MaxSizePartitioner(_partitioners.MaxSizePartitioner):
     row_order = ROW_ORDER_DIV
 
 
-class MinSizePartitioner(_partitioners.MinSizePartitioner):
+class _ShardsFromPsCount:
+    """Mixin for a partitioner whose shard limit (`_ps_count_attr`, the argument `_ps_count_arg`)
+    may be left as None to mean "the number of ps tasks", bound by the strategy."""
+
+    _ps_count_attr = _ps_count_arg = None
+    _unbound = False
+
+    def bind(self, num_ps):
+        """Fills in the limit left to the strategy with `num_ps`."""
+        if self._unbound:
+            setattr(self, self._ps_count_attr, int(num_ps))
+            self._unbound = False
+
+    def __call__(self, shape, dtype, axis=0):
+        if self._unbound:
+            raise ValueError("%s(%s=None) takes its shard count from the number of ps tasks: "
+                             "pass it to tnp.ParameterServerStrategy, or set %s"
+                             % (type(self).__name__, self._ps_count_arg, self._ps_count_arg))
+        return super().__call__(shape, dtype, axis)
+
+
+class MinSizePartitioner(_ShardsFromPsCount, _partitioners.MinSizePartitioner):
     """As many shards as possible with each at least `min_shard_bytes`, up to `max_shards`
     (None: the number of ps tasks, set by the strategy)."""
 
     row_order = ROW_ORDER_DIV
+    _ps_count_attr, _ps_count_arg = "_max_shards", "max_shards"
 
     def __init__(self, min_shard_bytes=256 << 10, max_shards=None, bytes_per_string=16):
         self._unbound = max_shards is None
         super().__init__(min_shard_bytes=min_shard_bytes, max_shards=max_shards or 1,
                          bytes_per_string=bytes_per_string)
 
-    def bind(self, num_ps):
-        """Fills in `max_shards = num_ps` if it was left to the strategy."""
-        if self._unbound:
-            self._max_shards = int(num_ps)
-            self._unbound = False
 
-    def __call__(self, shape, dtype, axis=0):
-        if self._unbound:
-            raise ValueError("MinSizePartitioner(max_shards=None) takes its shard limit from the "
-                             "number of ps tasks: pass it to tnp.ParameterServerStrategy, or set "
-                             "max_shards")
-        return super().__call__(shape, dtype, axis)
-
-
-class ModShardsPartitioner(_partitioners.FixedShardsPartitioner):
+class ModShardsPartitioner(_ShardsFromPsCount, _partitioners.FixedShardsPartitioner):
     """`num_shards` shards (None: one per ps task) holding rows round-robin: row k on shard k mod
     num_shards, at position k // num_shards. Balances Zipf-hot ids across the ps tasks."""
 
     row_order = ROW_ORDER_MOD
+    _ps_count_attr, _ps_count_arg = "_num_shards", "num_shards"
 
     def __init__(self, num_shards=None):
         self._unbound = num_shards is None
         super().__init__(num_shards or 1)
-
-    def bind(self, num_ps):
-        """Fills in `num_shards = num_ps` if it was left to the strategy."""
-        if self._unbound:
-            self._num_shards = int(num_ps)
-            self._unbound = False
-
-    def __call__(self, shape, dtype, axis=0):
-        if self._unbound:
-            raise ValueError("ModShardsPartitioner(num_shards=None) takes its shard count from "
-                             "the number of ps tasks: pass it to tnp.ParameterServerStrategy, or "
-                             "set num_shards")
-        return super().__call__(shape, dtype, axis)
