@@ -41,6 +41,9 @@ def main():
     parser.add_argument("--pipeline", default="none", help="NestPipeStrategy pipeline (nestpipe modes)")
     parser.add_argument("--micro-batches", type=int, default=4, help="for pipeline=fwp/nested")
     parser.add_argument("--cluster-samples", action="store_true", help="key-centric clustering")
+    parser.add_argument("--collectives", default="tf", choices=["tf", "horovod"],
+                        help="NestPipeStrategy collectives backend (nestpipe modes; horovod needs "
+                             "`python -m tf_nestpipe.launch --horovod` or horovodrun)")
     parser.add_argument("--profile-steps", type=int, default=0)
     parser.add_argument("--trace", default="", help="Chrome trace of the profiled steps (worker 0)")
     args = parser.parse_args()
@@ -61,7 +64,8 @@ def main():
         kind, rank = "keras", strategy.cluster_resolver.task_id
     else:
         strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches,
-                                        cluster_samples=args.cluster_samples)
+                                        cluster_samples=args.cluster_samples,
+                                        collectives=args.collectives)
         kind = "per_table" if args.mode == "nestpipe_per_table" else "fused"
         rank = max(rank, strategy.worker_index)
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)
@@ -75,7 +79,8 @@ def main():
     timer = dlrm.StepTimer()
     model.fit(dataset, epochs=1, steps_per_epoch=args.steps, callbacks=[timer], verbose=0)
     times = np.array(timer.times[args.warmup:]) * 1e3
-    result = {"mode": args.mode, "pipeline": args.pipeline, "steps": len(times),
+    result = {"mode": args.mode, "pipeline": args.pipeline, "collectives": args.collectives,
+              "steps": len(times),
               "global_batch": args.global_batch, "median_ms": float(np.median(times)),
               "p90_ms": float(np.percentile(times, 90)), "mean_ms": float(times.mean())}
     if args.profile_steps:

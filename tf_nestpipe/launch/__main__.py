@@ -1,4 +1,4 @@
-"""`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] -- COMMAND ...`"""
+"""`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] [--horovod] -- COMMAND ...`"""
 import argparse
 import json
 import sys
@@ -29,6 +29,9 @@ def main(argv=None):
     parser.add_argument("--cluster-spec", default=None, metavar="JSON",
                         help="use these task addresses instead of free localhost ports, e.g. "
                              "'{\"worker\": [\"10.0.0.1:2222\", \"10.0.0.2:2222\"]}'")
+    parser.add_argument("--horovod", action="store_true",
+                        help="also start Horovod's Gloo rendezvous and set each worker's "
+                             "HOROVOD_* variables (for NestPipeStrategy(collectives='horovod'))")
     parser.add_argument("--task-prefix", default="", metavar="TEMPLATE",
                         help="run each task under this command, {role} and {index} filled in "
                              "(e.g. 'ip netns exec ns_{role}{index}')")
@@ -50,9 +53,16 @@ def main(argv=None):
         if not isinstance(spec, dict) or not all(
                 isinstance(v, list) and all(isinstance(a, str) for a in v) for v in spec.values()):
             parser.error("--cluster-spec must map roles to lists of 'host:port' strings")
+    if args.horovod:
+        try:
+            import horovod.runner.gloo_run  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
+        except ImportError as e:
+            from tf_nestpipe.strategy.horovod_collectives import INSTALL_HINT  # pylint: disable=import-outside-toplevel
+
+            parser.error("--horovod: %s (%s)" % (INSTALL_HINT, e))
     try:
         cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env, cluster=spec,
-                               task_prefix=args.task_prefix)
+                               task_prefix=args.task_prefix, horovod=args.horovod)
     except ValueError as e:
         parser.error(str(e))
     if args.restarts < 0:

@@ -2,7 +2,9 @@
 
 Every task's output is prefixed with its role and index. The cluster fails fast: when one task
 exits non-zero, every other task is killed and the launcher exits non-zero. Children run in their
-own process groups and die with the launcher (PR_SET_PDEATHSIG), so no orphan survives.
+own process groups and die with the launcher (PR_SET_PDEATHSIG), so no orphan survives. With
+`horovod=True` the launcher also runs Horovod's Gloo rendezvous and gives every training task its
+`HOROVOD_*` environment (see `horovod_rendezvous`).
 """
 import ctypes
 import dataclasses
@@ -74,12 +76,19 @@ class LocalCluster:
     def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                  chief: bool = False, env: Optional[Dict[str, str]] = None,
                  output=None, cluster: Optional[Dict[str, List[str]]] = None,
-                 task_prefix: str = ""):
+                 task_prefix: str = "", horovod: bool = False):
         """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
         namespaces); `task_prefix` is a command template put before each task's command, with
-        `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`)."""
+        `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`). `horovod`
+        starts a Gloo rendezvous and sets each chief / worker task's `HOROVOD_*` variables
+        (rank = position among chief + workers, chief first)."""
         if not command:
             raise ValueError("no command given: use `-- python script.py ARGS`")
+        if horovod and (num_ps or cluster is not None or task_prefix):
+            raise ValueError("--horovod runs the workers on this machine over loopback; it cannot "
+                             "be combined with --ps, --cluster-spec or --task-prefix")
+        self.horovod = horovod
+        self._rendezvous = None
         self.command = list(command)
         self._generated_addresses = cluster is None
         self._num_workers, self._num_ps, self._chief = num_workers, num_ps, chief
@@ -114,6 +123,9 @@ class LocalCluster:
         env.update(self.env)
         env["TF_CONFIG"] = json.dumps(
             {"cluster": self.cluster, "task": {"type": role, "index": index}})
+        if self._rendezvous is not None:
+            rank = index + (len(self.cluster.get("chief", [])) if role == "worker" else 0)
+            env.update(self._rendezvous.env(rank))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
         argv, runs_command = self._task_command(role)
@@ -128,7 +140,14 @@ class LocalCluster:
         return task
 
     def start(self):
-        """Starts one process per task."""
+        """Starts one process per task (after a fresh Horovod rendezvous with `horovod`)."""
+        if self.horovod:
+            from tf_nestpipe.launch.horovod_rendezvous import (  # pylint: disable=import-outside-toplevel
+                HorovodRendezvous)
+
+            self._stop_rendezvous()
+            self._rendezvous = HorovodRendezvous(
+                len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", [])))
         for role, addresses in self.cluster.items():
             for index in range(len(addresses)):
                 self.tasks.append(self._spawn(role, index))
@@ -154,8 +173,13 @@ class LocalCluster:
         self.tasks[position] = self._spawn(role, int(index))
         return True
 
+    def _stop_rendezvous(self):
+        if self._rendezvous is not None:
+            self._rendezvous.stop()
+            self._rendezvous = None
+
     def kill_all(self):
-        """Kills every task's process group and reaps it."""
+        """Kills every task's process group and reaps it (and stops the Horovod rendezvous)."""
         for task in self.tasks:
             if task.process.poll() is None:
                 try:
@@ -166,6 +190,7 @@ class LocalCluster:
             task.process.wait()
             if task.pump is not None:
                 task.pump.join(timeout=5)
+        self._stop_rendezvous()
 
     def wait(self, timeout: Optional[float] = None) -> int:
         """Waits until every command task succeeded (0) or one failed / timed out (non-zero)."""

@@ -62,7 +62,9 @@ def apply_sync(table, next_state, plan, layout, collectives, table_name):
     fresh = tf.scatter_nd(planned, tf.gather(table, tf.gather(next_state["local_rows"], unique)),
                           tf.cast(tf.concat([tf.shape(slots), [dim]], 0), tf.int64))
     payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
-    received = collectives.all_to_all(payload, table_name + "/sync", plan["bucket"])
+    received = collectives.all_to_all(payload, table_name + "/sync", plan["bucket"],
+                                      send_counts=tf.reduce_sum(tf.cast(valid, tf.int32), 1),
+                                      fill=-1)  # the position column's padding is -1
     position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
     offsets = tf.cumsum(next_state["splits"], exclusive=True)
     target = tf.where(position >= 0, offsets[:, None] + position, -1)
@@ -85,7 +87,8 @@ def lookup_from_buffer(table, state, layout, collectives, table_name):
             d_slots = ops.segment_sum(d_unique, state["slot_of_bucket_pos"],
                                       num_shards * state["capacity"])
             back = collectives.all_to_all(tf.reshape(d_slots, [num_shards, state["capacity"], dim]),
-                                          table_name + "/rows/grad", state["bucket"])
+                                          table_name + "/rows/grad", state["bucket"],
+                                          send_counts=state["splits"])
             return ops.segment_sum(tf.reshape(back, [-1, dim]), state["slot_to_unique"],
                                    tf.size(state["local_rows"]))
 

@@ -22,7 +22,11 @@ def route(ids, layout: ShardLayout, collectives, table_name=""):
       unique index), `slot_of_bucket_pos` (bucketed unique index -> slot of the row exchange);
     - exchange shape: `bucket`, `capacity` (padded ids per owner/requester pair);
     - owner side: `local_rows` (distinct owned rows requested), `slot_to_unique` (slot ->
-      index into `local_rows`, -1 for padding).
+      index into `local_rows`, -1 for padding), `received` (ids received from each requester:
+      the rows this owner sends back to each).
+
+    The exchanges pass their real per-worker counts along: a collectives backend with variable
+    splits (Horovod) sends only those entries, TensorFlow's all-to-all the padded blocks.
     """
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards = layout.num_shards
@@ -33,7 +37,8 @@ def route(ids, layout: ShardLayout, collectives, table_name=""):
     padded_keys = tf.RaggedTensor.from_row_lengths(keys, tf.cast(splits, tf.int64)).to_tensor(
         default_value=-1, shape=tf.stack([tf.constant(num_shards, tf.int64),
                                           tf.cast(capacity, tf.int64)]))
-    received_keys = collectives.all_to_all(padded_keys, table_name + "/keys", bucket)
+    received_keys = collectives.all_to_all(padded_keys, table_name + "/keys", bucket,
+                                           send_counts=splits, fill=-1)
     local_rows, slot_to_unique = ops.owner_dedup(received_keys, num_shards, layout.shard_index)
     offsets = tf.cumsum(splits, exclusive=True)
     owner_of_bucket_pos = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
@@ -41,7 +46,7 @@ def route(ids, layout: ShardLayout, collectives, table_name=""):
                           - tf.gather(offsets, owner_of_bucket_pos))
     return {"splits": splits, "inverse": inverse, "slot_of_bucket_pos": slot_of_bucket_pos,
             "bucket": bucket, "capacity": capacity, "local_rows": local_rows,
-            "slot_to_unique": slot_to_unique}
+            "slot_to_unique": slot_to_unique, "received": sent[:, layout.shard_index]}
 
 
 def exchange_rows(owned, routing, layout: ShardLayout, collectives, table_name="",
@@ -51,7 +56,8 @@ def exchange_rows(owned, routing, layout: ShardLayout, collectives, table_name="
     outgoing = tf.reshape(ops.gather_rows(owned, routing["slot_to_unique"]),
                           [layout.num_shards, routing["capacity"], layout.dim])
     exchange = collectives.all_to_all_differentiable if differentiable else collectives.all_to_all
-    return tf.reshape(exchange(outgoing, table_name + "/rows", routing["bucket"]), [-1, layout.dim])
+    return tf.reshape(exchange(outgoing, table_name + "/rows", routing["bucket"],
+                               send_counts=routing["received"]), [-1, layout.dim])
 
 
 def sharded_lookup(table, ids, layout: ShardLayout, collectives, table_name=""):

@@ -8,6 +8,10 @@ Every collective carries a *tag* (e.g. "user_table/keys"). Its instance key is d
 tag, its occurrence count inside the traced function and the bucket of its padded size, so a
 function retraced on one worker but not on another still pairs the same collectives, and each
 instance key always sees one shape (TensorFlow caches shapes by instance key).
+
+Callers pass the real per-worker counts of a padded exchange (`send_counts`); this backend sends
+the padded blocks whole (CollectiveAllToAllV2 needs equal splits), while
+`horovod_collectives.HorovodCollectives` (same interface) sends only the data entries.
 """
 import contextlib
 import os
@@ -69,6 +73,8 @@ def resolve_implementation(implementation, device_type):
 class Collectives:
     """Issues CollectiveGatherV2 / CollectiveAllToAllV2 over the group of all `num_workers` workers."""
 
+    backend = "tf"
+
     def __init__(self, num_workers, worker_index, device, implementation, timeout_seconds=0):
         self.num_workers = num_workers
         self.worker_index = worker_index
@@ -88,11 +94,10 @@ class Collectives:
         # Benchmark-only network emulation: a sleep before every embedding collective.
         self.emulated_latency_seconds = float(os.environ.get(EMULATED_LATENCY_ENV, "0")) / 1e3
 
-    def _instance_key(self, tag, bucket=None):
+    def _occurrence(self, tag):
+        """How many collectives with `tag` the function being traced issued before this one
+        (refuses tags whose key ranges collide and tags used too often in one function)."""
         with self._lock:
-            if tf.executing_eagerly():
-                self._eager_key += 1
-                return self._eager_key
             base = (zlib.crc32(tag.encode()) & 0x1FFFF) * _MAX_USES_PER_TAG
             if self._key_owner.setdefault(base, tag) != tag:
                 raise ValueError("collective tags %r and %r collide; rename one of the tables"
@@ -103,10 +108,18 @@ class Collectives:
                 raise ValueError("tag %r used more than %d times in one function"
                                  % (tag, _MAX_USES_PER_TAG))
             uses[tag] = count + 1
-            key = 1 + (base + count) * _MAX_BUCKETS
-            if bucket is None:
-                return key
-            return key + tf.cast(bucket, tf.int32)
+            return base, count
+
+    def _instance_key(self, tag, bucket=None):
+        if tf.executing_eagerly():
+            with self._lock:
+                self._eager_key += 1
+                return self._eager_key
+        base, count = self._occurrence(tag)
+        key = 1 + (base + count) * _MAX_BUCKETS
+        if bucket is None:
+            return key
+        return key + tf.cast(bucket, tf.int32)
 
     def _chained(self, tag, issue, bucket=None):
         eager = tf.executing_eagerly()
@@ -160,12 +173,16 @@ class Collectives:
             tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
             communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token))
 
-    def all_to_all(self, tensor, tag, bucket=None):
+    def all_to_all(self, tensor, tag, bucket=None, send_counts=None, fill=0):
         """Sends `tensor[j]` to worker j and returns `[num_workers, ...]` with row i from worker i.
 
         A tensor whose shape varies between steps must pass the `bucket` of its padded size
-        (see `capacity_bucket`), so that each shape has its own instance key.
+        (see `capacity_bucket`), so that each shape has its own instance key. `send_counts[j]`
+        (optional) is how many leading entries of `tensor[j]` carry data, the rest being padding:
+        a backend with variable splits (`HorovodCollectives`) sends only those and fills the
+        received padding with `fill`; CollectiveAllToAllV2 sends the padded tensor as it is.
         """
+        del send_counts, fill  # equal splits: the padding travels with the data
         if self.num_workers == 1:
             return tf.identity(tensor)
         tensor = self._maybe_delay(tensor)
@@ -174,14 +191,15 @@ class Collectives:
             communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token),
             bucket)
 
-    def all_to_all_differentiable(self, tensor, tag, bucket=None):
-        """All-to-all whose gradient is the reverse all-to-all of the incoming gradient."""
+    def all_to_all_differentiable(self, tensor, tag, bucket=None, send_counts=None):
+        """All-to-all whose gradient is the reverse all-to-all of the incoming gradient
+        (`send_counts` as in `all_to_all`; padding entries carry no gradient that is used)."""
 
         @tf.custom_gradient
         def exchange(x):
             def grad(dy):
                 return self.all_to_all(dy, tag + "/grad", bucket)
 
-            return self.all_to_all(x, tag, bucket), grad
+            return self.all_to_all(x, tag, bucket, send_counts), grad
 
         return exchange(tensor)

@@ -12,17 +12,22 @@ import threading
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
 from tensorflow.python.distribute import distribute_lib, distribute_utils
+from tensorflow.python.distribute import reduce_util as _reduce_util
 from tensorflow.python.distribute import values as _dist_values
+from tensorflow.python.distribute.cluster_resolver import cluster_resolver as _cluster_resolver_lib
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+from tensorflow.python.trackable import base as _trackable_base
 
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
+from tf_nestpipe.strategy.horovod_collectives import HorovodCollectives, init_horovod
 
 _SHARD_ATTR = "_nestpipe_row_shard"
 PIPELINES = ("none", "dbp", "fwp", "nested")
+COLLECTIVES = ("tf", "horovod")
 _creation_state = threading.local()
 
 
@@ -51,9 +56,24 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 collective_timeout_seconds=0):
+                 collective_timeout_seconds=0, collectives="tf"):
+        self._nestpipe_backend = collectives
+        if collectives == "horovod":
+            # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
+            # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
+            hvd, rank, size = init_horovod()
+            cluster_resolver = _cluster_resolver_lib.SimpleClusterResolver(
+                tf.train.ClusterSpec({}), rpc_layer="grpc")
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
+        if collectives == "horovod":
+            self._num_workers, self._id_in_cluster = size, rank
+            self._is_chief = rank == 0
+            self._task_type, self._task_id = "worker", rank
+            self._nestpipe_collectives = HorovodCollectives(
+                hvd, num_workers=size, worker_index=rank, device=self.worker_devices[0],
+                timeout_seconds=collective_timeout_seconds)
+            return
         self._nestpipe_collectives = Collectives(
             num_workers=self._num_workers,
             worker_index=self._id_in_cluster,
@@ -95,6 +115,11 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return self._nestpipe_collectives
 
     @property
+    def collectives_backend(self):
+        """"tf" (TensorFlow collectives) or "horovod" (`HorovodCollectives`)."""
+        return self._nestpipe_backend
+
+    @property
     def num_workers(self):
         """Number of synchronous workers (= number of table shards)."""
         return self._num_workers
@@ -131,6 +156,25 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         setattr(variable, _SHARD_ATTR, layout)
         return variable
 
+    def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
+        if self._nestpipe_backend != "horovod" or replica_id != 0:
+            return super()._get_variable_creator_initial_value(replica_id, device, primary_var,
+                                                               **kwargs)
+
+        def initial_value_fn():
+            # Mirrored variables start from worker 0's value (hvd.broadcast), as MWMS does with
+            # its collective broadcast.
+            with tf.device(device):
+                initial_value = kwargs["initial_value"]
+                if callable(initial_value):
+                    initial_value = initial_value()
+                if isinstance(initial_value, _trackable_base.CheckpointInitialValue):
+                    initial_value = initial_value.wrapped_value
+                initial_value = tf.convert_to_tensor(initial_value, dtype=kwargs.get("dtype"))
+                return self._nestpipe_collectives.broadcast_initial_value(initial_value)
+
+        return initial_value_fn
+
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if is_row_shard(colocate_with_variable):
             return
@@ -161,7 +205,11 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         pairs = list(value_destination_pairs)
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
-        if dense:
+        if dense and self._nestpipe_backend == "horovod":
+            reduced = self._horovod_reduce(reduce_op, [p[0] for _, p in dense])
+            for (i, _), value in zip(dense, reduced):
+                results[i] = value
+        elif dense:
             reduced = super()._batch_reduce_to(reduce_op, [p for _, p in dense], options)
             for (i, _), value in zip(dense, reduced):
                 results[i] = value
@@ -175,7 +223,44 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
+        if self._nestpipe_backend == "horovod":
+            if isinstance(value, _dist_values.Mirrored) and reduce_op == _reduce_util.ReduceOp.MEAN:
+                return value
+            return self._horovod_reduce(reduce_op, [value])[0]
         return super()._reduce_to(reduce_op, value, destinations, options)
+
+    def _horovod_reduce(self, reduce_op, values):
+        """Sums this worker's `values` over all workers with `hvd.allreduce` (divided by the
+        number of replicas for MEAN): what the TF path's all-reduce computes."""
+        local = []
+        for value in values:
+            if isinstance(value, _dist_values.DistributedValues):
+                value = value.values[0]  # one replica per worker
+            if not isinstance(value, tf.IndexedSlices):
+                value = tf.convert_to_tensor(value)
+            local.append(value)
+        summed = self._nestpipe_collectives.all_reduce_sum(local, "nestpipe/all_reduce")
+        if reduce_op == _reduce_util.ReduceOp.MEAN:
+            scale = 1.0 / self._num_replicas_in_sync
+            summed = [tf.IndexedSlices(v.values * scale, v.indices, v.dense_shape)
+                      if isinstance(v, tf.IndexedSlices) else v * tf.cast(scale, v.dtype)
+                      for v in summed]
+        return [distribute_utils.regroup((v,), wrap_class=_dist_values.Mirrored) for v in summed]
+
+    def _gather_to_implementation(self, value, destinations, axis, options):
+        if self._nestpipe_backend != "horovod":
+            return super()._gather_to_implementation(value, destinations, axis, options)
+        if isinstance(value, _dist_values.DistributedValues):
+            value = value.values[0]
+        value = tf.convert_to_tensor(value)
+        rank = value.shape.rank
+        perm = [axis] + [d for d in range(rank) if d != axis]
+        moved = value if axis == 0 else tf.transpose(value, perm)
+        gathered = self._nestpipe_collectives.all_gather(moved, "nestpipe/gather")
+        if axis == 0:
+            return gathered
+        inverse = [perm.index(d) for d in range(rank)]
+        return tf.transpose(gathered, inverse)
 
     def _use_merge_call(self):
         # Gradient aggregation must see (gradient, variable) pairs to skip row shards.
@@ -196,6 +281,10 @@ class NestPipeStrategy(distribute_lib.Strategy):
     both: the next batch is prefetched micro-batch by micro-batch while the current batch's
     micro-batches compute from their buffers. `cluster_samples=True` forms the micro-batches by
     key-centric sample clustering (same result, fewer keys in the first micro-batch).
+    `collectives="horovod"` runs every cross-worker exchange through Horovod (Gloo): the
+    embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
+    `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
+    `python -m tf_nestpipe.launch --horovod`, which also checks it against `TF_CONFIG`).
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -203,7 +292,13 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="none",
-                 micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False):
+                 micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
+                 collectives="tf"):
+        if collectives not in COLLECTIVES:
+            raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
+        if collectives == "horovod" and cluster_resolver is not None:
+            raise ValueError("collectives='horovod' takes the cluster from Horovod (hvd.rank(), "
+                             "hvd.size()); pass no cluster_resolver")
         if pipeline not in PIPELINES:
             raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
         if int(micro_batches) < 1:
@@ -221,7 +316,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
             communication_options = tf.distribute.experimental.CommunicationOptions(
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
-                                          collective_timeout_seconds))
+                                          collective_timeout_seconds, collectives))
+
+    @property
+    def collectives_backend(self):
+        """The collectives backend this strategy was built with: "tf" or "horovod"."""
+        return self.extended.collectives_backend
 
     @property
     def cluster_resolver(self):
