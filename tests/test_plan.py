@@ -1,0 +1,345 @@
+"""The scaling model (tf_nestpipe.plan): arithmetic on hand-computed costs, costs-file errors,
+validation plumbing and the CLI on a small fixed costs dict. Fast: no clusters, no TensorFlow
+graphs."""
+import copy
+import json
+import math
+import os
+
+import pytest
+
+from tf_nestpipe.plan import (CollectiveParams, CostsError, ModelError, StepModel,
+                              build_scenarios, collective_ms, datacenter_collectives, load_costs,
+                              overlap, padded_capacity, validate_costs)
+from tf_nestpipe.plan import __main__ as cli
+from tf_nestpipe.plan import report
+from tf_nestpipe.plan.costs import fit_collective, nonnegative_lstsq
+
+WORKERS = [1, 2, 4, 8]
+
+
+def small_costs():
+    """Hand-sized costs: 2 fields, dim 4 (16-byte rows), 250 dense params (1000 bytes), M = 2;
+    key statistics for 50 and 100 samples on 1, 2, 4, 8 workers."""
+    return {
+        "workload": {"fields": 2, "dim": 4, "dense_params": 250, "micro_batches": 2,
+                     "table_scale": 0.002},
+        "routing": {"base_ms": 0.1, "per_id_us": 1.0, "per_slot_us": 0.0},
+        "retrieval": {"base_ms": 0.1, "per_row_us": 0.0},
+        "compute": {"base_ms": 1.0, "per_sample_us": 10.0},
+        "pipeline_overhead": {p: {"base_ms": 0.0, "per_sample_us": 0.0}
+                              for p in ("dbp", "fwp", "nested")},
+        "contention": {"2": 1.5, "4": 2.0},
+        "collectives": {
+            "all_to_all": {"alpha0_ms": 0.5, "alpha_step_ms": 0.1, "beta_ms_per_mb": 1.0},
+            "all_gather": {"alpha0_ms": 0.2, "alpha_step_ms": 0.05, "beta_ms_per_mb": 0.0},
+            "all_reduce": {"alpha0_ms": 0.3, "alpha_step_ms": 0.1, "beta_ms_per_mb": 0.0},
+        },
+        "keys": {
+            "samples": [50, 100], "workers": WORKERS,
+            "unique": [[60, 60, 60, 60], [100, 100, 100, 100]],
+            "capacity": [[60, 33, 17, 9], [100, 55, 28, 14]],
+            "owner_rows": [[60, 50, 40, 30], [100, 80, 60, 40]],
+            "sync_capacity": [[30, 20, 10, 5], [50, 20, 14, 9]],
+            "sync_rows": [[30, 40, 50, 55], [50, 70, 90, 95]],
+        },
+        "runs": [
+            {"pipeline": "dbp", "workers": 2, "global_batch": 200, "ms_median": 4.0, "source": "t"},
+            {"pipeline": "none", "workers": 4, "global_batch": 400, "ms_median": 9.0, "source": "t"},
+        ],
+    }
+
+
+def scenario(costs, eta=1.0, name="measured"):
+    return build_scenarios(costs, eta)[name]
+
+
+# --- arithmetic ---------------------------------------------------------------------------------
+def test_padded_capacity_matches_the_strategy_buckets():
+    from tf_nestpipe.strategy.communication import _CAPACITIES
+
+    for count in [0, 1, 2, 7, 8, 9, 55, 56, 1000, 12345]:
+        expected = min(c for c in _CAPACITIES if c >= max(count, 1))
+        assert padded_capacity(count) == expected
+
+
+def test_collectives_grow_as_assumed():
+    a2a = CollectiveParams(0.5, 0.1, 1.0)
+    for kind in ("all_to_all", "all_gather", "all_reduce"):
+        assert collective_ms(kind, a2a, 1, 10 ** 6) == 0.0  # nothing issued on one worker
+    # all-to-all: alpha0 + alpha_peer * (W-1) + beta * MB * (W-1)/W
+    for w in (2, 8, 1536):
+        assert collective_ms("all_to_all", a2a, w, 2 * 10 ** 6) == pytest.approx(
+            0.5 + 0.1 * (w - 1) + 1.0 * 2.0 * (w - 1) / w)
+    # ring all-reduce: 2(W-1) steps and 2(W-1)/W of the bytes; tree: 2 ceil(log2 W) steps.
+    assert collective_ms("all_reduce", a2a, 4, 10 ** 6) == pytest.approx(0.5 + 0.1 * 6 + 1.5)
+    tree = CollectiveParams(0.5, 0.1, 1.0, "tree")
+    assert collective_ms("all_reduce", tree, 1536, 0) == pytest.approx(0.5 + 0.1 * 2 * 11)
+    # ring all-gather: W-1 steps, every worker receives (W-1) contributions.
+    assert collective_ms("all_gather", a2a, 4, 10 ** 6) == pytest.approx(0.5 + 0.3 + 3.0)
+    # Measured per-W values take precedence where they exist.
+    measured = CollectiveParams(0.5, 0.1, 1.0, measured={2: (0.9, 2.0)})
+    assert collective_ms("all_to_all", measured, 2, 10 ** 6) == pytest.approx(2.9)
+    assert collective_ms("all_to_all", measured, 4, 0) == pytest.approx(0.8)
+    costs = [collective_ms("all_to_all", a2a, w, 10 ** 5) for w in range(2, 64)]
+    assert costs == sorted(costs)
+
+
+def test_overlap():
+    assert overlap(3.0, 2.0, 1.0) == 3.0
+    assert overlap(3.0, 2.0, 0.0) == 5.0
+    assert overlap(3.0, 2.0, 0.5) == 4.0
+
+
+def test_one_worker_step_by_hand_and_efficiency_one():
+    costs = small_costs()
+    model = StepModel(costs, scenario(costs))
+    # routing 0.1 + 200 ids * 1 us, retrieval 0.1, compute 1.0 + 100 * 10 us; no collectives.
+    assert model.step_ms("none", 1, 100) == pytest.approx(0.3 + 0.1 + 2.0)
+    assert model.efficiency("none", 1, 100) == 1.0
+
+
+def test_two_worker_step_by_hand():
+    costs = small_costs()
+    model = StepModel(costs, scenario(costs))
+    slots = 2 * 55  # capacity 55 is a bucket
+    counts = 0.2 + 0.05
+    keys = 0.5 + 0.1 + slots * 8 / 1e6 * 0.5
+    rows = 0.5 + 0.1 + slots * 16 / 1e6 * 0.5
+    all_reduce = 0.3 + 0.1 * 2
+    none = 0.4 + counts + keys + rows + 2.0 + rows + all_reduce
+    assert model.step_ms("none", 2, 100) == pytest.approx(none)
+    assert model.efficiency("none", 2, 100) == pytest.approx(2.4 / none)
+    # DBP with perfect overlap: max(prefetch + sync plan, compute + grads + all-reduce) + sync.
+    sync_send = 0.5 + 0.1 + 2 * 20 * (16 + 4) / 1e6 * 0.5
+    prefetch = 0.4 + counts + keys + rows + counts
+    critical = 2.0 + rows + all_reduce
+    assert model.step_ms("dbp", 2, 100) == pytest.approx(max(prefetch, critical) + sync_send)
+    # The testbed scenario slows CPU stages by the contention factor (1.5 at 2 workers).
+    testbed = StepModel(costs, scenario(costs, 1.0, "testbed"))
+    assert testbed.step_ms("none", 2, 100) == pytest.approx(none + 0.5 * (0.4 + 2.0))
+
+
+def test_metric_all_reduces_are_counted():
+    costs = small_costs()
+    before = StepModel(costs, scenario(costs)).step_ms("none", 2, 100)
+    costs["workload"]["metric_all_reduces"] = 2
+    after = StepModel(costs, scenario(costs)).step_ms("none", 2, 100)
+    assert after == pytest.approx(before + 2 * (0.3 + 0.1 * 2))  # two scalar ring all-reduces
+
+
+def test_dbp_never_slower_than_none_when_its_resync_is_free(monkeypatch):
+    costs = small_costs()
+    monkeypatch.setattr(StepModel, "sync", lambda self, *a, **k: (0.0, 0.0))
+    for eta in (0.0, 0.3, 1.0):
+        model = StepModel(costs, scenario(costs, eta))
+        for w in WORKERS:
+            none, dbp = model.step_ms("none", w, 100), model.step_ms("dbp", w, 100)
+            assert dbp <= none + 1e-12
+            if eta == 0.0:
+                assert dbp == pytest.approx(none)  # nothing overlaps: the same serial work
+
+
+def test_dbp_pays_exactly_its_resync_without_overlap():
+    costs = small_costs()
+    model = StepModel(costs, scenario(costs, 0.0))
+    plan, send = model.sync(100, 4)
+    assert model.step_ms("dbp", 4, 100) == pytest.approx(model.step_ms("none", 4, 100) + plan + send)
+
+
+def test_fwp_with_one_micro_batch_is_the_plain_step():
+    costs = small_costs()
+    model = StepModel(costs, scenario(costs, 1.0))
+    for w in WORKERS:
+        assert model.step_ms("fwp", w, 100, micro_batches=1) == pytest.approx(
+            model.step_ms("none", w, 100))
+
+
+def test_fwp_overlap_and_per_micro_batch_latency():
+    costs = small_costs()
+    overlapped = StepModel(costs, scenario(costs, 1.0))
+    serial = StepModel(costs, scenario(costs, 0.0))
+    # Overlap only helps; without it FWP pays every micro-batch's collective latencies.
+    assert overlapped.step_ms("fwp", 4, 100, 2) < serial.step_ms("fwp", 4, 100, 2)
+    assert serial.step_ms("fwp", 4, 100, 2) > serial.step_ms("none", 4, 100)
+    # Nested with perfect overlap is never slower than FWP's serial-in-prefetch schedule here.
+    assert overlapped.step_ms("nested", 4, 100, 2) <= serial.step_ms("nested", 4, 100, 2)
+
+
+def test_pipeline_overhead_is_added_and_efficiency_is_one_at_one_worker():
+    costs = small_costs()
+    costs["pipeline_overhead"]["dbp"] = {"base_ms": 0.5, "per_sample_us": 10.0}
+    model = StepModel(costs, scenario(costs, 0.0))
+    base = StepModel(costs, scenario(costs, 0.0), overheads=False)
+    assert model.step_ms("dbp", 2, 100) == pytest.approx(base.step_ms("dbp", 2, 100) + 1.5)
+    assert model.step_ms("none", 2, 100) == base.step_ms("none", 2, 100)
+    for pipeline in ("none", "dbp", "fwp", "nested"):  # each pipeline against itself
+        assert model.efficiency(pipeline, 1, 100, 2) == 1.0
+        assert model.efficiency(pipeline, 8, 100, 2) < 1.0
+
+
+def test_efficiency_falls_with_workers_and_key_stats_interpolate():
+    costs = small_costs()
+    model = StepModel(costs, scenario(costs, 0.0))
+    eff = [model.efficiency("none", w, 100) for w in WORKERS]
+    assert eff[0] == 1.0 and eff == sorted(eff, reverse=True)
+    # log-log interpolation between sampled cells: W = sqrt(2 * 4) lies half way in log W.
+    assert model.keys.at("owner_rows", 100, math.sqrt(8)) == pytest.approx(70.0)
+    assert model.keys.at("unique", math.sqrt(5000), 2) == pytest.approx(80.0)
+    with pytest.raises(ModelError, match="worker counts 1..8, not 16"):
+        model.step_ms("none", 16, 100)
+    with pytest.raises(ModelError, match="unknown pipeline"):
+        model.step_ms("pipedream", 2, 100)
+    with pytest.raises(ModelError, match="contention factors"):
+        StepModel(costs, scenario(costs, 0.0, "testbed")).step_ms("none", 8, 100)
+
+
+def test_datacenter_assumption_units():
+    dc = datacenter_collectives(bandwidth_gbps=200, peer_latency_us=1, launch_latency_us=30,
+                                hop_latency_us=5)
+    assert dc["all_to_all"].beta_ms_per_mb == pytest.approx(0.04)  # 1 MB at 200 Gb/s = 40 us
+    assert collective_ms("all_to_all", dc["all_to_all"], 1536, 0) == pytest.approx(0.030 + 1.535)
+    assert dc["all_reduce"].algorithm == "tree"
+
+
+# --- fits -------------------------------------------------------------------------------------
+def test_fits():
+    assert nonnegative_lstsq([[1, 1], [1, 2], [1, 3]], [3, 5, 7]) == pytest.approx([1, 2])
+    assert nonnegative_lstsq([[1, 1], [1, 2]], [3, 1])[1] == 0.0  # a negative slope is dropped
+    sweeps = {w: [[b, 0.4 + 0.3 * (w - 1) + 2.0 * b / 1e6 * (w - 1) / w] for b in (0, 10 ** 6)]
+              for w in (2, 4)}
+    fit = fit_collective("all_to_all", sweeps)
+    coefficients = (fit["alpha0_ms"], fit["alpha_step_ms"], fit["beta_ms_per_mb"])
+    assert coefficients == pytest.approx((0.4, 0.3, 2.0))
+    with pytest.raises(CostsError, match="two worker counts"):
+        fit_collective("all_to_all", {2: sweeps[2]})
+
+
+def test_eta_is_recovered_from_runs_the_model_made():
+    costs = small_costs()
+    truth = build_scenarios(costs, 0.3)["testbed"]
+    runs = [{"pipeline": p, "workers": 2, "global_batch": 200, "source": "t",
+             "ms_median": StepModel(costs, truth).step_ms(p, 2, 100, 2)}
+            for p in ("dbp", "fwp", "nested")]
+    assert report.fit_eta(costs, runs, 2) == (pytest.approx(0.3), 3)
+    rows = report.validate(costs, runs, 0.3, 2)
+    assert all(abs(r["error"]) < 1e-9 and r["role"] == "eta fit" for r in rows)
+    # Relative to the none run of the same source, a level error common to all runs of that
+    # source (here every time doubled) does not move eta.
+    none = {"pipeline": "none", "workers": 2, "global_batch": 200, "source": "t",
+            "ms_median": StepModel(costs, truth).step_ms("none", 2, 100, 2)}
+    doubled = [dict(r, ms_median=2 * r["ms_median"]) for r in runs + [none]]
+    assert report.fit_eta(costs, doubled, 2) == (pytest.approx(0.3), 3)
+
+
+# --- the costs file --------------------------------------------------------------------------
+def test_costs_file_errors_are_named(tmp_path):
+    missing = tmp_path / "nope.json"
+    with pytest.raises(CostsError, match="nope.json not found.*--measure"):
+        load_costs(str(missing))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(CostsError, match="bad.json is not valid JSON"):
+        load_costs(str(bad))
+    good = tmp_path / "good.json"
+    good.write_text(json.dumps(small_costs()))
+    assert load_costs(str(good))["routing"]["base_ms"] == 0.1
+    cases = [
+        (lambda c: c.pop("routing"), "missing section 'routing'"),
+        (lambda c: c["collectives"]["all_to_all"].pop("beta_ms_per_mb"),
+         "missing collectives.all_to_all.beta_ms_per_mb"),
+        (lambda c: c["compute"].update(per_sample_us="fast"), "compute.per_sample_us must be a number"),
+        (lambda c: c["pipeline_overhead"].pop("nested"), "pipeline_overhead.nested.base_ms"),
+        (lambda c: c["keys"]["capacity"].pop(), "keys.capacity must be a 2 x 4 grid"),
+        (lambda c: c.pop("keys"), "missing section 'keys'"),
+        (lambda c: c["runs"][0].pop("ms_median"), "runs entry lacks 'ms_median'"),
+        (lambda c: c["workload"].pop("dim"), "missing workload.dim"),
+    ]
+    for mutate, message in cases:
+        costs = copy.deepcopy(small_costs())
+        mutate(costs)
+        with pytest.raises(CostsError, match=message):
+            validate_costs(costs, "x.json")
+    with pytest.raises(CostsError, match="expected a JSON object"):
+        validate_costs([], "x.json")
+
+
+def test_compare_json_rows_are_filtered(tmp_path):
+    rows = [
+        {"system": "nestpipe", "pipeline": "dbp", "collectives": "tf", "model": "dlrm",
+         "data": "synthetic", "network": "loopback", "workers": 2, "global_batch": 512,
+         "ms_median": 20.0},
+        {"system": "nestpipe", "pipeline": "dbp", "collectives": "horovod", "model": "dlrm",
+         "data": "synthetic", "network": "loopback", "workers": 2, "global_batch": 512,
+         "ms_median": 18.0},
+        {"system": "mwms", "pipeline": None, "collectives": "tf", "model": "dlrm",
+         "data": "synthetic", "network": "loopback", "workers": 2, "global_batch": 512,
+         "ms_median": 90.0},
+        {"system": "nestpipe", "pipeline": "none", "collectives": "tf", "model": "dlrm",
+         "data": "synthetic", "network": "1ms:200mbit", "workers": 2, "global_batch": 512,
+         "ms_median": 50.0},
+        {"system": "nestpipe", "pipeline": "none", "collectives": "tf", "model": "dlrm",
+         "data": "synthetic", "network": "loopback", "workers": 4, "global_batch": 512,
+         "ms_median": None},
+    ]
+    path = tmp_path / "compare.json"
+    path.write_text(json.dumps(rows))
+    runs = report.runs_from_compare(str(path))
+    assert [(r["pipeline"], r["workers"], r["ms_median"]) for r in runs] == [("dbp", 2, 20.0)]
+    costs = small_costs()
+    gathered = report.gather_runs(costs, str(path), str(tmp_path))
+    assert [r["source"] for r in gathered] == ["compare.json", "t", "t"]  # no calibration here
+    fallback = report.gather_runs(costs, str(tmp_path / "absent.json"), str(tmp_path))
+    assert [r["ms_median"] for r in fallback] == [4.0, 9.0]
+
+
+# --- the CLI -------------------------------------------------------------------------------------
+def test_cli_on_small_costs(tmp_path, capsys):
+    costs_path = tmp_path / "costs.json"
+    costs_path.write_text(json.dumps(small_costs()))
+    code = cli.main(["--costs", str(costs_path), "--out-dir", str(tmp_path), "--workers", "1,2,4",
+                     "--per-worker-batch", "100", "--no-plot",
+                     "--validate", str(tmp_path / "absent.json")])
+    assert code == 0
+    text = (tmp_path / "plan.md").read_text()
+    for needle in ("OUR MEASURED COSTS", "DATACENTER NETWORK ASSUMPTION", "Validation",
+                   "out of sample", "eta fit", "What the model leaves out", "94.07%",
+                   "| 4 |"):
+        assert needle in text, needle
+    assert "wrote" in capsys.readouterr().out
+    assert not (tmp_path / "plan.png").exists()
+
+
+def test_runs_outside_the_key_statistics_are_listed_not_fatal():
+    costs = small_costs()
+    runs = costs["runs"] + [{"pipeline": "fwp", "workers": 2, "global_batch": 1024,
+                             "ms_median": 30.0, "source": "t"}]
+    eta, used = report.fit_eta(costs, runs, 2)
+    assert used == 1  # only the dbp run: b = 512 is outside the sampled 50..100 samples
+    rows = report.validate(costs, runs, eta, 2)
+    assert rows[-1]["predicted"] is None and "samples per worker 50..100" in rows[-1]["role"]
+
+
+def test_cli_reports_bad_costs(tmp_path, capsys):
+    assert cli.main(["--costs", str(tmp_path / "none.json"), "--out-dir", str(tmp_path)]) == 2
+    assert "none.json not found" in capsys.readouterr().err
+    costs = small_costs()
+    costs["keys"]["workers"] = [1, 2, 4, 8]
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps(costs))
+    # The default worker list goes to 1,536: beyond the sampled keys, named as such.
+    assert cli.main(["--costs", str(path), "--out-dir", str(tmp_path), "--no-plot",
+                     "--per-worker-batch", "100", "--validate", str(tmp_path / "absent")]) == 2
+    assert "worker counts 1..8" in capsys.readouterr().err
+
+
+def test_plot_is_written(tmp_path):
+    pytest.importorskip("matplotlib")
+    costs = small_costs()
+    scenarios = build_scenarios(costs, 0.0)
+    tables = {name: report.prediction_table(costs, scenarios[name], [1, 2, 4], 100, 2)
+              for name in report.EXTRAPOLATED}
+    validation = report.validate(costs, costs["runs"], 0.0, 2)
+    path = os.path.join(tmp_path, "plan.png")
+    assert report.write_plot(path, tables, validation, scenarios, 100, 2, ["a test"])
+    assert os.path.getsize(path) > 10000

@@ -1,0 +1,291 @@
+"""The scaling model: step time of the DLRM example's NestPipe step on W workers from stage costs.
+
+One step of a worker holding `b` samples (weak scaling: `b` fixed, global batch W*b):
+
+    none    T = cpu_fetch + comm_fetch + compute + grad_a2a + all_reduce (dense + metric scalars)
+    dbp     T = ov(P, K) + sync_a2a + overhead      P = cpu_fetch + comm_fetch + sync_plan (batch i+1)
+                                                    K = compute + grad_a2a + all_reduce (batch i)
+    fwp     T = F_1 + sum_j ov(k, F_j+1 + G_j) + k + G_M + all_reduce,  k = (compute + overhead) / M
+    nested  T = ov(P_M, K_M) + M * sync_a2a(micro) + overhead           (DBP over the M micro-batches)
+
+cpu_fetch = routing (dedup + bucketing + owner dedup) + retrieval (gathers and their adjoints);
+comm_fetch = counts all-gather + keys all-to-all + rows all-to-all; G = the gradient rows'
+all-to-all. `ov(a, b) = max(a, b) + (1 - eta) * min(a, b)`: eta = 1 is perfect overlap (a
+separate communication engine), eta = 0 none (everything competes for the same cores).
+Collectives follow `collective_ms`; key counts, padded capacities and re-sync rows come from
+the sampled key statistics (`tf_nestpipe.plan.keys`), interpolated in log(samples), log(W).
+"""
+import dataclasses
+import math
+from typing import Dict, Optional, Tuple
+
+PIPELINES = ("none", "dbp", "fwp", "nested")
+COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
+KEY_BYTES = 8  # int64 keys
+COUNT_BYTES = 4  # int32 split sizes
+# The padded exchange's capacities, as tf_nestpipe.strategy.communication buckets them.
+_CAPACITIES = sorted({int(math.ceil(1.19 ** k)) for k in range(0, 124)})
+
+
+class ModelError(ValueError):
+    """A question the model cannot answer from the costs it was given (e.g. a worker count
+    outside the sampled key statistics, or an unknown pipeline)."""
+
+
+def padded_capacity(count):
+    """The capacity the padded all-to-all uses for `count` keys to one owner: the smallest
+    bucket ceil(1.19**k) >= count (at least 1), as `capacity_bucket` picks it."""
+    need = max(1, int(math.ceil(count - 1e-9)))
+    for capacity in _CAPACITIES:
+        if capacity >= need:
+            return capacity
+    raise ModelError("padded capacity for %d keys is beyond the largest bucket" % need)
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveParams:
+    """Latency-bandwidth cost of one collective kind: `alpha0 + alpha_step * steps(W) +
+    beta * bytes * factor(W)` in ms, bytes in MB (10**6); `algorithm` picks steps(W).
+    `measured` ({W: (intercept_ms, ms per MB of the tensor)}) overrides the formula at the
+    worker counts where it was measured (the testbed scenario)."""
+
+    alpha0_ms: float
+    alpha_step_ms: float
+    beta_ms_per_mb: float
+    algorithm: str = "ring"
+    measured: Optional[Dict[int, Tuple[float, float]]] = None
+
+
+def collective_steps(kind, algorithm, workers):
+    """(latency steps, bandwidth factor) of a collective on `workers` workers.
+
+    all_to_all (direct sends): W-1 peers, a fraction (W-1)/W of the send tensor leaves the worker.
+    all_gather: ring W-1 steps (tree: ceil(log2 W)); each worker receives W-1 contributions.
+    all_reduce: ring 2(W-1) steps (tree: 2 ceil(log2 W)); ring bandwidth factor 2(W-1)/W.
+    """
+    w = workers
+    log_steps = math.ceil(math.log2(w)) if w > 1 else 0
+    if kind == "all_to_all":
+        return w - 1, (w - 1) / w
+    if kind == "all_gather":
+        return (w - 1 if algorithm == "ring" else log_steps), w - 1
+    if kind == "all_reduce":
+        return (2 * (w - 1) if algorithm == "ring" else 2 * log_steps), 2 * (w - 1) / w
+    raise ModelError("unknown collective %r (one of %s)" % (kind, ", ".join(COLLECTIVES)))
+
+
+def collective_ms(kind, params: CollectiveParams, workers, nbytes):
+    """Time of one collective of `kind` over `workers` workers moving `nbytes` (all_to_all: the
+    whole send tensor; all_gather: one worker's contribution; all_reduce: the reduced tensor).
+    Zero on one worker (no collective is issued)."""
+    if workers <= 1:
+        return 0.0
+    if params.measured and workers in params.measured:
+        intercept, slope = params.measured[workers]
+        return intercept + slope * nbytes / 1e6
+    steps, factor = collective_steps(kind, params.algorithm, workers)
+    return params.alpha0_ms + params.alpha_step_ms * steps + params.beta_ms_per_mb * nbytes / 1e6 * factor
+
+
+def overlap(a, b, eta):
+    """Time of two overlapped activities of `a` and `b` ms: max + (1 - eta) * min."""
+    return max(a, b) + (1.0 - eta) * min(a, b)
+
+
+class KeyStats:
+    """The sampled key statistics grid (see `tf_nestpipe.plan.keys`), interpolated bilinearly in
+    (log samples, log workers); raises ModelError outside the sampled cells."""
+
+    def __init__(self, grid):
+        self.samples = [float(n) for n in grid["samples"]]
+        self.workers = [float(w) for w in grid["workers"]]
+        self.grid = grid
+
+    @staticmethod
+    def _bracket(values, x, what):
+        if x < values[0] - 1e-9 or x > values[-1] + 1e-9:
+            raise ModelError("key statistics cover %s %g..%g, not %g (rerun `python -m "
+                             "tf_nestpipe.plan --measure` with a wider grid)"
+                             % (what, values[0], values[-1], x))
+        for i in range(len(values) - 1):
+            if values[i] <= x <= values[i + 1]:
+                lo, hi = values[i], values[i + 1]
+                t = 0.0 if hi == lo else (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+                return i, min(max(t, 0.0), 1.0)
+        return len(values) - 1, 0.0
+
+    def at(self, name, samples, workers):
+        """Statistic `name` for `samples` per worker on `workers` workers."""
+        i, ti = self._bracket(self.samples, samples, "samples per worker")
+        j, tj = self._bracket(self.workers, workers, "worker counts")
+        table = self.grid[name]
+        value = 0.0
+        for di, wi in ((0, 1 - ti), (1, ti)):
+            for dj, wj in ((0, 1 - tj), (1, tj)):
+                if wi * wj == 0:
+                    continue
+                cell = table[i + di][j + dj]
+                if cell is None:
+                    raise ModelError("key statistic %r not sampled for %g samples x %g workers "
+                                     "(samples * workers above the sampled maximum)"
+                                     % (name, self.samples[i + di], self.workers[j + dj]))
+                value += wi * wj * cell
+        return value
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """Where the stage costs run: collective parameters per kind, the overlap efficiency `eta`,
+    and (testbed only) CPU contention factors by worker count (W processes on shared cores)."""
+
+    name: str
+    label: str
+    collectives: Dict[str, CollectiveParams]
+    eta: float
+    contention: Optional[Dict[int, float]] = None
+    notes: Tuple[str, ...] = ()
+
+    def cpu_factor(self, workers):
+        """Slowdown of CPU stages with `workers` workers (1 without contention)."""
+        if self.contention is None:
+            return 1.0
+        if workers not in self.contention:
+            raise ModelError("scenario %r has CPU contention factors for %s workers only, not %d"
+                             % (self.name, sorted(self.contention), workers))
+        return self.contention[workers]
+
+
+class StepModel:
+    """Predicts one step's time for a pipeline, worker count and per-worker batch from a costs
+    dict (the plan_costs.json layout, see `tf_nestpipe.plan.costs`) under a Scenario."""
+
+    def __init__(self, costs, scenario: Scenario, overheads=True):
+        self.costs = costs
+        self.scenario = scenario
+        self.keys = KeyStats(costs["keys"])
+        workload = costs["workload"]
+        self.fields = int(workload["fields"])
+        self.row_bytes = 4 * int(workload["dim"])
+        self.dense_bytes = 4 * int(workload["dense_params"])
+        # tf_keras fit all-reduces the loss mean's total and count every step (two scalars).
+        self.metric_all_reduces = int(workload.get("metric_all_reduces", 0))
+        self.overheads = overheads
+
+    # --- stage costs ------------------------------------------------------------------------
+    def routing_ms(self, ids, slots):
+        """Dedup + bucket-by-owner of `ids` ids and the owner-side dedup over `slots` slots."""
+        r = self.costs["routing"]
+        return r["base_ms"] + (r["per_id_us"] * ids + r["per_slot_us"] * slots) / 1e3
+
+    def retrieval_ms(self, rows):
+        """Owner gather + slot gather + inverse rebuild (and adjoints) touching `rows` rows."""
+        r = self.costs["retrieval"]
+        return r["base_ms"] + r["per_row_us"] * rows / 1e3
+
+    def compute_ms(self, batch):
+        """Dense forward/backward + optimizer update + step overhead of `batch` samples."""
+        c = self.costs["compute"]
+        return c["base_ms"] + c["per_sample_us"] * batch / 1e3
+
+    def overhead_ms(self, pipeline, batch):
+        """Extra op overhead of running `pipeline` (measured on one worker), 0 for none."""
+        if pipeline == "none" or not self.overheads:
+            return 0.0
+        o = self.costs["pipeline_overhead"][pipeline]
+        return max(0.0, o["base_ms"] + o["per_sample_us"] * batch / 1e3)
+
+    def _coll(self, kind, workers, nbytes):
+        return collective_ms(kind, self.scenario.collectives[kind], workers, nbytes)
+
+    def lookup(self, samples, workers, share=1.0):
+        """(cpu_fetch, comm_fetch, grad_a2a, exchanged slots) of one lookup of `samples` samples
+        per worker; `share` < 1 is a later micro-batch fetching only ids new to its window."""
+        unique = self.keys.at("unique", samples, workers) * share
+        ids = samples * self.fields
+        if workers == 1:
+            slots = owner_rows = unique
+        else:
+            slots = workers * padded_capacity(self.keys.at("capacity", samples, workers) * share)
+            owner_rows = self.keys.at("owner_rows", samples, workers) * share
+        cpu = self.routing_ms(ids, slots) + self.retrieval_ms(owner_rows + slots + ids)
+        comm = (self._coll("all_gather", workers, COUNT_BYTES * workers)
+                + self._coll("all_to_all", workers, slots * KEY_BYTES)
+                + self._coll("all_to_all", workers, slots * self.row_bytes))
+        grad = self._coll("all_to_all", workers, slots * self.row_bytes)
+        return cpu, comm, grad, slots
+
+    def sync(self, samples, workers, share=1.0):
+        """(plan all-gather, fresh-rows all-to-all) of the Dual-Buffer re-sync of one buffer."""
+        if workers == 1:
+            return 0.0, 0.0
+        capacity = padded_capacity(self.keys.at("sync_capacity", samples, workers) * share)
+        plan = self._coll("all_gather", workers, COUNT_BYTES * workers)
+        send = self._coll("all_to_all", workers, workers * capacity * (self.row_bytes + 4))
+        return plan, send
+
+    # --- one step -------------------------------------------------------------------------
+    def step(self, pipeline, workers, batch, micro_batches=4):
+        """Predicted step time and its parts (ms) for `batch` samples per worker."""
+        if pipeline not in PIPELINES:
+            raise ModelError("unknown pipeline %r (one of %s)" % (pipeline, ", ".join(PIPELINES)))
+        workers, m = int(workers), int(micro_batches)
+        if workers < 1 or m < 1 or batch <= 0:
+            raise ModelError("need workers >= 1, micro_batches >= 1 and batch > 0")
+        eta, kappa = self.scenario.eta, self.scenario.cpu_factor(workers)
+        compute = kappa * self.compute_ms(batch)
+        overhead = kappa * self.overhead_ms(pipeline, batch)
+        all_reduce = (self._coll("all_reduce", workers, self.dense_bytes)
+                      + self.metric_all_reduces * self._coll("all_reduce", workers, 4))
+        parts = {"compute": compute, "overhead": overhead, "all_reduce": all_reduce}
+        if pipeline in ("none", "dbp"):
+            cpu, comm, grad, _ = self.lookup(batch, workers)
+            parts.update(cpu_fetch=kappa * cpu, comm_fetch=comm, grad_a2a=grad)
+            if pipeline == "none":
+                total = kappa * cpu + comm + compute + grad + all_reduce
+            else:
+                plan, send = self.sync(batch, workers)
+                prefetch = kappa * cpu + comm + plan
+                critical = compute + grad + all_reduce
+                parts.update(sync=plan + send)
+                total = overlap(prefetch, critical, eta) + send + overhead
+        else:
+            micro = batch / m
+            first = self.lookup(micro, workers)
+            rest_share = 0.0
+            if m > 1:
+                unique_batch = self.keys.at("unique", batch, workers)
+                unique_micro = self.keys.at("unique", micro, workers)
+                rest_share = max(unique_batch - unique_micro, 0.0) / (m - 1) / unique_micro
+            rest = self.lookup(micro, workers, rest_share) if m > 1 else first
+            fetches = [(kappa * first[0] + first[1])] + [(kappa * rest[0] + rest[1])] * (m - 1)
+            grads = [first[2]] + [rest[2]] * (m - 1)
+            slot = (compute + (overhead if pipeline == "fwp" else 0.0)) / m
+            parts.update(cpu_fetch=kappa * (first[0] + (m - 1) * rest[0]),
+                         comm_fetch=first[1] + (m - 1) * rest[1], grad_a2a=sum(grads))
+            if pipeline == "fwp":
+                total = fetches[0]
+                for j in range(m - 1):
+                    total += overlap(slot, fetches[j + 1] + grads[j], eta)
+                total += slot + grads[-1] + all_reduce
+            else:
+                plans, sends = zip(*([self.sync(micro, workers)]
+                                     + [self.sync(micro, workers, rest_share)] * (m - 1)))
+                prefetch = sum(fetches) + sum(plans)
+                critical = slot
+                for j in range(m - 1):
+                    critical += overlap(slot, grads[j], eta)
+                critical += grads[-1] + all_reduce
+                parts.update(sync=sum(plans) + sum(sends))
+                total = overlap(prefetch, critical, eta) + sum(sends) + overhead
+        parts["total_ms"] = total
+        return parts
+
+    def step_ms(self, pipeline, workers, batch, micro_batches=4):
+        """Predicted step time in ms."""
+        return self.step(pipeline, workers, batch, micro_batches)["total_ms"]
+
+    def efficiency(self, pipeline, workers, batch, micro_batches=4):
+        """Scaling efficiency T(1 worker, b) / T(W workers, b) of `pipeline` at a fixed per-worker
+        batch b (weak scaling; each pipeline against itself on one worker): 1.0 at W = 1."""
+        return self.step_ms(pipeline, 1, batch, micro_batches) / self.step_ms(
+            pipeline, workers, batch, micro_batches)
