@@ -18,6 +18,7 @@ from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resol
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 
@@ -128,8 +129,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         kwargs.pop("distribute_strategy", None)
         with tf.device(self.worker_devices[0]):
             variable = next_creator(**kwargs)
-        setattr(variable, _SHARD_ATTR, layout)
-        return variable
+        # Its checkpoints hold the whole table, so tf.train.Checkpoint and tf_keras callbacks
+        # lose no worker's rows (see row_shard_saving).
+        return make_checkpointable(variable, layout, self._nestpipe_collectives)
 
     def _validate_colocate_with_variable(self, colocate_with_variable):
         if is_row_shard(colocate_with_variable):
