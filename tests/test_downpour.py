@@ -1,6 +1,7 @@
 """DOWNPOUR update windows on a real chief + 2 workers + 2 ps cluster: one window equals a
-plain model's T local steps with the summed gradient pushed (exactly), and T=1 / T=3 with local
-SGD and local Adagrad train, with the local optimizer's state on the workers only."""
+plain model's T local steps with the summed gradient pushed (exactly) and pulls only the table
+rows it reads; T=1 / T=3 with local SGD and local Adagrad train, with the local optimizer's state
+on the workers only, also when a worker is killed mid-run (restarted, its windows re-run)."""
 import json
 import os
 import sys
@@ -27,6 +28,18 @@ def test_one_window_pushes_the_sum_of_its_local_step_gradients(downpour_results)
     assert exact["max_diff"] < 1e-5  # ... to exactly pulled - sum of the 3 local-step gradients
     # The table is split round-robin (mod) over both ps tasks, the dense kernels by ranges.
     assert exact["shards"][0] == 2 and exact["row_orders"][0] == "mod"
+
+
+def test_a_window_pulls_only_the_rows_it_reads(downpour_results):
+    pulled = downpour_results["pulled"]
+    assert pulled["values"] == pulled["expected"]  # dense whole + the 3 batches' distinct rows
+    assert pulled["values"] < 0.5 * pulled["whole_model"]
+
+
+def test_a_killed_worker_is_restarted_and_every_window_runs(downpour_results):
+    result = downpour_results["train_T3_adagrad"]
+    assert result["worker_killed"]
+    assert result["windows_done"] == result["windows_scheduled"] == 30
 
 
 @pytest.mark.parametrize("setting", ["train_T1_sgd", "train_T3_sgd", "train_T3_adagrad"])

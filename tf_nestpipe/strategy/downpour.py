@@ -7,19 +7,28 @@ where the global optimizer applies it. T=1 pushes every step's gradient (Hogwild
 
 Each worker keeps its copy of the model in per-worker variables (TensorFlow's
 `PerWorkerVariable`: one instance per worker, the function resolves it to the worker it runs
-on), so windows on different workers never share local state. The copy is a full one (tables
-included); pulling only the rows a window needs is not done yet. Automatic control dependencies
-do not order per-worker variables, so the window orders pull, local steps and updates itself.
+on), so windows on different workers never share local state. A window pulls the dense
+parameters whole but of each table only the rows its T batches read (found by a route pass that
+records the lookups' ids), each row just before the first step that reads it, so the pull of step
+s+1 overlaps the compute of step s: only the first step's pull is exposed. (The next *window*'s
+rows are not prefetched: its batches are read by the next scheduled function.) Rows a window
+does not read stay stale in the local copy and are never read. A restarted worker gets fresh
+per-worker variables from the coordinator: its local optimizer state (e.g. the local Adagrad
+accumulators) starts again from the initial value, and every row it reads is pulled anew.
+Automatic control dependencies do not order per-worker variables, so the window orders pulls,
+local steps and updates itself.
 """
 import contextlib
 import re
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
 
+from tf_nestpipe.pipeline import context as pipeline_context
 from tf_nestpipe.sharding import partitioners
 
 
@@ -165,6 +174,14 @@ class _ParameterGroup:
             return tf.dynamic_stitch([tf.range(k, self.rows, count) for k in range(count)], values)
         return tf.concat(values, axis=0)
 
+    def pull_rows(self, ids):
+        """Rows `ids` (int64, natural order) of a table, read from the ps shards that own them."""
+        if len(self.shards) == 1:
+            return tf.gather(self.shards[0], ids)
+        if self.row_order == partitioners.ROW_ORDER_MOD:
+            return tf.compat.v1.nn.embedding_lookup(self.shards, ids, partition_strategy="mod")
+        return tf.nn.embedding_lookup(self.shards, ids)
+
     def split(self, gradient):
         """The gradient of the whole parameter as one gradient per shard."""
         if len(self.shards) == 1:
@@ -241,14 +258,44 @@ class DownpourTrainer:
     def _window_fn(self, iterator):
         def replica_fn():
             variables = self.local_model.trainable_variables
-            # Pull. Per-worker variables get no automatic control dependencies: every read and
-            # update below is ordered explicitly.
-            after = [v.assign(g.pull(), read_value=False) for v, g in zip(variables, self._groups)]
+            batches = [next(iterator) for _ in range(self.update_window)]
+            # Which rows each step reads: a route pass per batch records every table lookup's
+            # ids (its dense ops have no consumer and are pruned from the function).
+            step_ids = []
+            for features, _ in batches:
+                route = pipeline_context.PipelineContext(pipeline_context.ROUTE)
+                with pipeline_context.pipeline_mode(route):
+                    self.local_model(features, training=True)
+                step_ids.append(self._ids_by_variable(route))
+            # Pull: the dense parameters whole, and of each table only the rows the window
+            # reads. A row is pulled before the first step that reads it; the pull of step s+1
+            # depends only on the ps, so it overlaps step s's compute (every row a step updates
+            # locally was read, hence pulled, earlier: the new rows never race with an update).
+            # Per-worker variables get no automatic control dependencies: every read and update
+            # below is ordered explicitly.
+            pulls, seen, pulled = [[] for _ in batches], {}, []
+            tables = set().union(*step_ids)
+            for index, (variable, group) in enumerate(zip(variables, self._groups)):
+                if index not in tables:
+                    pulls[0].append(variable.assign(group.pull(), read_value=False))
+                    pulled.append(tf.constant(
+                        group.rows * int(np.prod(group.shards[0].shape[1:])), tf.int32))
+                    continue
+                for step, ids in enumerate(step_ids):
+                    new = tf.unique(ids.get(index, tf.zeros([0], tf.int64)))[0]
+                    if index in seen:
+                        new = tf.sets.difference(new[None, :], seen[index][None, :]).values
+                        seen[index] = tf.concat([seen[index], new], 0)
+                    else:
+                        seen[index] = new
+                    rows = group.pull_rows(new)
+                    pulls[step].append(variable.scatter_update(tf.IndexedSlices(rows, new)))
+                    pulled.append(tf.size(rows))
+            after = []
             totals = [None] * len(variables)
             losses = []
-            for _ in range(self.update_window):
-                features, labels = next(iterator)
-                with tf.control_dependencies(after):
+            for step, (features, labels) in enumerate(batches):
+                with tf.control_dependencies(after + pulls[step]):
                     with tf.GradientTape() as tape:
                         loss = self.loss_fn(labels, self.local_model(features, training=True))
                     gradients = tape.gradient(loss, variables)
@@ -267,9 +314,19 @@ class DownpourTrainer:
                 shard_variables += group.shards
             with tf.control_dependencies(after):
                 self.optimizer.apply_gradients(zip(shard_gradients, shard_variables))
-            return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed)
+            return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed), tf.add_n(pulled)
 
         return self.strategy.run(replica_fn)
+
+    def _ids_by_variable(self, route):
+        """{position of a table in the local model's trainable variables: the ids all lookups
+        of that table recorded in `route`}."""
+        positions = {id(v): i for i, v in enumerate(self.local_model.trainable_variables)}
+        ids = {}
+        for name, recorded in route.states_out.items():
+            position = positions[id(route.layers[name].embeddings)]
+            ids[position] = tf.concat([tf.reshape(tf.cast(r, tf.int64), [-1]) for r in recorded], 0)
+        return ids
 
     def global_values(self):
         """The model's parameters as NumPy arrays, rows in natural order (read from the ps)."""
@@ -277,6 +334,6 @@ class DownpourTrainer:
 
     def schedule(self, iterator):
         """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
-        pushed)."""
+        pushed, values pulled)."""
         self.windows += 1
         return self.coordinator.schedule(self._window, args=(iterator,))
