@@ -71,3 +71,31 @@ def test_fit_refuses_a_downpour_strategy():
 
     with pytest.raises(ValueError, match="tnp.DownpourTrainer"):
         keras_integration._pipelined_strategy(Model())
+
+
+def test_a_killed_ps_restarts_the_cluster_which_resumes_from_the_checkpoint(tmp_path):
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps",
+                          "2", "--chief", "--restarts", "1", "--timeout", "150", "--",
+                          sys.executable, os.path.join(PROGRAMS, "downpour.py"), str(tmp_path),
+                          "--ps-failure"], timeout=330)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "task ps:1 failed" in result.stdout and "restarting the cluster" in result.stdout
+    with open(tmp_path / "ps_failure.json") as f:
+        resumed = json.load(f)
+    assert resumed["restored_windows"] == 10
+    assert resumed["restored_max_diff"] == 0.0  # the new ps tasks hold the saved values
+    assert resumed["windows"] == 30
+
+
+def test_a_ps_failure_is_explained():
+    import tensorflow as tf
+    from tf_nestpipe.strategy.downpour import explain_ps_failure
+
+    error = tf.errors.UnavailableError(None, None, (
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:1 while calling /tensorflow.WorkerService/RunGraph"))
+    explained = explain_ps_failure(error)
+    assert "/job:ps/task:1" in str(explained) and "DownpourTrainer.restore" in str(explained)
+    assert "--restarts" in str(explained)
+    assert explain_ps_failure(tf.errors.UnavailableError(
+        None, None, "GRPC error information from remote target /job:worker/replica:0/task:0")) is None

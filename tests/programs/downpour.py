@@ -1,7 +1,7 @@
 """DOWNPOUR windows on a chief + 2 workers + 2 ps cluster (run on the chief by the launcher with
 `--workers 2 --ps 2 --chief`). Writes OUT_DIR/downpour.json.
 
-usage: downpour.py OUT_DIR
+usage: downpour.py OUT_DIR [--ps-failure]
   exact: one window (T=3, local SGD, global SGD with learning rate 1) must leave the ps holding
   pulled - sum of the three local-step gradients, computed here by a plain model on the same
   three batches. train_T<T>_<opt>: 90 local steps of each setting; the losses must fall, and the
@@ -123,7 +123,46 @@ def train(out):
             "local_slot_types": slots, "global_optimizer_devices": ps_optimizer}
 
 
+def ps_failure(out_dir):
+    """30 windows (T=3) with a checkpoint every 5; on the first attempt ps 1 is SIGKILLed after
+    the checkpoint of window 10 (the launcher restarts the cluster); the next attempt restores
+    and finishes. Writes ps_failure.json: where it resumed and whether the restored values equal
+    the saved ones."""
+    strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.FixedShardsPartitioner(2),
+                                           update_window=3, local_optimizer=tnp.LocalSGD(0.2))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                                  tf_keras.optimizers.Adagrad(0.5))
+    ckpt, marker = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "ps_killed")
+    restored = trainer.restore(ckpt)
+    result = {"restored_windows": restored}
+    if restored:
+        saved = np.load(os.path.join(out_dir, "saved_%d.npz" % restored))
+        result["restored_max_diff"] = max(float(np.abs(v - saved["arr_%d" % i]).max())
+                                          for i, v in enumerate(trainer.global_values()))
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    while trainer.windows < 30:
+        for _ in range(5):
+            trainer.schedule(iterator)
+        trainer.save(ckpt)
+        np.savez(os.path.join(out_dir, "saved_%d.npz" % trainer.windows), *trainer.global_values())
+        print("saved window", trainer.windows, flush=True)
+        if trainer.windows == 10 and not os.path.exists(marker):
+            open(marker, "w").close()
+            kill_task_soon("ps", 1, 0.0).join()
+            for _ in range(30):  # the launcher tears the cluster down before this ends
+                trainer.schedule(iterator)
+            trainer.join()
+    result["windows"] = trainer.windows
+    with open(os.path.join(out_dir, "ps_failure.json"), "w") as f:
+        json.dump(result, f)
+    print("ps failure run done", flush=True)
+
+
 def main():
+    if "--ps-failure" in sys.argv:
+        ps_failure(sys.argv[1])
+        return
     out = {}
     exact_window(out)
     train(out)

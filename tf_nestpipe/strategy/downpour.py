@@ -24,6 +24,7 @@ import re
 import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute.coordinator import cluster_coordinator as _coordinator_lib
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
@@ -225,6 +226,27 @@ def _groups(model):
                             partitioners.ROW_ORDER_DIV) for g in groups]
 
 
+class ParameterServerUnavailableError(RuntimeError):
+    """A parameter-server task failed during DOWNPOUR training. The ps tasks hold the only copy
+    of the parameters, so the run cannot continue: restart the cluster (the launcher's
+    `--restarts N` does) and resume with `DownpourTrainer.restore`."""
+
+
+def explain_ps_failure(error):
+    """A `ParameterServerUnavailableError` naming the failed ps tasks if `error` is a ps
+    failure as `ClusterCoordinator` reports it, else None."""
+    if not _coordinator_lib._is_ps_failure(error):  # pylint: disable=protected-access
+        return None
+    message = str(getattr(error, "original_exception", None) or error)
+    tasks = sorted(_coordinator_lib._extract_failed_ps_instances(message))  # pylint: disable=protected-access
+    named = ", ".join("/job:ps/task:%d" % t for t in tasks) or "a ps task"
+    return ParameterServerUnavailableError(
+        "parameter server %s became unavailable, so training stopped (the ps tasks hold the only "
+        "copy of the parameters). Restart the cluster (python -m tf_nestpipe.launch ... "
+        "--restarts N restarts it automatically) and resume from the last checkpoint with "
+        "DownpourTrainer.restore(directory). Original error: %s" % (named, message[:500]))
+
+
 class DownpourTrainer:
     """DOWNPOUR over `strategy` (a `tnp.ParameterServerStrategy`; its `update_window` and
     `local_optimizer` set T and the local optimizer). `model_fn()` builds the model: once in the
@@ -254,6 +276,14 @@ class DownpourTrainer:
                              % (shapes, expected))
         self._window = tf.function(self._window_fn)
         self.windows = 0  # windows scheduled so far
+        # The global optimizer's slots are built now (on the ps, next to each shard), so that a
+        # checkpoint restores into them before the first window.
+        with strategy.scope():
+            self.optimizer.build([shard for group in self._groups for shard in group.shards])
+        self._windows_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="windows")
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer,
+                                              windows=self._windows_done)
+        self._managers = {}
 
     def _window_fn(self, iterator):
         def replica_fn():
@@ -331,6 +361,41 @@ class DownpourTrainer:
     def global_values(self):
         """The model's parameters as NumPy arrays, rows in natural order (read from the ps)."""
         return [group.pull().numpy() for group in self._groups]
+
+    def join(self):
+        """`coordinator.join()`; a ps failure is raised as a `ParameterServerUnavailableError`
+        that names the failed task and says how to resume."""
+        try:
+            self.coordinator.join()
+        except Exception as error:  # pylint: disable=broad-except
+            explained = explain_ps_failure(error)
+            if explained is None:
+                raise
+            raise explained from error
+
+    def _manager(self, directory, max_to_keep=3):
+        if directory not in self._managers:
+            self._managers[directory] = tf.train.CheckpointManager(
+                self.checkpoint, directory, max_to_keep=max_to_keep)
+        return self._managers[directory]
+
+    def save(self, directory):
+        """Joins, then writes the global model, the global optimizer and the number of windows
+        run so far to `directory` (a `tf.train.CheckpointManager` there); returns the path.
+        Workers' local state (the local copy and local optimizer slots) is scratch and not saved."""
+        self.join()
+        self._windows_done.assign(self.windows)
+        return self._manager(directory).save(checkpoint_number=self.windows)
+
+    def restore(self, directory):
+        """Restores the latest checkpoint of `directory` onto the (possibly restarted) ps tasks;
+        returns the number of windows it had run (0 when there is none)."""
+        latest = tf.train.latest_checkpoint(directory)
+        if latest is None:
+            return 0
+        self.checkpoint.read(latest).assert_existing_objects_matched()
+        self.windows = int(self._windows_done.numpy())
+        return self.windows
 
     def schedule(self, iterator):
         """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
