@@ -253,7 +253,9 @@ class DownpourTrainer:
     strategy scope (the global model on the ps tasks, `self.model`) and once more in per-worker
     variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)`
     returns a scalar; `optimizer` is the global optimizer
-    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient."""
+    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient. `schedule` runs
+    one window; `join` waits (explaining ps failures); `save` / `restore` checkpoint the global
+    state for a restart after a ps failure."""
 
     def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer):
         self.strategy = strategy
