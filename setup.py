@@ -14,6 +14,8 @@ OP_SOURCES = [
     "ops/routing_ops.cc",
 ]
 
+BIND_SHIM = "tf_nestpipe._nestpipe_bind"
+
 
 def _tensorflow_flags():
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
@@ -30,6 +32,9 @@ class BuildTensorFlowOps(build_ext):
     def build_extensions(self):
         compile_flags, link_flags = _tensorflow_flags()
         for ext in self.extensions:
+            if ext.name == BIND_SHIM:  # plain C, no TensorFlow
+                ext.extra_compile_args = ["-O2", "-fPIC"]
+                continue
             ext.extra_compile_args = compile_flags + ["-O3", "-fPIC", "-Wno-deprecated-declarations"]
             ext.extra_link_args = link_flags
         for flag in ("-Wstrict-prototypes",):
@@ -52,6 +57,8 @@ setup(
         "numpy",
     ],
     extras_require={"test": ["pytest"]},
-    ext_modules=[Extension("tf_nestpipe._nestpipe_ops", sources=OP_SOURCES, language="c++")],
+    ext_modules=[Extension("tf_nestpipe._nestpipe_ops", sources=OP_SOURCES, language="c++"),
+                 # LD_PRELOAD library: servers listen only on their TF_CONFIG address.
+                 Extension(BIND_SHIM, sources=["native/bind_tf_config.c"], libraries=["dl"])],
     cmdclass={"build_ext": BuildTensorFlowOps},
 )

@@ -129,8 +129,8 @@ def main():
             args.min_shard_bytes, shard_text(results)),
         "- downpour T: `tnp.ParameterServerStrategy(variable_partitioner=tnp.MinSizePartitioner("
         "%d), update_window=T, local_optimizer=tnp.LocalSGD(%g))` + `tnp.DownpourTrainer` with "
-        "`tnp.ShardedEmbedding` per feature; one scheduled window = pull the whole model, T "
-        "local steps of one batch each, push the summed (deduplicated) gradient; %d / T "
+        "`tnp.ShardedEmbedding` per feature; one scheduled window = pull the dense "
+        "parameters and the table rows its batches read, T local steps of one batch each, push the summed (deduplicated) gradient; %d / T "
         "windows." % (args.min_shard_bytes, args.local_lr, args.steps),
         "- PS runs: `python -m tf_nestpipe.launch --workers 2 --ps 2 --chief`; each worker "
         "reads the whole train split in its own random order (per-worker dataset, shuffled "
@@ -151,8 +151,10 @@ def main():
         "them); in parentheses the same with each distinct row once (what a deduplicating push "
         "would send). sync pushes nothing (all-to-all / all-reduce between workers).",
         "- pulled B/sample: parameter values read from the ps x 4 / samples. downpour: the "
-        "whole model every window (the trainer copies every parameter). tf_pss: the dense "
-        "parameters plus one embedding row per looked-up id, per step.", "",
+        "trainer's count: the dense parameters whole plus each table row the window's batches "
+        "read, once per window (rows are pulled step by step, each step's new rows while the "
+        "previous step computes). tf_pss: the dense parameters plus one embedding row per "
+        "looked-up id, per step.", "",
         "## Results", ""]
     lines += table(results, baseline)
     lines.append("")

@@ -29,8 +29,9 @@ Measured:
   `apply_gradients`: dense gradients' sizes plus the `IndexedSlices` values of the embedding
   gradients (one row per looked-up id, duplicates included: TF sends them undeduplicated); the
   number of distinct rows touched (what a deduplicating push would send) is counted too.
-- pulled values: what the workers read from the ps. downpour: the whole model every window (the
-  trainer copies every parameter). tf_pss: the dense parameters plus one row per looked-up id
+- pulled values: what the workers read from the ps. downpour: the trainer's own count (third
+  output of every window: the dense parameters whole plus each table row the window's batches
+  read, once per window). tf_pss: the dense parameters plus one row per looked-up id
   (`embedding_lookup` gathers on the ps, per id).
 - held-out AUC: after training, the chief (sync: worker 0, after an all-worker `full_table()`)
   copies the global parameters into a plain local model and scores the whole test split
@@ -294,7 +295,8 @@ def run_downpour(args, metadata, table_sizes, bag_sizes):
     values = [r.fetch() for r in results]
     model = trainer.model
     out = {"pushed_values": sum(int(v[1]) for v in values),
-           "pulled_values": model_values * len(values),
+           "pulled_values": sum(int(v[2]) for v in values),
+           "whole_model_values": model_values,
            "losses": [float(v[0]) for v in values],
            "windows": len(values),
            "shards": {layer.name: len(layer._table_shards())  # pylint: disable=protected-access

@@ -138,3 +138,20 @@ def test_missing_and_incomplete_checkpoints_are_reported(tmp_path):
     assert latest_step(str(tmp_path)) is None
     with pytest.raises(FileNotFoundError, match="incomplete"):
         checkpoint.restore(str(tmp_path), step=3)
+
+
+def test_input_position_is_checkpointed_and_skips_the_batches_trained_on(tmp_path):
+    import tensorflow as tf
+    import tf_nestpipe as tnp
+
+    strategy = tnp.NestPipeStrategy()
+    position = tnp.data.InputPosition()
+    for _ in range(3):
+        position.advance()
+    path = tf.train.Checkpoint(input=position).write(str(tmp_path / "ckpt"))
+    restored = tnp.data.InputPosition()
+    tf.train.Checkpoint(input=restored).read(path).assert_consumed()
+    assert int(restored.batches.numpy()) == 3
+    batches = iter(restored.distribute(strategy, lambda context: tf.data.Dataset.range(10)))
+    assert int(next(batches)) == 3  # the first batch not trained on
+    assert list(restored.skip(tf.data.Dataset.range(5)).as_numpy_iterator()) == [3, 4]

@@ -1,6 +1,7 @@
 """DOWNPOUR update windows on a real chief + 2 workers + 2 ps cluster: one window equals a
-plain model's T local steps with the summed gradient pushed (exactly), and T=1 / T=3 with local
-SGD and local Adagrad train, with the local optimizer's state on the workers only."""
+plain model's T local steps with the summed gradient pushed (exactly) and pulls only the table
+rows it reads; T=1 / T=3 with local SGD and local Adagrad train, with the local optimizer's state
+on the workers only, also when a worker is killed mid-run (restarted, its windows re-run)."""
 import json
 import os
 import sys
@@ -27,6 +28,18 @@ def test_one_window_pushes_the_sum_of_its_local_step_gradients(downpour_results)
     assert exact["max_diff"] < 1e-5  # ... to exactly pulled - sum of the 3 local-step gradients
     # The table is split round-robin (mod) over both ps tasks, the dense kernels by ranges.
     assert exact["shards"][0] == 2 and exact["row_orders"][0] == "mod"
+
+
+def test_a_window_pulls_only_the_rows_it_reads(downpour_results):
+    pulled = downpour_results["pulled"]
+    assert pulled["values"] == pulled["expected"]  # dense whole + the 3 batches' distinct rows
+    assert pulled["values"] < 0.5 * pulled["whole_model"]
+
+
+def test_a_killed_worker_is_restarted_and_every_window_runs(downpour_results):
+    result = downpour_results["train_T3_adagrad"]
+    assert result["worker_killed"]
+    assert result["windows_done"] == result["windows_scheduled"] == 30
 
 
 @pytest.mark.parametrize("setting", ["train_T1_sgd", "train_T3_sgd", "train_T3_adagrad"])
@@ -58,3 +71,31 @@ def test_fit_refuses_a_downpour_strategy():
 
     with pytest.raises(ValueError, match="tnp.DownpourTrainer"):
         keras_integration._pipelined_strategy(Model())
+
+
+def test_a_killed_ps_restarts_the_cluster_which_resumes_from_the_checkpoint(tmp_path):
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps",
+                          "2", "--chief", "--restarts", "1", "--timeout", "150", "--",
+                          sys.executable, os.path.join(PROGRAMS, "downpour.py"), str(tmp_path),
+                          "--ps-failure"], timeout=330)
+    assert result.returncode == 0, result.stdout[-5000:]
+    assert "task ps:1 failed" in result.stdout and "restarting the cluster" in result.stdout
+    with open(tmp_path / "ps_failure.json") as f:
+        resumed = json.load(f)
+    assert resumed["restored_windows"] == 10
+    assert resumed["restored_max_diff"] == 0.0  # the new ps tasks hold the saved values
+    assert resumed["windows"] == 30
+
+
+def test_a_ps_failure_is_explained():
+    import tensorflow as tf
+    from tf_nestpipe.strategy.downpour import explain_ps_failure
+
+    error = tf.errors.UnavailableError(None, None, (
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:1 while calling /tensorflow.WorkerService/RunGraph"))
+    explained = explain_ps_failure(error)
+    assert "/job:ps/task:1" in str(explained) and "DownpourTrainer.restore" in str(explained)
+    assert "--restarts" in str(explained)
+    assert explain_ps_failure(tf.errors.UnavailableError(
+        None, None, "GRPC error information from remote target /job:worker/replica:0/task:0")) is None

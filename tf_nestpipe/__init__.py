@@ -14,6 +14,7 @@ from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer, 
                                   LocalAdagrad, LocalSGD, NestPipeStrategy,
                                   ParameterServerStrategy)
 from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
+from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
 from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
 from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
@@ -28,6 +29,7 @@ _keras_integration.install()
 __version__ = "0.1.0"
 
 __all__ = [
+    "BackupAndRestore",
     "ClusterConfig",
     "CommunicationImplementation",
     "DownpourTrainer",

@@ -34,10 +34,12 @@ def main():
     with strategy.scope():  # build in the scope: mirrored dense weights, row-shard slots
         model(ex.local_slice(batches[0], rank, workers)[0])
         optimizer.build(model.trainable_variables)
-    checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer)
+    position = tnp.data.InputPosition()  # global batches trained on: part of the checkpoint
+    checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
     if "--restore" in sys.argv:
         step = checkpoint.restore(ckpt_dir)
         assert step == first, "restored step %d, expected %d" % (step, first)
+        assert int(position.batches.numpy()) == first, int(position.batches.numpy())
         print("restored step", step, flush=True)
     if "--resume" in sys.argv and tnp.strategy.checkpoint.latest_step(ckpt_dir) is not None:
         first = checkpoint.restore(ckpt_dir)
@@ -60,12 +62,20 @@ def main():
             optimizer.apply_gradients(zip(grads, model.trainable_variables))
         strategy.run(step_fn, args=(features, labels))
 
-    run_step = train_step
+    def run_step(features, labels):
+        train_step(features, labels)
+        position.advance()
+
     if "--dbp" in sys.argv:
-        pipeline, iterator = dual_buffer_pipeline(strategy, model, optimizer, loss_fn,
-                                                  batches[first:last])
-        # The pipeline reads the same batches from its own iterator.
-        run_step = lambda features, labels: pipeline.progress(iterator)  # noqa: E731
+        # The pipeline reads the same batches from its own iterator, which starts at the
+        # restored input position (the batches of the steps before it are skipped).
+        pipeline, iterator = dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches,
+                                                  position)
+
+        def run_step(features, labels):  # noqa: F811
+            del features, labels
+            pipeline.progress(iterator)
+            position.advance()
 
     snapshot = (int(sys.argv[sys.argv.index("--snapshot-at") + 1])
                 if "--snapshot-at" in sys.argv else None)
@@ -110,8 +120,9 @@ def export(strategy, model, directory, batch, path):
                  bag_row_splits=features["bag"].row_splits.numpy())
 
 
-def dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches):
-    """A TrainPipeline over this worker's slices of `batches`, and its iterator."""
+def dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches, position):
+    """A TrainPipeline over this worker's slices of `batches` from the input `position` on,
+    and its iterator."""
     spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
              "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
                                         row_splits_dtype=tf.int64),
@@ -134,7 +145,7 @@ def dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches):
 
     pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
                                  optimizer=optimizer)
-    return pipeline, iter(strategy.distribute_datasets_from_function(dataset_fn))
+    return pipeline, iter(position.distribute(strategy, dataset_fn))
 
 
 def write_parameters(strategy, model, optimizer, path):

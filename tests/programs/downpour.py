@@ -1,7 +1,7 @@
 """DOWNPOUR windows on a chief + 2 workers + 2 ps cluster (run on the chief by the launcher with
 `--workers 2 --ps 2 --chief`). Writes OUT_DIR/downpour.json.
 
-usage: downpour.py OUT_DIR
+usage: downpour.py OUT_DIR [--ps-failure]
   exact: one window (T=3, local SGD, global SGD with learning rate 1) must leave the ps holding
   pulled - sum of the three local-step gradients, computed here by a plain model on the same
   three batches. train_T<T>_<opt>: 90 local steps of each setting; the losses must fall, and the
@@ -10,14 +10,17 @@ usage: downpour.py OUT_DIR
 import json
 import os
 import sys
+import time
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
+from ps_mode import kill_task_soon  # noqa: E402
 
 VOCAB, DIM, BATCH = 200, 4, 16
 STEPS = 90  # local steps per setting: 90 windows of T=1, 30 of T=3
@@ -54,7 +57,7 @@ def exact_window(out):
                                   tf_keras.optimizers.SGD(1.0))
     before = trainer.global_values()
     iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
-    trainer.schedule(iterator)
+    _, _, pulled = trainer.schedule(iterator).fetch()
     coordinator.join()
     after = trainer.global_values()
     # Reference: a plain model from the pulled values, three SGD(0.5) steps, summed gradients.
@@ -71,6 +74,12 @@ def exact_window(out):
             variable.assign_sub(0.5 * grad)
             total[i] += grad.numpy()
     expected = [b - t for b, t in zip(before, total)]
+    # Pulled: the dense parameters whole, and of the table only the rows the 3 batches read.
+    window_ids = np.concatenate([f.numpy().ravel() for f, _ in dataset_fn().take(3)])
+    dense_values = sum(v.size for v in before[1:])
+    out["pulled"] = {"values": int(pulled), "expected": int(len(np.unique(window_ids)) * DIM
+                                                          + dense_values),
+                     "whole_model": int(sum(v.size for v in before))}
     out["exact"] = {"max_diff": max(float(np.abs(a - e).max()) for a, e in zip(after, expected)),
                     "moved": max(float(np.abs(a - b).max()) for a, b in zip(after, before)),
                     "shards": [len(g.shards) for g in trainer._groups],  # pylint: disable=protected-access
@@ -89,11 +98,19 @@ def train(out):
                                       tf_keras.optimizers.Adagrad(0.5))
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
         windows = STEPS // window
-        results = [trainer.schedule(iterator) for _ in range(windows)]
+        # With local Adagrad, worker 1 is SIGKILLed mid-run: the launcher restarts it, the
+        # coordinator re-runs its windows and gives it fresh local variables.
+        killer = kill_task_soon("worker", 1, 1.0) if local == "adagrad" else None
+        results = []
+        for _ in range(windows):
+            results.append(trainer.schedule(iterator))
+            time.sleep(0.05 if killer else 0.0)
         coordinator.join()
+        if killer is not None:
+            killer.join()
         values = [r.fetch() for r in results]
-        losses = [float(loss) for loss, _ in values]
-        pushed = sum(int(p) for _, p in values)
+        losses = [float(loss) for loss, _, _ in values]
+        pushed = sum(int(p) for _, p, _ in values)
         slots = [type(s).__name__ for s in trainer.local_slots if s is not None]
         ps_optimizer = [shard.device for v in trainer.optimizer.variables()
                         for shard in getattr(v, "variables", [v])]
@@ -101,10 +118,51 @@ def train(out):
             "first_loss": float(np.mean(losses[:windows // 3])),
             "last_loss": float(np.mean(losses[-(windows // 3):])),
             "pushed_per_sample": pushed / float(STEPS * BATCH),
+            "windows_done": len(values), "windows_scheduled": windows,
+            "worker_killed": killer is not None and killer.killed,
             "local_slot_types": slots, "global_optimizer_devices": ps_optimizer}
 
 
+def ps_failure(out_dir):
+    """30 windows (T=3) with a checkpoint every 5; on the first attempt ps 1 is SIGKILLed after
+    the checkpoint of window 10 (the launcher restarts the cluster); the next attempt restores
+    and finishes. Writes ps_failure.json: where it resumed and whether the restored values equal
+    the saved ones."""
+    strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.FixedShardsPartitioner(2),
+                                           update_window=3, local_optimizer=tnp.LocalSGD(0.2))
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                                  tf_keras.optimizers.Adagrad(0.5))
+    ckpt, marker = os.path.join(out_dir, "ckpt"), os.path.join(out_dir, "ps_killed")
+    restored = trainer.restore(ckpt)
+    result = {"restored_windows": restored}
+    if restored:
+        saved = np.load(os.path.join(out_dir, "saved_%d.npz" % restored))
+        result["restored_max_diff"] = max(float(np.abs(v - saved["arr_%d" % i]).max())
+                                          for i, v in enumerate(trainer.global_values()))
+    iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+    while trainer.windows < 30:
+        for _ in range(5):
+            trainer.schedule(iterator)
+        trainer.save(ckpt)
+        np.savez(os.path.join(out_dir, "saved_%d.npz" % trainer.windows), *trainer.global_values())
+        print("saved window", trainer.windows, flush=True)
+        if trainer.windows == 10 and not os.path.exists(marker):
+            open(marker, "w").close()
+            kill_task_soon("ps", 1, 0.0).join()
+            for _ in range(30):  # the launcher tears the cluster down before this ends
+                trainer.schedule(iterator)
+            trainer.join()
+    result["windows"] = trainer.windows
+    with open(os.path.join(out_dir, "ps_failure.json"), "w") as f:
+        json.dump(result, f)
+    print("ps failure run done", flush=True)
+
+
 def main():
+    if "--ps-failure" in sys.argv:
+        ps_failure(sys.argv[1])
+        return
     out = {}
     exact_window(out)
     train(out)

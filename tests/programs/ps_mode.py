@@ -66,8 +66,9 @@ def build_model(strategy):
     return model
 
 
-def kill_worker_soon(index, delay):
-    """SIGKILLs the server process of worker `index` of this cluster after `delay` seconds."""
+def kill_task_soon(role, index, delay):
+    """SIGKILLs the server process of task `role`:`index` of this cluster after `delay` seconds;
+    the returned thread's `killed` says whether it found it."""
     cluster = json.loads(os.environ["TF_CONFIG"])["cluster"]
 
     def find_and_kill():
@@ -84,12 +85,14 @@ def kill_worker_soon(index, delay):
             if not config:
                 continue
             config = json.loads(config)
-            if config.get("cluster") == cluster and config["task"] == {"type": "worker",
+            if config.get("cluster") == cluster and config["task"] == {"type": role,
                                                                        "index": index}:
                 os.kill(int(pid), signal.SIGKILL)
-                print("killed worker %d (pid %s)" % (index, pid), flush=True)
+                thread.killed = True
+                print("killed %s %d (pid %s)" % (role, index, pid), flush=True)
 
     thread = threading.Thread(target=find_and_kill, daemon=True)
+    thread.killed = False
     thread.start()
     return thread
 
@@ -117,7 +120,7 @@ def scheduled_training(strategy, kill):
             return loss
         return strategy.run(replica_fn, args=next(iterator))
 
-    killer = kill_worker_soon(1, 3.0) if kill else None
+    killer = kill_task_soon("worker", 1, 3.0) if kill else None
     losses = []
     for _ in range(STEPS):
         losses.append(coordinator.schedule(step, args=(iterator,)))

@@ -5,6 +5,7 @@ from tf_nestpipe.data.criteo import (convert_criteo, criteo_schema, format_crite
 from tf_nestpipe.data.movielens import (cache_dir, convert_movielens, fetch_movielens,
                                         load_or_prepare_movielens, movielens_schema,
                                         prepare_movielens)
+from tf_nestpipe.data.position import InputPosition
 from tf_nestpipe.data.schema import RaggedIds, Schema, SparseFeature
 from tf_nestpipe.data.synthetic import (CriteoRows, SyntheticClickLog, criteo_kaggle_table_sizes,
                                         power_law_ids, write_synthetic_tfrecords)
@@ -13,6 +14,7 @@ from tf_nestpipe.data.tfrecord import (ShardWriter, encode_examples, load_metada
 
 __all__ = [
     "CriteoRows",
+    "InputPosition",
     "RaggedIds",
     "Schema",
     "ShardWriter",

@@ -1,6 +1,7 @@
 """Starts a cluster of local processes, one `TF_CONFIG` each, and supervises it.
 
-Every task's output is prefixed with its role and index. The cluster fails fast: when one task
+Every task's output is prefixed with its role and index, and every task's TensorFlow server
+listens only on its own address (see `listen`). The cluster fails fast: when one task
 exits non-zero, every other task is killed and the launcher exits non-zero. Children run in their
 own process groups and die with the launcher (PR_SET_PDEATHSIG), so no orphan survives. With
 `horovod=True` the launcher also runs Horovod's Gloo rendezvous and gives every training task its
@@ -18,6 +19,8 @@ import sys
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
+
+from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 
 _PR_SET_PDEATHSIG = 1
 
@@ -105,6 +108,7 @@ class LocalCluster:
         self.output = output or sys.stdout
         self._lock = threading.Lock()
         self.tasks: List[_Task] = []
+        self._warned_listen_all = False
 
     def _task_command(self, role: str) -> (List[str], bool):
         if role == "ps" or (self.parameter_server_mode and role == "worker"):
@@ -128,6 +132,13 @@ class LocalCluster:
             env.update(self._rendezvous.env(rank))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        try:  # its server listens only on its TF_CONFIG address, not on every interface
+            env.update(listen_only_env(self.cluster[role][index], env))
+        except ShimMissingError as error:
+            if not self._warned_listen_all:
+                self._warned_listen_all = True
+                with self._lock:
+                    self.output.write("[launch] warning: %s\n" % error)
         argv, runs_command = self._task_command(role)
         if self.task_prefix:
             argv = shlex.split(self.task_prefix.format(role=role, index=index)) + argv

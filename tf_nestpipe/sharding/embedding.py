@@ -119,7 +119,14 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         if full is not None:  # tracing a SavedModel's serving function: core ops only
             rows = tf.gather(full, flat_ids)
         elif self._ps_row_order is not None:
-            rows = self._parameter_server_lookup(flat_ids)
+            context = pipeline_context.current()
+            if context is not None and context.mode == pipeline_context.ROUTE:
+                # A DOWNPOUR window's route pass: record the ids, so that only their rows are
+                # pulled from the ps tasks (see strategy/downpour.py).
+                context.record(self, self._checked_ids(flat_ids))
+                rows = tf.zeros([tf.size(flat_ids), self.dim], self.embeddings.dtype)
+            else:
+                rows = self._parameter_server_lookup(flat_ids)
         elif self._strategy is None or self.layout.num_shards == 1:
             rows = sharded_lookup(self.embeddings, flat_ids, self.layout, None, table_name=self.name)
         else:
@@ -137,17 +144,22 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         """The table's shard variables in order (one if the partitioner did not split it)."""
         return list(getattr(self.embeddings, "variables", [self.embeddings]))
 
+    def _checked_ids(self, flat_ids):
+        """`flat_ids`, after an assertion that they lie in the vocabulary (policy "error")."""
+        if self.invalid_id_policy != "error":
+            return flat_ids
+        in_range = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
+        check = tf.debugging.Assert(
+            tf.reduce_all(in_range),
+            ["ShardedEmbedding '%s': ids out of range [0, %d); fix the input pipeline or use "
+             "invalid_id_policy='zero'. Offending ids:" % (self.name, self.vocab_size),
+             tf.boolean_mask(flat_ids, tf.logical_not(in_range))], summarize=20)
+        with tf.control_dependencies([check]):
+            return tf.identity(flat_ids)
+
     def _parameter_server_lookup(self, flat_ids):
         """Rows of `flat_ids` from the ps shards (the gradient is an IndexedSlices per shard)."""
-        if self.invalid_id_policy == "error":
-            in_range = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
-            check = tf.debugging.Assert(
-                tf.reduce_all(in_range),
-                ["ShardedEmbedding '%s': ids out of range [0, %d); fix the input pipeline or use "
-                 "invalid_id_policy='zero'. Offending ids:" % (self.name, self.vocab_size),
-                 tf.boolean_mask(flat_ids, tf.logical_not(in_range))], summarize=20)
-            with tf.control_dependencies([check]):
-                flat_ids = tf.identity(flat_ids)
+        flat_ids = self._checked_ids(flat_ids)
         shards = self._table_shards()
         if len(shards) == 1:
             return tf.gather(shards[0], flat_ids)

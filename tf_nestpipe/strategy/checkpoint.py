@@ -1,6 +1,8 @@
 """Checkpoints of NestPipe training that restore on any number of workers.
 
-`ShardedCheckpoint(strategy, model=..., optimizer=...)` wraps a `tf.train.Checkpoint`. `save`
+Plain `tf.train.Checkpoint`s (and tf_keras `ModelCheckpoint` / `BackupAndRestore`) also work
+under NestPipeStrategy: they gather every table whole (see `row_shard_saving`).
+`ShardedCheckpoint(strategy, model=..., optimizer=...)`, for tables too big for one host, wraps a `tf.train.Checkpoint`. `save`
 writes, per step, one TensorFlow checkpoint per worker (its own table row shards, the optimizer
 slots next to them, and its copy of the mirrored dense state) plus a JSON manifest naming the
 worker count; a step counts as written only once every worker finished (the manifest is written
@@ -21,6 +23,7 @@ from tensorflow.python.checkpoint import graph_view
 from tensorflow.python.trackable import trackable_utils
 
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
 MANIFEST = "manifest.json"
 
@@ -74,7 +77,8 @@ class ShardedCheckpoint:
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         prefix = _worker_prefix(directory, step, rank, workers)
         tf.io.gfile.makedirs(os.path.dirname(prefix))
-        self.checkpoint.write(prefix)
+        with local_shard_serialization():
+            self.checkpoint.write(prefix)
         self._barrier("nestpipe/checkpoint_saved")
         if rank == 0:
             manifest = {"step": int(step), "num_workers": workers, "format": 1}
@@ -97,7 +101,8 @@ class ShardedCheckpoint:
             saved_workers = json.loads(f.read())["num_workers"]
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         if saved_workers == workers:
-            self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
+            with local_shard_serialization():
+                self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
         readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
                    for k in range(saved_workers)]

@@ -7,19 +7,29 @@ where the global optimizer applies it. T=1 pushes every step's gradient (Hogwild
 
 Each worker keeps its copy of the model in per-worker variables (TensorFlow's
 `PerWorkerVariable`: one instance per worker, the function resolves it to the worker it runs
-on), so windows on different workers never share local state. The copy is a full one (tables
-included); pulling only the rows a window needs is not done yet. Automatic control dependencies
-do not order per-worker variables, so the window orders pull, local steps and updates itself.
+on), so windows on different workers never share local state. A window pulls the dense
+parameters whole but of each table only the rows its T batches read (found by a route pass that
+records the lookups' ids), each row just before the first step that reads it, so the pull of step
+s+1 overlaps the compute of step s: only the first step's pull is exposed. (The next *window*'s
+rows are not prefetched: its batches are read by the next scheduled function.) Rows a window
+does not read stay stale in the local copy and are never read. A restarted worker gets fresh
+per-worker variables from the coordinator: its local optimizer state (e.g. the local Adagrad
+accumulators) starts again from the initial value, and every row it reads is pulled anew.
+Automatic control dependencies do not order per-worker variables, so the window orders pulls,
+local steps and updates itself.
 """
 import contextlib
 import re
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.distribute import ps_values
+from tensorflow.python.distribute.coordinator import cluster_coordinator as _coordinator_lib
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
 
+from tf_nestpipe.pipeline import context as pipeline_context
 from tf_nestpipe.sharding import partitioners
 
 
@@ -165,6 +175,14 @@ class _ParameterGroup:
             return tf.dynamic_stitch([tf.range(k, self.rows, count) for k in range(count)], values)
         return tf.concat(values, axis=0)
 
+    def pull_rows(self, ids):
+        """Rows `ids` (int64, natural order) of a table, read from the ps shards that own them."""
+        if len(self.shards) == 1:
+            return tf.gather(self.shards[0], ids)
+        if self.row_order == partitioners.ROW_ORDER_MOD:
+            return tf.compat.v1.nn.embedding_lookup(self.shards, ids, partition_strategy="mod")
+        return tf.nn.embedding_lookup(self.shards, ids)
+
     def split(self, gradient):
         """The gradient of the whole parameter as one gradient per shard."""
         if len(self.shards) == 1:
@@ -208,13 +226,36 @@ def _groups(model):
                             partitioners.ROW_ORDER_DIV) for g in groups]
 
 
+class ParameterServerUnavailableError(RuntimeError):
+    """A parameter-server task failed during DOWNPOUR training. The ps tasks hold the only copy
+    of the parameters, so the run cannot continue: restart the cluster (the launcher's
+    `--restarts N` does) and resume with `DownpourTrainer.restore`."""
+
+
+def explain_ps_failure(error):
+    """A `ParameterServerUnavailableError` naming the failed ps tasks if `error` is a ps
+    failure as `ClusterCoordinator` reports it, else None."""
+    if not _coordinator_lib._is_ps_failure(error):  # pylint: disable=protected-access
+        return None
+    message = str(getattr(error, "original_exception", None) or error)
+    tasks = sorted(_coordinator_lib._extract_failed_ps_instances(message))  # pylint: disable=protected-access
+    named = ", ".join("/job:ps/task:%d" % t for t in tasks) or "a ps task"
+    return ParameterServerUnavailableError(
+        "parameter server %s became unavailable, so training stopped (the ps tasks hold the only "
+        "copy of the parameters). Restart the cluster (python -m tf_nestpipe.launch ... "
+        "--restarts N restarts it automatically) and resume from the last checkpoint with "
+        "DownpourTrainer.restore(directory). Original error: %s" % (named, message[:500]))
+
+
 class DownpourTrainer:
     """DOWNPOUR over `strategy` (a `tnp.ParameterServerStrategy`; its `update_window` and
     `local_optimizer` set T and the local optimizer). `model_fn()` builds the model: once in the
     strategy scope (the global model on the ps tasks, `self.model`) and once more in per-worker
     variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)`
     returns a scalar; `optimizer` is the global optimizer
-    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient."""
+    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient. `schedule` runs
+    one window; `join` waits (explaining ps failures); `save` / `restore` checkpoint the global
+    state for a restart after a ps failure."""
 
     def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer):
         self.strategy = strategy
@@ -237,18 +278,56 @@ class DownpourTrainer:
                              % (shapes, expected))
         self._window = tf.function(self._window_fn)
         self.windows = 0  # windows scheduled so far
+        # The global optimizer's slots are built now (on the ps, next to each shard), so that a
+        # checkpoint restores into them before the first window.
+        with strategy.scope():
+            self.optimizer.build([shard for group in self._groups for shard in group.shards])
+        self._windows_done = tf.Variable(0, dtype=tf.int64, trainable=False, name="windows")
+        self.checkpoint = tf.train.Checkpoint(model=self.model, optimizer=self.optimizer,
+                                              windows=self._windows_done)
+        self._managers = {}
 
     def _window_fn(self, iterator):
         def replica_fn():
             variables = self.local_model.trainable_variables
-            # Pull. Per-worker variables get no automatic control dependencies: every read and
-            # update below is ordered explicitly.
-            after = [v.assign(g.pull(), read_value=False) for v, g in zip(variables, self._groups)]
+            batches = [next(iterator) for _ in range(self.update_window)]
+            # Which rows each step reads: a route pass per batch records every table lookup's
+            # ids (its dense ops have no consumer and are pruned from the function).
+            step_ids = []
+            for features, _ in batches:
+                route = pipeline_context.PipelineContext(pipeline_context.ROUTE)
+                with pipeline_context.pipeline_mode(route):
+                    self.local_model(features, training=True)
+                step_ids.append(self._ids_by_variable(route))
+            # Pull: the dense parameters whole, and of each table only the rows the window
+            # reads. A row is pulled before the first step that reads it; the pull of step s+1
+            # depends only on the ps, so it overlaps step s's compute (every row a step updates
+            # locally was read, hence pulled, earlier: the new rows never race with an update).
+            # Per-worker variables get no automatic control dependencies: every read and update
+            # below is ordered explicitly.
+            pulls, seen, pulled = [[] for _ in batches], {}, []
+            tables = set().union(*step_ids)
+            for index, (variable, group) in enumerate(zip(variables, self._groups)):
+                if index not in tables:
+                    pulls[0].append(variable.assign(group.pull(), read_value=False))
+                    pulled.append(tf.constant(
+                        group.rows * int(np.prod(group.shards[0].shape[1:])), tf.int32))
+                    continue
+                for step, ids in enumerate(step_ids):
+                    new = tf.unique(ids.get(index, tf.zeros([0], tf.int64)))[0]
+                    if index in seen:
+                        new = tf.sets.difference(new[None, :], seen[index][None, :]).values
+                        seen[index] = tf.concat([seen[index], new], 0)
+                    else:
+                        seen[index] = new
+                    rows = group.pull_rows(new)
+                    pulls[step].append(variable.scatter_update(tf.IndexedSlices(rows, new)))
+                    pulled.append(tf.size(rows))
+            after = []
             totals = [None] * len(variables)
             losses = []
-            for _ in range(self.update_window):
-                features, labels = next(iterator)
-                with tf.control_dependencies(after):
+            for step, (features, labels) in enumerate(batches):
+                with tf.control_dependencies(after + pulls[step]):
                     with tf.GradientTape() as tape:
                         loss = self.loss_fn(labels, self.local_model(features, training=True))
                     gradients = tape.gradient(loss, variables)
@@ -267,16 +346,61 @@ class DownpourTrainer:
                 shard_variables += group.shards
             with tf.control_dependencies(after):
                 self.optimizer.apply_gradients(zip(shard_gradients, shard_variables))
-            return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed)
+            return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed), tf.add_n(pulled)
 
         return self.strategy.run(replica_fn)
+
+    def _ids_by_variable(self, route):
+        """{position of a table in the local model's trainable variables: the ids all lookups
+        of that table recorded in `route`}."""
+        positions = {id(v): i for i, v in enumerate(self.local_model.trainable_variables)}
+        ids = {}
+        for name, recorded in route.states_out.items():
+            position = positions[id(route.layers[name].embeddings)]
+            ids[position] = tf.concat([tf.reshape(tf.cast(r, tf.int64), [-1]) for r in recorded], 0)
+        return ids
 
     def global_values(self):
         """The model's parameters as NumPy arrays, rows in natural order (read from the ps)."""
         return [group.pull().numpy() for group in self._groups]
 
+    def join(self):
+        """`coordinator.join()`; a ps failure is raised as a `ParameterServerUnavailableError`
+        that names the failed task and says how to resume."""
+        try:
+            self.coordinator.join()
+        except Exception as error:  # pylint: disable=broad-except
+            explained = explain_ps_failure(error)
+            if explained is None:
+                raise
+            raise explained from error
+
+    def _manager(self, directory, max_to_keep=3):
+        if directory not in self._managers:
+            self._managers[directory] = tf.train.CheckpointManager(
+                self.checkpoint, directory, max_to_keep=max_to_keep)
+        return self._managers[directory]
+
+    def save(self, directory):
+        """Joins, then writes the global model, the global optimizer and the number of windows
+        run so far to `directory` (a `tf.train.CheckpointManager` there); returns the path.
+        Workers' local state (the local copy and local optimizer slots) is scratch and not saved."""
+        self.join()
+        self._windows_done.assign(self.windows)
+        return self._manager(directory).save(checkpoint_number=self.windows)
+
+    def restore(self, directory):
+        """Restores the latest checkpoint of `directory` onto the (possibly restarted) ps tasks;
+        returns the number of windows it had run (0 when there is none)."""
+        latest = tf.train.latest_checkpoint(directory)
+        if latest is None:
+            return 0
+        self.checkpoint.read(latest).assert_existing_objects_matched()
+        self.windows = int(self._windows_done.numpy())
+        return self.windows
+
     def schedule(self, iterator):
         """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
-        pushed)."""
+        pushed, values pulled)."""
         self.windows += 1
         return self.coordinator.schedule(self._window, args=(iterator,))

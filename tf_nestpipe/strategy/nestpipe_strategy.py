@@ -21,6 +21,7 @@ from tensorflow.python.trackable import base as _trackable_base
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.strategy.horovod_collectives import HorovodCollectives, init_horovod
@@ -153,8 +154,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         kwargs.pop("distribute_strategy", None)
         with tf.device(self.worker_devices[0]):
             variable = next_creator(**kwargs)
-        setattr(variable, _SHARD_ATTR, layout)
-        return variable
+        # Its checkpoints hold the whole table, so tf.train.Checkpoint and tf_keras callbacks
+        # lose no worker's rows (see row_shard_saving).
+        return make_checkpointable(variable, layout, self._nestpipe_collectives)
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
         if self._nestpipe_backend != "horovod" or replica_id != 0:

@@ -1,0 +1,48 @@
+"""A synchronous run whose worker 1 stops answering (SIGSTOP: alive but silent, like a hung host)
+after step 3; worker 0 must fail fast naming the silent task instead of waiting forever.
+
+usage: dead_peer.py   (run on 2 workers of a TF_CONFIG cluster started without our launcher)
+"""
+import os
+import signal
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import exactness as ex  # noqa: E402
+import tf_nestpipe as tnp  # noqa: E402
+
+
+def main():
+    strategy = tnp.NestPipeStrategy()
+    rank, workers = strategy.worker_index, strategy.num_workers
+    with strategy.scope():
+        model = ex.TinyRanker()
+        optimizer = ex.make_optimizer("sgd")
+    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
+                                                 reduction=tf_keras.losses.Reduction.NONE)
+
+    @tf.function
+    def train_step(features, labels):
+        def step_fn(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                                  global_batch_size=ex.GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step_fn, args=(features, labels))
+
+    batches = ex.make_batches(4)
+    for step in range(100000):
+        train_step(*ex.local_slice(batches[step % 4], rank, workers))
+        if step == 3 and rank == 1:
+            print("worker 1 stops answering", flush=True)
+            os.kill(os.getpid(), signal.SIGSTOP)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,144 @@
+"""tf_keras ModelCheckpoint / BackupAndRestore and plain tf.train.Checkpoint under NestPipeStrategy.
+
+usage: keras_checkpoint.py OUT_DIR fit | load
+  fit  (any number of workers): OUT_DIR/uninterrupted.npz: a 4-epoch fit with ModelCheckpoint
+       (weights of every epoch in OUT_DIR/weights); OUT_DIR/resumed.npz: the same fit with
+       BackupAndRestore, interrupted after epoch 2 and fitted again by a fresh model (which
+       resumes at epoch 3); OUT_DIR/tf_checkpoint: tf.train.Checkpoint(model, optimizer) of the
+       uninterrupted model, written by the chief (the others write to a scratch directory).
+  load (any number of workers): OUT_DIR/loaded_W.npz: the epoch-4 weights read by load_weights,
+       and the tf.train.Checkpoint read into a fresh model and optimizer.
+Every .npz holds the whole tables, dense weights by position and the tables' Adagrad slots.
+"""
+import os
+import shutil
+import sys
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tf_keras  # noqa: E402
+
+import exactness as ex  # noqa: E402
+import tf_nestpipe as tnp  # noqa: E402
+from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout  # noqa: E402
+from tf_nestpipe.strategy.row_shard_saving import gather_full_rows  # noqa: E402
+
+EPOCHS, STEPS_PER_EPOCH = 4, 3
+
+
+class Interrupt(tf_keras.callbacks.Callback):
+    """Raises after epoch `epoch` (0-based) on every worker: a run stopped between epochs."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.epoch = epoch
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch:
+            raise RuntimeError("interrupted after epoch %d" % (epoch + 1))
+
+
+def dataset(strategy):
+    """Every epoch: the same STEPS_PER_EPOCH global batches (repeated), each worker its slice."""
+    batches = ex.make_batches(STEPS_PER_EPOCH)
+    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
+             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
+                                        row_splits_dtype=tf.int64),
+             "dense": tf.TensorSpec([None, ex.NUM_DENSE], tf.float32)},
+            tf.TensorSpec([None, 1], tf.float32))
+
+    def dataset_fn(context):
+        local = [ex.local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
+                 for b in batches]
+        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec).repeat()
+
+    return strategy.distribute_datasets_from_function(dataset_fn), batches
+
+
+def new_model(strategy, batches):
+    """A compiled TinyRanker with Adagrad, built (slots included) inside the scope."""
+    with strategy.scope():
+        model = ex.TinyRanker()
+        model.compile(optimizer=ex.make_optimizer("adagrad"),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        model(ex.local_slice(batches[0], strategy.worker_index, strategy.num_workers)[0])
+        model.optimizer.build(model.trainable_variables)
+    return model
+
+
+def state(strategy, model):
+    """Whole tables, dense weights and the tables' optimizer slots (a collective)."""
+    out = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
+    dense = [v for v in model.trainable_variables if "table_" not in v.name]
+    out.update({"dense/%d" % i: v.numpy() for i, v in enumerate(dense)})
+    slots = [v for v in model.optimizer.variables if row_shard_layout(v) is not None]
+    assert len(slots) == 2, [v.name for v in model.optimizer.variables]
+    for i, slot in enumerate(slots):
+        out["slot/%d" % i] = gather_full_rows(slot, row_shard_layout(slot),
+                                              strategy.extended.collectives,
+                                              "test/slot%d" % i).numpy()
+    return out
+
+
+def save(strategy, path, values):
+    if strategy.worker_index == 0:
+        np.savez(path, **values)
+
+
+def main():
+    out, phase = sys.argv[1], sys.argv[2]
+    strategy = tnp.NestPipeStrategy()
+    chief = strategy.worker_index == 0
+    data, batches = dataset(strategy)
+    if phase == "fit":
+        tf_keras.utils.set_random_seed(1)
+        model = new_model(strategy, batches)
+        weights = tf_keras.callbacks.ModelCheckpoint(os.path.join(out, "weights", "w-{epoch}"),
+                                                     save_weights_only=True)
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, callbacks=[weights], verbose=0)
+        save(strategy, os.path.join(out, "uninterrupted.npz"), state(strategy, model))
+        target = (os.path.join(out, "tf_checkpoint", "ckpt") if chief else
+                  os.path.join(out, "scratch-%d" % strategy.worker_index, "ckpt"))
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).write(target)
+        if not chief:
+            shutil.rmtree(os.path.dirname(target))
+
+        backup = tnp.BackupAndRestore(os.path.join(out, "backup"))
+        tf_keras.utils.set_random_seed(1)
+        first = new_model(strategy, batches)
+        try:
+            first.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, callbacks=[backup, Interrupt(1)], verbose=0)
+            raise AssertionError("the run was not interrupted")
+        except RuntimeError as error:
+            if "interrupted after epoch" not in str(error):
+                raise
+            print("first run:", error, flush=True)
+        tf_keras.utils.set_random_seed(2)  # other initial values: all must come from the backup
+        second = new_model(strategy, batches)
+        epochs_run = []
+        second.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0, callbacks=[
+            backup, tf_keras.callbacks.LambdaCallback(
+                on_epoch_begin=lambda epoch, logs: epochs_run.append(epoch))])
+        print("resumed run trained epochs", epochs_run, flush=True)
+        assert epochs_run == [2, 3], epochs_run
+        save(strategy, os.path.join(out, "resumed.npz"), state(strategy, second))
+    else:
+        tf_keras.utils.set_random_seed(3)
+        model = new_model(strategy, batches)
+        model.load_weights(os.path.join(out, "weights", "w-%d" % EPOCHS))
+        loaded = {"weights/" + k: v for k, v in state(strategy, model).items()
+                  if not k.startswith("slot/")}
+        tf_keras.utils.set_random_seed(4)
+        model = new_model(strategy, batches)
+        tf.train.Checkpoint(model=model, optimizer=model.optimizer).read(
+            os.path.join(out, "tf_checkpoint", "ckpt")).assert_existing_objects_matched()
+        loaded.update({"checkpoint/" + k: v for k, v in state(strategy, model).items()})
+        save(strategy, os.path.join(out, "loaded_%d.npz" % strategy.num_workers), loaded)
+    print("done", phase, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,53 @@
+"""A cluster started without our launcher (plain TF_CONFIG processes): when a worker stops
+answering mid-run, the surviving worker fails within 60 s with an error naming the silent task
+(TensorFlow's coordination-service heartbeats abort the pending collectives), never hangs."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+from conftest import PROGRAMS, REPO
+
+
+def _free_ports(count):
+    sockets = [socket.socket() for _ in range(count)]
+    for s in sockets:
+        s.bind(("localhost", 0))
+    ports = [s.getsockname()[1] for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def test_a_silent_worker_fails_the_survivor_fast_naming_it(tmp_path):
+    cluster = {"worker": ["localhost:%d" % p for p in _free_ports(2)]}
+    procs, logs = [], []
+    for index in range(2):
+        env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="1", TF_CONFIG=json.dumps(
+            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        logs.append(tmp_path / ("worker%d.log" % index))
+        procs.append(subprocess.Popen([sys.executable, os.path.join(PROGRAMS, "dead_peer.py")],
+                                      cwd=REPO, env=env, stdout=open(logs[-1], "w"),
+                                      stderr=subprocess.STDOUT))
+    try:
+        deadline = time.time() + 240
+        while "worker 1 stops answering" not in logs[1].read_text():
+            assert time.time() < deadline and procs[0].poll() is None, logs[0].read_text()[-3000:]
+            time.sleep(0.2)
+        stopped = time.time()
+        code = procs[0].wait(timeout=90)
+        elapsed = time.time() - stopped
+        output = logs[0].read_text()
+        assert code != 0
+        assert elapsed < 60, elapsed
+        assert "/job:worker/replica:0/task:1" in output, output[-3000:]
+        assert "unhealthy" in output or "down" in output, output[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGCONT)
+                proc.kill()
+                proc.wait()

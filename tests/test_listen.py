@@ -1,0 +1,53 @@
+"""Every task's TensorFlow server listens only on its TF_CONFIG address (TensorFlow alone binds
+the port on every interface): for tasks of the launcher, and for a task started by another tool
+through `python -m tf_nestpipe.launch.task`."""
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from conftest import PROGRAMS, launch, run_command
+from tf_nestpipe.launch import listen
+from tf_nestpipe.launch.local_cluster import free_ports
+
+PROGRAM = os.path.join(PROGRAMS, "listen_check.py")
+LOOPBACK = {"127.0.0.1", "::ffff:127.0.0.1"}
+
+
+def _listening(output):
+    return [json.loads(m) for m in re.findall(r"LISTEN (\[.*\])", output)]
+
+
+def test_launched_servers_listen_only_on_their_tf_config_address():
+    result = launch(2, [PROGRAM])
+    assert result.returncode == 0, result.stdout[-4000:]
+    found = _listening(result.stdout)
+    assert len(found) == 2, result.stdout[-4000:]
+    for addresses in found:
+        assert addresses and set(addresses) <= LOOPBACK, addresses
+
+
+def test_a_task_started_by_another_tool_listens_only_on_its_address(tmp_path):
+    port = free_ports(1)[0]
+    env = dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": {"worker": ["localhost:%d" % port]}, "task": {"type": "worker", "index": 0}}))
+    narrowed = run_command([sys.executable, "-m", "tf_nestpipe.launch.task", "--",
+                            sys.executable, PROGRAM, "--server"], env=env, timeout=120)
+    assert narrowed.returncode == 0, narrowed.stdout[-3000:]
+    assert set(_listening(narrowed.stdout)[0]) <= LOOPBACK
+    plain = run_command([sys.executable, PROGRAM, "--server"], env=env, timeout=120)
+    assert plain.returncode == 0, plain.stdout[-3000:]
+    assert not set(_listening(plain.stdout)[0]) <= LOOPBACK  # TensorFlow alone: every interface
+
+
+def test_listen_only_env_errors(monkeypatch):
+    with pytest.raises(ValueError, match="not host:port"):
+        listen.listen_only_env("localhost")
+    env = listen.listen_only_env("localhost:2222", {"LD_PRELOAD": "/other.so"})
+    assert env["NESTPIPE_BIND_PORT"] == "2222" and env["NESTPIPE_BIND_HOST"] in LOOPBACK | {"::1"}
+    assert env["LD_PRELOAD"] == listen.SHIM + ":/other.so"
+    monkeypatch.setattr(listen, "SHIM", "/nonexistent/_nestpipe_bind.so")
+    with pytest.raises(listen.ShimMissingError, match="pip install"):
+        listen.listen_only_env("localhost:2222")

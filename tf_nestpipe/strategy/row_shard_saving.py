@@ -1,0 +1,96 @@
+"""Row shards in ordinary TensorFlow checkpoints (`tf.train.Checkpoint`, `CheckpointManager`,
+tf_keras `save_weights`, `ModelCheckpoint`, `BackupAndRestore`).
+
+Under `NestPipeStrategy` a table (or its optimizer slot) is a row shard: worker i holds the rows
+of ids i, i+W, i+2W, ... A plain checkpoint of it would hold only the saving worker's rows, and
+tf_keras keeps only the chief's file, so every other worker's rows would be lost. Row shards
+therefore save the *whole* table: the value written is the all-gather of every worker's rows in
+id order (a collective: every worker saves at the same point, as tf_keras and MultiWorkerMirrored
+already require). Restoring takes this worker's rows out of the whole table, so a checkpoint
+written on W workers (or by one process) restores on any number of workers.
+
+`ShardedCheckpoint` keeps per-worker files instead (no worker ever holds a whole table); it saves
+inside `local_shard_serialization()`, where row shards write and read only their own rows.
+"""
+import contextlib
+import threading
+
+import tensorflow as tf
+from tensorflow.python.trackable import base as trackable
+from tensorflow.python.checkpoint import tensor_callable
+
+_state = threading.local()
+_classes = {}
+
+
+@contextlib.contextmanager
+def local_shard_serialization():
+    """Within this context, row shards save and restore only this worker's own rows."""
+    previous = getattr(_state, "local", False)
+    _state.local = True
+    try:
+        yield
+    finally:
+        _state.local = previous
+
+
+def _saving_local_rows():
+    return getattr(_state, "local", False)
+
+
+def gather_full_rows(local, layout, collectives, tag):
+    """The whole `[vocab_size, ...]` value from every worker's row shard `local` (a collective)."""
+    if layout.num_shards == 1:
+        return tf.convert_to_tensor(local)
+    local = tf.convert_to_tensor(local)
+    pad = layout.max_local_rows - layout.local_rows
+    padded = tf.pad(local, [[0, pad]] + [[0, 0]] * (local.shape.rank - 1))
+    gathered = collectives.all_gather(padded, tag)  # [num_shards * max_local_rows, ...]
+    ids = tf.range(layout.vocab_size, dtype=tf.int64)
+    index = (ids % layout.num_shards) * layout.max_local_rows + ids // layout.num_shards
+    return tf.gather(gathered, index)
+
+
+class _RowShardSaving:
+    """Mixed into a row-shard variable's class: checkpoints hold the whole table (see module)."""
+
+    def _serialize_to_tensors(self):
+        layout = self._nestpipe_row_shard  # pylint: disable=no-member
+        if layout.num_shards == 1 or _saving_local_rows():
+            return super()._serialize_to_tensors()
+        variable, collectives = self, self._nestpipe_collectives  # pylint: disable=no-member
+        tag = "nestpipe/checkpoint/" + self._shared_name  # pylint: disable=no-member
+
+        def read_whole_table():
+            with tf.device(variable.device):
+                return gather_full_rows(variable.read_value_no_copy(), layout, collectives, tag)
+
+        return {trackable.VARIABLE_VALUE_KEY: tensor_callable.Callable(
+            read_whole_table, dtype=self.dtype, device=self.device)}
+
+    def _restore_from_tensors(self, restored_tensors):
+        layout = self._nestpipe_row_shard  # pylint: disable=no-member
+        value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
+        rows = value.shape[0] if value.shape.rank else None
+        if not _saving_local_rows() and layout.num_shards > 1 and rows in (layout.vocab_size, None):
+            with tf.device(self.device):
+                value = tf.gather(value, tf.constant(layout.global_ids()))
+        elif rows is not None and rows != layout.local_rows:
+            raise ValueError(
+                "checkpoint value of %s has %d rows; this worker's shard has %d and the whole "
+                "table %d. Was it written for another table size? (ShardedCheckpoint files "
+                "restore through ShardedCheckpoint.restore.)"
+                % (self.name, rows, layout.local_rows, layout.vocab_size))
+        return super()._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: value})
+
+
+def make_checkpointable(variable, layout, collectives):
+    """Marks `variable` as the row shard `layout` of a table and makes TensorFlow checkpoints
+    of it hold (and restore from) the whole table."""
+    base = type(variable)
+    if base not in _classes:
+        _classes[base] = type("RowShard" + base.__name__, (_RowShardSaving, base), {})
+    variable.__class__ = _classes[base]
+    variable._nestpipe_row_shard = layout  # pylint: disable=protected-access
+    variable._nestpipe_collectives = collectives  # pylint: disable=protected-access
+    return variable
