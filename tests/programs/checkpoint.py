@@ -16,7 +16,6 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
 
 import exactness as ex  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
@@ -49,18 +48,8 @@ def main():
     sigterm_at = (int(sys.argv[sys.argv.index("--sigterm-at") + 1])
                   if "--sigterm-at" in sys.argv else None)
     preemption = tnp.PreemptionCheckpointHandler(strategy, checkpoint, ckpt_dir)
-    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
-                                                 reduction=tf_keras.losses.Reduction.NONE)
-
-    @tf.function
-    def train_step(features, labels):
-        def step_fn(features, labels):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
-                                                  global_batch_size=ex.GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(step_fn, args=(features, labels))
+    loss_fn = ex.new_loss_fn()
+    train_step = ex.synchronous_train_step(strategy, model, optimizer)
 
     def run_step(features, labels):
         train_step(features, labels)
@@ -123,16 +112,7 @@ def export(strategy, model, directory, batch, path):
 def dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches, position):
     """A TrainPipeline over this worker's slices of `batches` from the input `position` on,
     and its iterator."""
-    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
-             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
-                                        row_splits_dtype=tf.int64),
-             "dense": tf.TensorSpec([None, ex.NUM_DENSE], tf.float32)},
-            tf.TensorSpec([None, 1], tf.float32))
-
-    def dataset_fn(context):
-        local = [ex.local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
-                 for b in batches]
-        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
+    dataset_fn = ex.per_worker_dataset_fn(batches)
 
     def step_fn(batch):
         features, labels = batch

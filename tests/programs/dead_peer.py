@@ -10,8 +10,6 @@ import sys
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tensorflow as tf  # noqa: E402
-import tf_keras  # noqa: E402
 
 import exactness as ex  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
@@ -23,18 +21,7 @@ def main():
     with strategy.scope():
         model = ex.TinyRanker()
         optimizer = ex.make_optimizer("sgd")
-    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
-                                                 reduction=tf_keras.losses.Reduction.NONE)
-
-    @tf.function
-    def train_step(features, labels):
-        def step_fn(features, labels):
-            with tf.GradientTape() as tape:
-                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
-                                                  global_batch_size=ex.GLOBAL_BATCH)
-            grads = tape.gradient(loss, model.trainable_variables)
-            optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        strategy.run(step_fn, args=(features, labels))
+    train_step = ex.synchronous_train_step(strategy, model, optimizer)
 
     batches = ex.make_batches(4)
     for step in range(100000):

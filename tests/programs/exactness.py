@@ -76,6 +76,46 @@ class TinyRanker(tf_keras.Model):
         return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
 
 
+BATCH_SPEC = ({"ids": tf.TensorSpec([None, 2], tf.int64),
+               "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
+                                          row_splits_dtype=tf.int64),
+               "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
+              tf.TensorSpec([None, 1], tf.float32))
+
+
+def per_worker_dataset_fn(batches):
+    """A dataset_fn whose pipeline on each worker yields its own slice of every global batch."""
+    def dataset_fn(context):
+        local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
+                 for b in batches]
+        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=BATCH_SPEC)
+
+    return dataset_fn
+
+
+def new_loss_fn():
+    """Per-sample binary cross-entropy on logits (reduced by compute_average_loss)."""
+    return tf_keras.losses.BinaryCrossentropy(from_logits=True,
+                                              reduction=tf_keras.losses.Reduction.NONE)
+
+
+def synchronous_train_step(strategy, model, optimizer):
+    """A tf.function running one synchronous step of `model` on this worker's slice."""
+    loss_fn = new_loss_fn()
+
+    @tf.function
+    def train_step(features, labels):
+        def step_fn(features, labels):
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(loss_fn(labels, model(features, training=True)),
+                                                  global_batch_size=GLOBAL_BATCH)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        strategy.run(step_fn, args=(features, labels))
+
+    return train_step
+
+
 def make_optimizer(name):
     return {"sgd": lambda: tf_keras.optimizers.SGD(0.5),
             "adagrad": lambda: tf_keras.optimizers.Adagrad(0.3),
@@ -89,17 +129,9 @@ def train(strategy, batches, mode, opt_name, out_path):
     with strategy.scope():
         model = TinyRanker()
         optimizer = make_optimizer(opt_name)
-    loss_fn = tf_keras.losses.BinaryCrossentropy(from_logits=True,
-                                                 reduction=tf_keras.losses.Reduction.NONE)
-    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
-             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1, row_splits_dtype=tf.int64),
-             "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
-            tf.TensorSpec([None, 1], tf.float32))
-    def local_dataset_fn(context):
-        # Each worker's pipeline yields its own contiguous slice of every global batch.
-        local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
-                 for b in batches]
-        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec)
+    loss_fn = new_loss_fn()
+    spec = BATCH_SPEC
+    local_dataset_fn = per_worker_dataset_fn(batches)
 
     micro = strategy.pipeline in ("fwp", "nested")
 

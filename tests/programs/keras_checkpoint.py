@@ -44,16 +44,10 @@ class Interrupt(tf_keras.callbacks.Callback):
 def dataset(strategy):
     """Every epoch: the same STEPS_PER_EPOCH global batches (repeated), each worker its slice."""
     batches = ex.make_batches(STEPS_PER_EPOCH)
-    spec = ({"ids": tf.TensorSpec([None, 2], tf.int64),
-             "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
-                                        row_splits_dtype=tf.int64),
-             "dense": tf.TensorSpec([None, ex.NUM_DENSE], tf.float32)},
-            tf.TensorSpec([None, 1], tf.float32))
+    one_pass = ex.per_worker_dataset_fn(batches)
 
     def dataset_fn(context):
-        local = [ex.local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
-                 for b in batches]
-        return tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec).repeat()
+        return one_pass(context).repeat()
 
     return strategy.distribute_datasets_from_function(dataset_fn), batches
 

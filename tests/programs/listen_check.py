@@ -41,7 +41,7 @@ def main():
     if "--server" in sys.argv:
         server = tf.distribute.Server(tf.train.ClusterSpec(config["cluster"]),
                                       job_name=task["type"], task_index=task["index"])
-        del server
+        print("serving", server.target, flush=True)
     else:
         strategy = tnp.NestPipeStrategy()
         assert strategy.num_workers > 1
