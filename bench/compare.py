@@ -1,0 +1,589 @@
+"""Side-by-side benchmark (issue 7): NestPipeStrategy vs one process, MultiWorkerMirroredStrategy,
+TF ParameterServerStrategy and Horovod (replicated and all-to-all tables) on the same model, data,
+global batch and cluster size, in one run, with the ratios and the issue's targets.
+
+    python bench/compare.py                         # the default matrix (see DEFAULT_PLAN)
+    python bench/compare.py --steps 12 --warmup 4 --workers 2 --systems single mwms nestpipe \\
+        --pipelines none dbp --collectives tf       # any product of the matrix flags
+    python bench/compare.py --full                  # every model x data x workers x network x system
+
+Every row is one launch of bench/compare_worker.py (which describes the systems and models);
+`single` (one process) is run once per model and data and is the reference of the distribution
+efficiency E = single ms/step / cluster ms/step (same global batch, same cores). A network
+`DELAYms:RATE` puts every task in its own network namespace (bench/netem.py: veth + `tc tbf` +
+a delaying TCP relay, since this kernel has no `tc netem`), created before the row and removed
+after it (needs root). Horovod rows (hvd_*, and ours with collectives "horovod") need
+`horovod.tensorflow` (scripts/install_horovod.sh) and run on loopback only, through
+`python -m tf_nestpipe.launch --horovod` when the launcher has that flag, else `horovodrun
+--gloo`; without Horovod, or on an emulated network, they are listed as not run. A row that
+fails is listed with its error. Writes bench/results/compare.md, compare.json (one dict per
+row) and compare.png (samples/s per system vs workers); `--plot-only` redraws the PNG.
+"""
+import argparse
+import datetime
+import itertools
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from netem import EmulatedNetwork, round_trip_ms
+from pipeline import parse_network
+from runner import HERE, REPO, write_result
+
+WORKER = os.path.join(HERE, "compare_worker.py")
+RESULTS = os.path.join(HERE, "results")
+MODELS = ["dlrm", "dcn"]
+DATA = ["synthetic", "movielens-1m"]
+BASELINES = ["mwms", "psv2", "hvd_replicated"]
+PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall"]
+PIPELINES = ["none", "dbp", "fwp", "nested"]
+COLLECTIVES = ["tf", "horovod"]
+ALL_OURS = ["nestpipe:%s:%s" % (p, c) for c in COLLECTIVES for p in PIPELINES]
+# Targets on 2 workers (issue 7): efficiency, and ours' throughput over each baseline.
+TARGET_WORKERS = 2
+TARGETS = {"efficiency": 0.8, "mwms": 5.0, "psv2": 3.0, "hvd_replicated": 2.0}
+LEARNING_RATE = 0.05  # compare_worker.LEARNING_RATE (not imported: that loads TensorFlow)
+
+# The default matrix: about 20-25 minutes on 2 shared cores. (models, data, workers, networks,
+# systems); `single` is added for every model and data.
+DEFAULT_PLAN = [
+    (["dlrm"], ["synthetic"], [2], ["loopback"], PLAIN_SYSTEMS[1:] + ALL_OURS),
+    (["dlrm"], ["synthetic"], [1, 4], ["loopback"],
+     ["mwms", "psv2", "hvd_replicated", "nestpipe:none:tf", "nestpipe:none:horovod"]),
+    (["dcn"], ["synthetic"], [2], ["loopback"],
+     ["mwms", "psv2", "hvd_replicated", "nestpipe:none:tf", "nestpipe:dbp:tf"]),
+    (["dlrm"], ["movielens-1m"], [2], ["loopback"], ["mwms", "psv2", "nestpipe:none:tf"]),
+    (["dlrm"], ["synthetic"], [2], ["1ms:200mbit"],
+     ["mwms", "psv2", "nestpipe:none:tf", "nestpipe:dbp:tf"]),
+]
+
+SYSTEM_NOTES = {
+    "single": "one process, tf_keras Embedding, fit",
+    "mwms": "MultiWorkerMirroredStrategy RING, replicated tf_keras Embedding, fit",
+    "psv2": "chief + W workers + W ps; per step W scheduled functions of B/W then join",
+    "hvd_replicated": "Horovod DistributedGradientTape, replicated Embedding (IndexedSlices allgathered)",
+    "hvd_alltoall": "Horovod, table t on rank t mod W, hvd.alltoall of ids and rows",
+    "nestpipe": "NestPipeStrategy, fused ShardedEmbeddingCollection, fit",
+}
+HOROVOD_MISSING = "not run: horovod not installed (scripts/install_horovod.sh)"
+# `tf_nestpipe.launch --horovod` refuses --cluster-spec / --task-prefix, and Gloo's own
+# connections between the ranks would bypass netem.py's delaying relay (only the rate applies).
+HOROVOD_NETEM = ("not run: Horovod on the emulated network (launch --horovod runs on loopback "
+                 "only; Gloo's direct connections would skip the delay relay)")
+
+# tf_nestpipe.pipeline's profiler counts TF Collective* / Nccl* ops as communication; Horovod's
+# ops (which hand the work to Horovod's own background thread) are not classified as such.
+NO_COMMUNICATION_SEEN = ("exposure n/a: the profile saw no collective (the profiler classifies "
+                         "TF Collective*/Nccl* ops only, not Horovod's)")
+
+
+class NotRun(Exception):
+    """A row that cannot run here (e.g. Horovod not installed); its message becomes the note."""
+
+
+# --- the matrix ------------------------------------------------------------------------------
+def expand_systems(tokens, pipelines, collectives):
+    """System tokens -> (system, pipeline, collectives) triples: `nestpipe` expands to every
+    `pipelines` x `collectives`; `nestpipe:PIPELINE:COLLECTIVES` names one of ours."""
+    out = []
+    for token in tokens:
+        if token == "nestpipe":
+            out += [("nestpipe", p, c) for c in collectives for p in pipelines]
+        elif token.startswith("nestpipe:"):
+            _, pipeline, coll = token.split(":")
+            if pipeline not in PIPELINES or coll not in COLLECTIVES:
+                raise ValueError("unknown system %r (nestpipe:{%s}:{%s})"
+                                 % (token, ",".join(PIPELINES), ",".join(COLLECTIVES)))
+            out.append(("nestpipe", pipeline, coll))
+        elif token in PLAIN_SYSTEMS:
+            out.append((token, "-", {"single": "-", "mwms": "tf", "psv2": "tf"}.get(token, "horovod")))
+        else:
+            raise ValueError("unknown system %r; choose from %s, nestpipe, nestpipe:P:C"
+                             % (token, ", ".join(PLAIN_SYSTEMS)))
+    return out
+
+
+def make_row(system, pipeline, collectives, model, data, network, workers):
+    """A row spec: which system, model, data, network and cluster size to run."""
+    return {"system": system, "pipeline": pipeline, "collectives": collectives, "model": model,
+            "data": data, "network": network, "workers": workers}
+
+
+def plan_rows(blocks, pipelines, collectives):
+    """Row specs of `blocks` ((models, data, workers, networks, system tokens) each): one
+    `single` per model and data first, then every cluster row once, in block order. Rows that
+    make no sense (1 worker on an emulated network) are left out."""
+    rows, seen = [], set()
+
+    def add(row):
+        key = tuple(sorted(row.items()))
+        if key not in seen:
+            seen.add(key)
+            rows.append(row)
+
+    for models, datas, _, _, _ in blocks:
+        for model, data in itertools.product(models, datas):
+            add(make_row("single", "-", "-", model, data, "-", 1))
+    for models, datas, workers, networks, tokens in blocks:
+        for model, data, w, network in itertools.product(models, datas, workers, networks):
+            for system, pipeline, coll in expand_systems(tokens, pipelines, collectives):
+                if system == "single" or (network != "loopback" and w < 2):
+                    continue
+                add(make_row(system, pipeline, coll, model, data, network, w))
+    return rows
+
+
+def row_label(row):
+    """Short name of a row's system, e.g. `nestpipe dbp/tf` or `mwms`."""
+    if row["system"] == "nestpipe":
+        return "nestpipe %s/%s" % (row["pipeline"], row["collectives"])
+    return row["system"]
+
+
+# --- running one row ------------------------------------------------------------------------------
+def horovod_available():
+    """True when `import horovod.tensorflow` works in this Python (checked in a subprocess)."""
+    probe = subprocess.run([sys.executable, "-c", "import horovod.tensorflow"],
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                           env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
+    return probe.returncode == 0
+
+
+def launcher_has_horovod():
+    """True when `python -m tf_nestpipe.launch` has the `--horovod` flag (read from its source)."""
+    with open(os.path.join(REPO, "tf_nestpipe", "launch", "__main__.py")) as f:
+        return '"--horovod"' in f.read()
+
+
+def worker_argv(row, args):
+    """The bench/compare_worker.py command line of a row."""
+    return [sys.executable, "-u", WORKER, "--system", row["system"],
+            "--pipeline", row["pipeline"] if row["system"] == "nestpipe" else "none",
+            "--collectives", row["collectives"] if row["system"] == "nestpipe" else "tf",
+            "--model", row["model"], "--data", row["data"], "--steps", str(args.steps),
+            "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
+            "--dim", str(args.dim), "--table-scale", str(args.table_scale),
+            "--micro-batches", str(args.micro_batches),
+            "--profile-steps", str(args.profile_steps if row["system"] == "nestpipe" else 0)]
+
+
+def uses_horovod(row):
+    """True for the rows that need Horovod (its baselines, and ours with Horovod collectives)."""
+    return row["collectives"] == "horovod"
+
+
+def cluster_tasks(row):
+    """Task counts of a row's cluster (role -> count), as the launcher and netem see them."""
+    if row["system"] == "psv2":
+        return {"chief": 1, "worker": row["workers"], "ps": row["workers"]}
+    return {"worker": row["workers"]}
+
+
+def row_command(row, args, net, env):
+    """The command that runs a row (through the launcher, or horovodrun); raises NotRun."""
+    argv = worker_argv(row, args)
+    if row["system"] == "single":
+        return argv
+    w = str(row["workers"])
+    launch = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", w,
+              "--timeout", str(args.row_timeout)]
+    if uses_horovod(row):
+        if not env["horovod"]:
+            raise NotRun(HOROVOD_MISSING)
+        if net is not None:
+            raise NotRun(HOROVOD_NETEM)
+        if env["launcher_horovod"]:
+            return launch + ["--horovod", "--"] + argv
+        horovodrun = ("import sys; from horovod.runner.launch import run_commandline; "
+                      "sys.exit(run_commandline())")
+        return [sys.executable, "-c", horovodrun, "--gloo", "-np", w, "-H", "localhost:" + w] + argv
+    if row["system"] == "psv2":
+        launch += ["--ps", w, "--chief"]
+    net_flags = net.launcher_flags() if net is not None else []
+    return launch + net_flags + ["--"] + argv
+
+
+def error_summary(output, returncode):
+    """One line naming why a run failed: its last error line (or the tail) and the exit code."""
+    lines = [l.strip() for l in output.splitlines() if l.strip()]
+    errors = [l for l in lines if "Error" in l or "error:" in l or "Traceback" in l
+              or "not run" in l]
+    errors = [l for l in errors if not l.endswith("Traceback (most recent call last):")]
+    text = errors[-1] if errors else (lines[-1] if lines else "no output")
+    return "failed (rc=%s): %s" % (returncode, text[-300:])
+
+
+def _python_path():
+    """PYTHONPATH for the rows: this checkout first, so its tf_nestpipe is the one measured."""
+    return os.pathsep.join([REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
+
+
+def run_command(command, timeout):
+    """Runs `command` in its own process group (killed on timeout); returns the dict printed
+    after `RESULT `, or raises RuntimeError with an error summary (full output kept in /tmp)."""
+    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                        TF_USE_LEGACY_KERAS="1", PYTHONPATH=_python_path()))
+    try:
+        output, _ = process.communicate(timeout=timeout)
+        code = process.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        output, _ = process.communicate()
+        code = "timeout after %d s" % timeout
+    for line in output.splitlines():
+        if "RESULT " in line:
+            return json.loads(line.split("RESULT ", 1)[1])
+    with tempfile.NamedTemporaryFile("w", prefix="nestpipe_compare_", suffix=".log",
+                                     delete=False) as log:
+        log.write(" ".join(command) + "\n" + output)
+    print("    full output: %s" % log.name, flush=True)
+    raise RuntimeError(error_summary(output, code))
+
+
+def run_row(row, args, env):
+    """Runs one row (in a fresh emulated network when its network is not loopback) and returns
+    the row dict with its measurements, or with the reason in `note` when it did not run."""
+    out = empty_result(row, args, SYSTEM_NOTES[row["system"]], "ok")
+    spec = parse_network(row["network"]) if row["network"] not in ("-", "loopback") else None
+    try:
+        if spec is None:
+            results = [run_command(row_command(row, args, None, env), args.row_timeout)
+                       for _ in range(args.rounds)]
+        else:
+            if uses_horovod(row):
+                raise NotRun(HOROVOD_MISSING if not env["horovod"] else HOROVOD_NETEM)
+            results = []
+            for _ in range(args.rounds):
+                with EmulatedNetwork(cluster_tasks(row), delay_ms=spec[0], rate=spec[1]) as net:
+                    out["rtt_ms"] = round_trip_ms(net)
+                    results.append(run_command(row_command(row, args, net, env),
+                                               args.row_timeout))
+    except NotRun as e:
+        return dict(empty_result(row, args, str(e), "not run"), **{
+            k: v for k, v in out.items() if k == "rtt_ms"})
+    except Exception as e:  # pylint: disable=broad-except  (a failed row must not stop the run)
+        return dict(empty_result(row, args, str(e).splitlines()[0][:400], "failed"), **{
+            k: v for k, v in out.items() if k == "rtt_ms"})
+    median = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
+    out.update(ms_median=median("ms_median"), ms_p90=median("ms_p90"), steps=results[0]["steps"])
+    out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
+    first = results[0]
+    for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s"):
+        if key in first:
+            out[key] = median(key)
+    extras = []
+    if "exposure_ratio" in first:
+        out["stage_ms"] = first.get("stage_ms")
+        if row["workers"] > 1 and not out.get("communication_ms"):
+            extras.append(NO_COMMUNICATION_SEEN)
+        else:
+            out["exposure"] = median("exposure_ratio")
+    if "profile_error" in first:
+        extras.append("profile failed: " + first["profile_error"])
+    if "async_samples_per_s" in out:
+        extras.append("one join for all steps: %.0f samples/s" % out["async_samples_per_s"])
+    out["details"] = "; ".join(extras)
+    out["note"] = "; ".join([out["note"]] + extras)
+    return out
+
+
+def empty_result(row, args, note, status):
+    """A row dict with no measurements yet (`note` and `status` say why, or what the system is)."""
+    return dict(row, global_batch=args.global_batch, steps=args.steps, ms_median=None,
+                ms_p90=None, samples_per_s=None, efficiency=None, exposure=None, note=note,
+                status=status, details=note if status != "ok" else "")
+
+
+# --- derived numbers ---------------------------------------------------------------------------
+def add_ratios(rows):
+    """Fills `efficiency` (single ms / row ms, same model and data) and `vs_<baseline>` (row
+    samples/s / baseline samples/s, same model, data, network and workers) in place."""
+    measured = [r for r in rows if r["samples_per_s"]]
+    for row in measured:
+        single = [r for r in measured if r["system"] == "single"
+                  and (r["model"], r["data"]) == (row["model"], row["data"])]
+        if single:
+            row["efficiency"] = single[0]["ms_median"] / row["ms_median"]
+        for base in BASELINES:
+            ref = [r for r in measured if r["system"] == base and all(
+                r[k] == row[k] for k in ("model", "data", "network", "workers"))]
+            row["vs_" + base] = row["samples_per_s"] / ref[0]["samples_per_s"] if ref else None
+
+
+def verdict(value, target):
+    """`0.36 (missed, target >= 0.8)`-style text, or `n/a` when the number is missing."""
+    if value is None:
+        return "n/a"
+    return "%.2f (%s, target >= %g)" % (value, "met" if value >= target else "missed", target)
+
+
+def targets_apply(row):
+    """True for the rows the issue's targets are about: ours on 2 workers, measured."""
+    return (row["system"] == "nestpipe" and row["workers"] == TARGET_WORKERS
+            and row["samples_per_s"] is not None)
+
+
+def bound_text(row, single_ms):
+    """What bounds a row, from its profile: the stages' medians and what E >= 0.8 would need."""
+    parts = []
+    if single_ms:
+        parts.append("E >= %.1f needs <= %.1f ms/step" % (TARGETS["efficiency"],
+                                                           single_ms / TARGETS["efficiency"]))
+    if row.get("stage_ms"):
+        stages = ", ".join("%s %.1f" % (k, v) for k, v in sorted(row["stage_ms"].items(),
+                                                                  key=lambda kv: -kv[1]))
+        parts.append("profiled step %.1f ms: %s; exposed communication %.1f ms" % (
+            row.get("profiled_step_ms", float("nan")), stages, row.get("exposed_ms", float("nan"))))
+        if row.get("exposure") is None:
+            parts.append("Horovod's ops are not classified as communication by the profiler")
+    return "; ".join(parts)
+
+
+# --- outputs ------------------------------------------------------------------------------------
+def _num(value, fmt):
+    return "-" if value is None else fmt % value
+
+
+def markdown(rows, args, env, seconds):
+    """The Markdown report: setup, the table of every row, the targets and the failures."""
+    singles = {(r["model"], r["data"]): r["ms_median"] for r in rows if r["system"] == "single"}
+    lines = [
+        "# Side-by-side: NestPipeStrategy vs MWMS vs ParameterServerStrategy vs Horovod", "",
+        "Command: `%s` (%s, %.0f s in all)." % (
+            " ".join(["python bench/compare.py"] + sys.argv[1:]),
+            datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), seconds), "",
+        "Cluster: every task of every row on this one machine (%d CPU cores shared by all tasks "
+        "and with other jobs; load average %.2f at the start), Python %s, TensorFlow 2.21 CPU, "
+        "tf_keras, %s. Loopback: tasks on 127.0.0.1. `DELAYms:RATE`: every task in its own "
+        "network namespace, veth pairs to a bridge with `tc tbf` at RATE on both ends and a TCP "
+        "relay delaying each direction by DELAY (no `tc netem` on this kernel); RTT is the "
+        "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores." % (
+            os.cpu_count(), env["load"], platform.python_version(),
+            "Horovod %s" % env["horovod_version"] if env["horovod"] else "Horovod not installed"),
+        "",
+        "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
+        "of the per-step wall times; %d round(s), median of the rounds); samples/s = global "
+        "batch / median step. Synthetic: Zipf Criteo-profile click log, 26 tables (Criteo "
+        "Kaggle sizes x %g), 13 dense features; MovieLens-1M: 7 single-hot features + mean-pooled "
+        "genres. Embedding dim %d, Adagrad %g. DLRM = examples/dlrm.py's model; DCN = TFRS "
+        "`tfrs.layers.dcn.Cross` + deep tower + `tfrs.tasks.Ranking` (SUM / batch). E = single "
+        "ms/step / row ms/step (same model, data, global batch, same cores). Exposure (ours, "
+        "profiled over %d steps) = time a collective runs while no other op runs / time "
+        "collectives run. vs X = row samples/s / X's samples/s (same model, data, network, "
+        "workers). Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
+        "replicated. bench/compare_worker.py describes each system." % (
+            args.global_batch, args.steps, args.warmup, args.rounds, args.table_scale, args.dim,
+            LEARNING_RATE, args.profile_steps, TARGET_WORKERS, TARGETS["efficiency"], TARGETS["mwms"],
+            TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
+        "| system | model | data | network | W | ms/step median | p90 | samples/s | E | exposure "
+        "| vs MWMS | vs PSv2 | vs Horovod repl. | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        target = targets_apply(r)
+        cells = []
+        for key, goal in (("efficiency", "efficiency"), ("vs_mwms", "mwms"),
+                          ("vs_psv2", "psv2"), ("vs_hvd_replicated", "hvd_replicated")):
+            value = r.get(key)
+            if target:
+                cells.append(verdict(value, TARGETS[goal]))
+            else:
+                cells.append(_num(value, "%.2f" if key == "efficiency" else "%.2fx"))
+        network = r["network"] + (" (RTT %.2f ms)" % r["rtt_ms"] if r.get("rtt_ms") else "")
+        lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+            row_label(r), r["model"], r["data"], network, r["workers"],
+            _num(r["ms_median"], "%.1f"), _num(r["ms_p90"], "%.1f"),
+            _num(r["samples_per_s"], "%.0f"), cells[0], _num(r["exposure"], "%.2f"),
+            cells[1], cells[2], cells[3], r["details"].replace("|", "/")))
+    lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
+              + ". nestpipe P/C: pipeline P, collectives C."]
+    target_rows = [r for r in rows if targets_apply(r)]
+    if target_rows:
+        lines += ["", "## Targets (ours on %d workers)" % TARGET_WORKERS, "",
+                  "| row | model / data / network | E >= %g | >= %gx MWMS | >= %gx PSv2 | "
+                  ">= %gx Horovod repl. | what bounds it (profile) |" % (
+                      TARGETS["efficiency"], TARGETS["mwms"], TARGETS["psv2"],
+                      TARGETS["hvd_replicated"]),
+                  "|---|---|---|---|---|---|---|"]
+        for r in target_rows:
+            lines.append("| %s | %s / %s / %s | %s | %s | %s | %s | %s |" % (
+                row_label(r), r["model"], r["data"], r["network"],
+                verdict(r.get("efficiency"), TARGETS["efficiency"]),
+                verdict(r.get("vs_mwms"), TARGETS["mwms"]),
+                verdict(r.get("vs_psv2"), TARGETS["psv2"]),
+                verdict(r.get("vs_hvd_replicated"), TARGETS["hvd_replicated"]),
+                bound_text(r, singles.get((r["model"], r["data"])))))
+        lines += ["", "`n/a`: the baseline row was not run or failed (see the table)."]
+    problems = [r for r in rows if r["status"] != "ok"]
+    if problems:
+        lines += ["", "## Rows without numbers", ""]
+        lines += ["- %s, %s / %s / %s, %d workers: %s" % (
+            row_label(r), r["model"], r["data"], r["network"], r["workers"], r["note"])
+            for r in problems]
+    return "\n".join(lines) + "\n"
+
+
+JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "workers",
+             "global_batch", "steps", "ms_median", "ms_p90", "samples_per_s", "efficiency",
+             "exposure", "note"]
+EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
+              "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms"]
+
+
+def json_rows(rows):
+    """The rows as compare.json stores them: JSON_KEYS first, then the extra measurements."""
+    return [{k: r.get(k) for k in JSON_KEYS + EXTRA_KEYS if k in JSON_KEYS or k in r}
+            for r in rows]
+
+
+def plot(rows, path):
+    """compare.png: samples/s per system vs workers, one panel per model / data / network
+    (the single process as a dashed line)."""
+    import matplotlib  # pylint: disable=import-outside-toplevel
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+    measured = [r for r in rows if r["samples_per_s"]]
+    panels = sorted({(r["model"], r["data"], r["network"]) for r in measured
+                     if r["system"] != "single"})
+    if not panels:
+        return False
+    columns = min(2, len(panels))
+    grid_rows = (len(panels) + columns - 1) // columns
+    fig, axes = plt.subplots(grid_rows, columns, figsize=(7 * columns, 4.8 * grid_rows),
+                             squeeze=False)
+    for ax in axes.flat[len(panels):]:
+        ax.set_visible(False)
+    for ax, (model, data, network) in zip(axes.flat, panels):
+        mine = [r for r in measured if (r["model"], r["data"], r["network"]) == (model, data, network)]
+        for label in sorted({row_label(r) for r in mine}):
+            points = sorted((r["workers"], r["samples_per_s"]) for r in mine if row_label(r) == label)
+            ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                    linestyle="-" if label.startswith("nestpipe") else ":")
+        for r in measured:
+            if r["system"] == "single" and (r["model"], r["data"]) == (model, data):
+                ax.axhline(r["samples_per_s"], color="gray", linestyle="--", label="single process")
+        ax.set_yscale("log")
+        ax.set_xticks(sorted({r["workers"] for r in mine}))
+        ax.set_xlabel("workers")
+        ax.set_ylabel("samples/s")
+        ax.set_title("%s / %s / %s" % (model, data, network))
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return True
+
+
+def prepare_movielens(timeout):
+    """Fetches and converts MovieLens-1M once before the rows (the workers then just read it)."""
+    code = "from tf_nestpipe.data import load_or_prepare_movielens; load_or_prepare_movielens('movielens-1m')"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, timeout=timeout, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def parse_args(argv=None):
+    """The command-line flags (see the module docstring)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", choices=MODELS)
+    parser.add_argument("--data", nargs="+", choices=DATA)
+    parser.add_argument("--workers", nargs="+", type=int)
+    parser.add_argument("--networks", nargs="+", help="loopback and/or DELAYms:RATE, e.g. 1ms:200mbit")
+    parser.add_argument("--systems", nargs="+",
+                        help="single mwms psv2 hvd_replicated hvd_alltoall nestpipe "
+                             "(= every --pipelines x --collectives) or nestpipe:PIPELINE:COLLECTIVES")
+    parser.add_argument("--pipelines", nargs="+", choices=PIPELINES, default=PIPELINES)
+    parser.add_argument("--collectives", nargs="+", choices=COLLECTIVES, default=COLLECTIVES)
+    parser.add_argument("--full", action="store_true",
+                        help="every model x data x workers 1 2 4 x loopback, 1ms:200mbit x system")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps per row")
+    parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
+    parser.add_argument("--rounds", type=int, default=1, help="runs per row (median taken)")
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--table-scale", type=float, default=0.002)
+    parser.add_argument("--micro-batches", type=int, default=4, help="ours, fwp / nested")
+    parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
+    parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
+    parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="only redraw OUTPUT.png from an existing OUTPUT.json")
+    return parser.parse_args(argv)
+
+
+def plan_from_args(args):
+    """The blocks to run: DEFAULT_PLAN, `--full`, or the product of the given matrix flags
+    (flags not given: dlrm, synthetic, 2 workers, loopback, every system)."""
+    given = [args.models, args.data, args.workers, args.networks, args.systems]
+    if args.full:
+        return [(args.models or MODELS, args.data or DATA, args.workers or [1, 2, 4],
+                 args.networks or ["loopback", "1ms:200mbit"],
+                 args.systems or PLAIN_SYSTEMS + ["nestpipe"])]
+    if all(g is None for g in given):
+        return DEFAULT_PLAN
+    return [(args.models or ["dlrm"], args.data or ["synthetic"], args.workers or [2],
+             args.networks or ["loopback"], args.systems or PLAIN_SYSTEMS + ["nestpipe"])]
+
+
+def main(argv=None):
+    """Runs the matrix and writes bench/results/compare.{md,json,png}."""
+    args = parse_args(argv)
+    if args.plot_only:
+        with open(os.path.join(RESULTS, args.output + ".json")) as f:
+            plot(json.load(f), os.path.join(RESULTS, args.output + ".png"))
+        return
+    for network in args.networks or []:
+        if network != "loopback":
+            parse_network(network)  # fail early on a malformed DELAYms:RATE
+    rows = plan_rows(plan_from_args(args), args.pipelines, args.collectives)
+    env = {"load": os.getloadavg()[0], "horovod": False, "horovod_version": None,
+           "launcher_horovod": launcher_has_horovod()}
+    if any(uses_horovod(r) for r in rows) and horovod_available():
+        env["horovod"] = True
+        env["horovod_version"] = subprocess.run(
+            [sys.executable, "-c", "import horovod; print(horovod.__version__)"],
+            stdout=subprocess.PIPE, text=True).stdout.strip()
+    movielens_error = None
+    if any(r["data"] == "movielens-1m" for r in rows):
+        try:
+            prepare_movielens(args.row_timeout)
+        except (subprocess.SubprocessError, OSError) as e:
+            movielens_error = "failed: MovieLens-1M could not be prepared: %s" % (
+                (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()[-1:]
+                or [str(e)])[0][:300]
+    print("compare: %d rows (horovod %s, launcher --horovod %s)" % (
+        len(rows), env["horovod_version"] or "not installed", env["launcher_horovod"]), flush=True)
+    started = time.perf_counter()
+    done = []
+    for i, row in enumerate(rows):
+        print("[%d/%d] %s %s/%s/%s W=%d ..." % (i + 1, len(rows), row_label(row), row["model"],
+                                               row["data"], row["network"], row["workers"]),
+              flush=True)
+        if movielens_error and row["data"] == "movielens-1m":
+            result = empty_result(row, args, movielens_error, "failed")
+        else:
+            result = run_row(row, args, env)
+        done.append(result)
+        print("    -> %s" % (("%.1f ms/step, %.0f samples/s" % (result["ms_median"],
+                                                              result["samples_per_s"]))
+                             if result["samples_per_s"] else result["note"]), flush=True)
+    add_ratios(done)
+    seconds = time.perf_counter() - started
+    with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
+        json.dump(json_rows(done), f, indent=1)
+    try:
+        plot(done, os.path.join(RESULTS, args.output + ".png"))
+    except ImportError:
+        print("matplotlib missing: pip install -r bench/requirements.txt (no PNG written)")
+    write_result(args.output + ".md", markdown(done, args, env, seconds))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""One row of the side-by-side benchmark (bench/compare.py): trains one model on one data set with
+one distribution system for `--warmup + --steps` steps and prints, on rank 0, `RESULT {json}`
+with the median / p90 / mean wall time of the steps after warm-up.
+
+Systems (`--system`), all on the same model, data and global batch:
+- `single`: one process, no strategy, replicated tf_keras `Embedding` per table, tf_keras fit;
+- `mwms`: `tf.distribute.MultiWorkerMirroredStrategy` (RING), tf_keras `Embedding`, fit;
+- `psv2`: `tf.distribute.ParameterServerStrategy` (chief of a `--workers W --ps W --chief`
+  cluster) with `MinSizePartitioner`-sharded tf_keras `Embedding`s; synchronous-style: one step
+  = W scheduled functions of global_batch / W samples each, then `join()`; after the timed steps
+  the same number of steps is scheduled with one join at the end (`async_samples_per_s`);
+- `hvd_replicated`: Horovod, replicated tf_keras `Embedding`s, `hvd.DistributedGradientTape`
+  (Horovod's default for the embeddings' `IndexedSlices` gradients: allgather);
+- `hvd_alltoall`: Horovod with model-parallel tables in the style of NVIDIA's TF2 DLRM: rank r owns
+  whole tables t with t mod W == r; the ids go to the owners by `hvd.alltoall`, the rows come back
+  by a second one (its gradient, Horovod's reverse all-to-all, brings each owner the gradient of
+  its rows from every rank); dense gradients `hvd.allreduce`d (multi-hot MovieLens bags stay
+  replicated);
+- `nestpipe`: `tnp.NestPipeStrategy(pipeline=..., collectives=...)` with one fused
+  `ShardedEmbeddingCollection` (+ mean-pooled `ShardedEmbedding` bags), fit; `--profile-steps K`
+  adds the profiled communication and exposure (bench/dlrm_worker.py's `profile`).
+
+Models (`--model`): `dlrm` = examples/dlrm.py's DLRM (bottom MLP, dot interaction, top MLP);
+`dcn` = a TFRS ranking model (`tfrs.layers.dcn.Cross` + deep tower + `tfrs.tasks.Ranking` with SUM
+reduction divided by the batch, as TFRS needs under tf.distribute). Data (`--data`): `synthetic`
+(Zipf Criteo-profile `SyntheticClickLog`, 26 tables scaled by `--table-scale`, 13 dense) or
+`movielens-1m` (7 single-hot features + mean-pooled genres, no dense features). Every step's
+loss is the mean binary cross-entropy over the global batch; Adagrad everywhere.
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tensorflow_recommenders as tfrs  # noqa: E402
+import tf_keras  # noqa: E402
+
+import dlrm  # noqa: E402
+import tf_nestpipe as tnp  # noqa: E402
+from dlrm_worker import profile  # noqa: E402
+from ps_worker import MeanBag  # noqa: E402
+from tf_nestpipe.data import (SyntheticClickLog, criteo_kaggle_table_sizes,  # noqa: E402
+                              load_or_prepare_movielens, make_dataset, split_files)
+
+SYSTEMS = ("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "nestpipe")
+LEARNING_RATE = 0.05
+MOVIELENS_CYCLE = 20  # distinct MovieLens batches per worker, cached after the first pass
+
+
+def _uniform(seed):
+    return tf_keras.initializers.RandomUniform(-0.05, 0.05, seed=seed)
+
+
+# --- data --------------------------------------------------------------------------------------
+class Data:
+    """One data set: single-hot table sizes, multi-hot (bag) sizes, number of dense features and
+    `dataset_fn(InputContext)` giving that input pipeline's batches of its share of the batch."""
+
+    def __init__(self, table_sizes, bag_sizes, num_dense, dataset_fn):
+        self.table_sizes = list(table_sizes)
+        self.bag_sizes = dict(bag_sizes)
+        self.num_dense = num_dense
+        self.dataset_fn = dataset_fn
+
+
+def synthetic_data(args):
+    """The Zipf Criteo-profile click log of bench/dlrm_worker.py, each worker's slices of
+    `min(total steps, 100)` global batches generated up front and repeated."""
+    table_sizes = criteo_kaggle_table_sizes(args.table_scale)
+    log = SyntheticClickLog(table_sizes, seed=1)
+    batches = min(args.warmup + args.steps + args.profile_steps + 3, 100)
+    return Data(table_sizes, {}, log.num_dense,
+                dlrm.make_dataset_fn(log, 0, batches, args.global_batch, repeat=True))
+
+
+def movielens_data(args):
+    """MovieLens-1M's train split (examples/dlrm.py's input mapping): each input pipeline reads
+    every train shard in its own shuffled order; its first batches are cached and repeated, so
+    the timed steps do not parse records."""
+    data_dir, metadata = load_or_prepare_movielens("movielens-1m")
+    schema, to_model_inputs, table_sizes, bag_sizes = dlrm.model_inputs(metadata)
+    files = split_files(data_dir, "train", metadata)
+
+    def dataset_fn(context):
+        batch = context.get_per_replica_batch_size(args.global_batch)
+        dataset = make_dataset(files, schema, batch, shuffle=True,
+                               seed=1 + context.input_pipeline_id, num_epochs=None,
+                               drop_remainder=True).map(to_model_inputs)
+        return dataset.take(MOVIELENS_CYCLE).cache().repeat().prefetch(2)
+
+    return Data(table_sizes, bag_sizes, 0, dataset_fn)
+
+
+# --- embeddings: inputs dict -> list of [B, D] vectors -----------------------------------------
+class KerasEmbedder(tf_keras.layers.Layer):
+    """One tf_keras `Embedding` per single-hot field (examples/dlrm.py's "keras" tables) and one
+    mean-pooled tf_keras `Embedding` per multi-hot feature: the replicated / PS layout."""
+
+    def __init__(self, table_sizes, bag_sizes, dim, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.tables = dlrm.make_embeddings("keras", table_sizes, dim, seed)
+        self.bag_names = sorted(bag_sizes)
+        self.bags = _keras_bags(bag_sizes, dim, seed)
+
+    def call(self, inputs):
+        """inputs dict -> one [B, D] vector per single-hot field, then one per bag."""
+        vectors = tf.unstack(self.tables(inputs["sparse"]), axis=1)
+        return vectors + [bag(inputs[name]) for bag, name in zip(self.bags, self.bag_names)]
+
+
+def _keras_bags(bag_sizes, dim, seed):
+    return [MeanBag(tf_keras.layers.Embedding(bag_sizes[name], dim, name="bag_table_" + name,
+                                              embeddings_initializer=_uniform(seed + 500 + i)),
+                    name="bag_" + name)
+            for i, name in enumerate(sorted(bag_sizes))]
+
+
+class ShardedEmbedder(tf_keras.layers.Layer):
+    """Ours: one fused `tnp.ShardedEmbeddingCollection` for the single-hot fields and a
+    mean-pooled `tnp.ShardedEmbedding` per multi-hot feature (row-sharded over the workers)."""
+
+    def __init__(self, table_sizes, bag_sizes, dim, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.tables = dlrm.make_embeddings("fused", table_sizes, dim, seed)
+        self.bag_names = sorted(bag_sizes)
+        self.bags = [tnp.ShardedEmbedding(bag_sizes[name], dim, combiner="mean", name="bag_" + name,
+                                          embeddings_initializer=_uniform(seed + 500 + i))
+                     for i, name in enumerate(self.bag_names)]
+
+    def call(self, inputs):
+        """inputs dict -> one [B, D] vector per single-hot field, then one per bag."""
+        vectors = tf.unstack(self.tables(inputs["sparse"]), axis=1)
+        return vectors + [bag(inputs[name]) for bag, name in zip(self.bags, self.bag_names)]
+
+
+class AllToAllEmbedder(tf_keras.layers.Layer):
+    """Horovod model-parallel tables (NVIDIA TF2 DLRM style): this rank holds whole tables
+    t with t mod W == rank. Forward: all-to-all of the ids to the owners, local lookups for the
+    whole global batch, all-to-all of the rows back; multi-hot bags stay replicated."""
+
+    def __init__(self, hvd, table_sizes, bag_sizes, dim, seed=0, **kwargs):
+        super().__init__(**kwargs)
+        self.hvd, self.dim = hvd, dim
+        workers, rank, fields = hvd.size(), hvd.rank(), len(table_sizes)
+        if fields < workers:
+            raise ValueError("hvd_alltoall needs at least one table per rank (%d tables, %d ranks)"
+                             % (fields, workers))
+        # Fields grouped by owner: owner 0's fields, then owner 1's, ...
+        self.order = [t for owner in range(workers) for t in range(owner, fields, workers)]
+        self.inverse = np.argsort(self.order).tolist()
+        self.counts = [len(range(owner, fields, workers)) for owner in range(workers)]
+        self.workers, self.rank = workers, rank
+        self.tables = [tf_keras.layers.Embedding(table_sizes[t], dim, name="table_%d" % t,
+                                                 embeddings_initializer=_uniform(seed + t))
+                       for t in range(rank, fields, workers)]
+        self.bag_names = sorted(bag_sizes)
+        self.bags = _keras_bags(bag_sizes, dim, seed)
+
+    def owned_variables(self):
+        """The table variables this rank owns (their gradients are not all-reduced)."""
+        return [table.embeddings for table in self.tables]
+
+    def call(self, inputs):
+        """inputs dict -> one [B, D] vector per single-hot field (in field order), then bags."""
+        ids = inputs["sparse"]
+        batch = tf.shape(ids)[0]
+        grouped = tf.gather(ids, self.order, axis=1)
+        blocks = tf.split(grouped, self.counts, axis=1)  # owner o's block: [b, n_o]
+        payload = tf.concat([tf.reshape(block, [-1]) for block in blocks], axis=0)
+        splits = tf.stack([batch * n for n in self.counts])
+        received, _ = self.hvd.alltoall(payload, splits=splits, name="compare_a2a_ids")
+        mine = self.counts[self.rank]
+        received = tf.reshape(received, [self.workers, batch, mine])  # [source, sample, my field]
+        rows = tf.stack([table(received[:, :, k]) for k, table in enumerate(self.tables)], axis=2)
+        rows = tf.reshape(rows, [-1, self.dim])
+        back, _ = self.hvd.alltoall(rows, splits=tf.fill([self.workers], batch * mine),
+                                    name="compare_a2a_rows")
+        pieces = tf.split(back, tf.stack([batch * n for n in self.counts]), num=self.workers)
+        columns = tf.concat([tf.reshape(piece, [batch, n, self.dim])
+                             for piece, n in zip(pieces, self.counts)], axis=1)
+        vectors = tf.unstack(tf.gather(columns, self.inverse, axis=1), axis=1)
+        return vectors + [bag(inputs[name]) for bag, name in zip(self.bags, self.bag_names)]
+
+
+# --- models --------------------------------------------------------------------------------------
+class CompareDLRM(dlrm.DLRM):
+    """examples/dlrm.py's DLRM (same layers and initializers) on an embedder that maps the whole
+    inputs dict to a list of [B, D] vectors (tables and bags of any layout)."""
+
+    def __init__(self, embedder, dim, num_dense):
+        super().__init__(embedder, dim=dim, num_dense=num_dense)
+
+    def call(self, inputs):
+        """[B, 1] logits: DLRM's bottom MLP, dot interaction and top MLP on the embedder's vectors."""
+        vectors = self.embeddings(inputs)
+        if self.bottom is None:
+            return self.top(tf.concat(vectors + [self.interaction(vectors)], axis=1))
+        dense_out = self.bottom(inputs["dense"])
+        return self.top(tf.concat([dense_out, self.interaction([dense_out] + vectors)], axis=1))
+
+    def summed_loss(self, features, labels):
+        """Sum over the batch of the binary cross-entropy of the logits."""
+        return tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(
+            tf.reshape(tf.cast(labels, tf.float32), [-1]), tf.reshape(self(features), [-1])))
+
+
+class CompareDCN(tfrs.Model):
+    """TFRS DCN ranking model: embeddings (+ dense features) -> `tfrs.layers.dcn.Cross` -> deep
+    tower 64-32-1 -> `tfrs.tasks.Ranking` (SUM reduction, divided by `loss_denominator`)."""
+
+    def __init__(self, embedder, num_dense, loss_denominator, seed=0):
+        super().__init__()
+        glorot = lambda s: tf_keras.initializers.GlorotUniform(seed=seed + 1000 + s)  # noqa: E731
+        self.embeddings = embedder
+        self.num_dense = num_dense
+        self.loss_denominator = float(loss_denominator)
+        self.cross = tfrs.layers.dcn.Cross(kernel_initializer=glorot(0))
+        self.deep = tf_keras.Sequential(
+            [tf_keras.layers.Dense(64, activation="relu", kernel_initializer=glorot(1)),
+             tf_keras.layers.Dense(32, activation="relu", kernel_initializer=glorot(2)),
+             tf_keras.layers.Dense(1, kernel_initializer=glorot(3))])
+        self.task = tfrs.tasks.Ranking(loss=tf_keras.losses.BinaryCrossentropy(
+            from_logits=True, reduction=tf_keras.losses.Reduction.SUM))
+
+    def call(self, inputs):
+        """[B, 1] logits: Cross(x0=x, x) then the deep tower on the concatenated features."""
+        vectors = self.embeddings(inputs)
+        if self.num_dense:
+            vectors = vectors + [inputs["dense"]]
+        x = tf.concat(vectors, axis=1)
+        return self.deep(self.cross(x, x))
+
+    def summed_loss(self, features, labels):
+        """Sum over the batch of the ranking task's binary cross-entropy."""
+        return self.task(labels=tf.cast(labels, tf.float32), predictions=self(features))
+
+    def compute_loss(self, inputs, training=False):
+        """TFRS's training loss: the summed loss over `loss_denominator` (the global batch)."""
+        features, labels = inputs
+        return self.summed_loss(features, labels) / self.loss_denominator
+
+
+def build_model(args, data, embedder, loss_denominator):
+    """The `--model` on `embedder`; compiled (Adagrad, and for DLRM binary cross-entropy on the
+    logits) so that it can be trained with fit. Call under the strategy's scope."""
+    if args.model == "dlrm":
+        model = CompareDLRM(embedder, args.dim, data.num_dense)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(LEARNING_RATE),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    else:
+        model = CompareDCN(embedder, data.num_dense, loss_denominator)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(LEARNING_RATE))
+    return model
+
+
+def _context(workers, index):
+    return tf.distribute.InputContext(num_input_pipelines=workers, input_pipeline_id=index,
+                                      num_replicas_in_sync=workers)
+
+
+def summarize(times_s, warmup):
+    """Median, p90 and mean (ms) of the step times after `warmup` steps."""
+    times = np.asarray(times_s[warmup:]) * 1e3
+    return {"steps": int(len(times)), "ms_median": float(np.median(times)),
+            "ms_p90": float(np.percentile(times, 90)), "ms_mean": float(times.mean())}
+
+
+# --- systems -------------------------------------------------------------------------------------
+def run_fit(args, data):
+    """single / mwms / nestpipe: tf_keras fit with a per-step timer (+ profile for nestpipe)."""
+    if args.system == "single":
+        strategy, rank, workers = tf.distribute.get_strategy(), 0, 1
+        kind = "keras"
+    elif args.system == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy(
+            communication_options=tf.distribute.experimental.CommunicationOptions(
+                implementation=tf.distribute.experimental.CommunicationImplementation.RING))
+        rank, workers, kind = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync, "keras"
+    else:
+        options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches}
+        if args.collectives != "tf":  # the keyword of the Horovod backend (issue 7)
+            options["collectives"] = args.collectives
+        strategy = tnp.NestPipeStrategy(**options)
+        rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"
+    with strategy.scope():
+        embedder_class = KerasEmbedder if kind == "keras" else ShardedEmbedder
+        model = build_model(args, data, embedder_class(data.table_sizes, data.bag_sizes, args.dim),
+                            args.global_batch)
+    if args.system == "single":
+        dataset = data.dataset_fn(tf.distribute.InputContext())
+    else:
+        dataset = strategy.distribute_datasets_from_function(data.dataset_fn)
+    timer = dlrm.StepTimer()
+    model.fit(dataset, epochs=1, steps_per_epoch=args.warmup + args.steps, callbacks=[timer],
+              verbose=0)
+    result = summarize(timer.times, args.warmup)
+    if args.system == "nestpipe" and args.profile_steps:
+        try:
+            result.update(profile(model, dataset, args.profile_steps, ""))
+        except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
+            result["profile_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])
+    return rank, workers, result
+
+
+def run_psv2(args, data):
+    """TF ParameterServerStrategy + MinSizePartitioner, coordinator-scheduled custom steps."""
+    resolver = tf.distribute.cluster_resolver.TFConfigClusterResolver()
+    cluster = resolver.cluster_spec().as_dict()
+    workers, num_ps = len(cluster.get("worker", [])), len(cluster.get("ps", []))
+    partitioner = tf.distribute.experimental.partitioners.MinSizePartitioner(
+        min_shard_bytes=args.min_shard_bytes, max_shards=num_ps)
+    strategy = tf.distribute.ParameterServerStrategy(resolver, variable_partitioner=partitioner)
+    coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+    local_batch = args.global_batch // workers
+    example = next(iter(data.dataset_fn(_context(workers, 0))))[0]
+    with strategy.scope():
+        model = build_model(args, data, KerasEmbedder(data.table_sizes, data.bag_sizes, args.dim),
+                            local_batch)
+        model(example)
+        optimizer = tf_keras.optimizers.Adagrad(LEARNING_RATE)
+    shards = sum(len(getattr(v, "variables", [v])) for v in model.trainable_variables)
+    iterator = iter(coordinator.create_per_worker_dataset(
+        lambda: data.dataset_fn(_context(workers, 0))))
+
+    @tf.function
+    def step(iterator):
+        def replica_fn(features, labels):
+            with tf.GradientTape() as tape:
+                loss = model.summed_loss(features, labels) / local_batch
+            variables = model.trainable_variables
+            optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+            return loss
+        return strategy.run(replica_fn, args=next(iterator))
+
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        for _ in range(workers):
+            coordinator.schedule(step, args=(iterator,))
+        coordinator.join()
+        times.append(time.perf_counter() - start)
+    result = summarize(times, args.warmup)
+    start = time.perf_counter()
+    for _ in range(args.steps * workers):
+        coordinator.schedule(step, args=(iterator,))
+    coordinator.join()
+    result["async_samples_per_s"] = args.steps * args.global_batch / (time.perf_counter() - start)
+    result["ps_tasks"], result["variable_shards"] = num_ps, shards
+    return 0, workers, result
+
+
+def run_horovod(args, data):
+    """Horovod custom loop: replicated tables + DistributedGradientTape, or all-to-all tables."""
+    import horovod.tensorflow as hvd  # pylint: disable=import-outside-toplevel
+    hvd.init()
+    workers, rank = hvd.size(), hvd.rank()
+    if args.global_batch % workers:
+        raise SystemExit("--global-batch must be divisible by the %d ranks" % workers)
+    if args.system == "hvd_alltoall":
+        embedder = AllToAllEmbedder(hvd, data.table_sizes, data.bag_sizes, args.dim)
+    else:
+        embedder = KerasEmbedder(data.table_sizes, data.bag_sizes, args.dim)
+    model = build_model(args, data, embedder, args.global_batch)
+    optimizer = tf_keras.optimizers.Adagrad(LEARNING_RATE)
+    iterator = iter(data.dataset_fn(_context(workers, rank)))
+    model(next(iterator)[0])
+    owned = embedder.owned_variables() if args.system == "hvd_alltoall" else []
+    owned_ids = {id(v) for v in owned}
+    replicated = [v for v in model.variables if id(v) not in owned_ids]
+    hvd.broadcast_variables(replicated, root_rank=0)
+    variables = model.trainable_variables
+    # Horovod pairs collectives by name: number the replicated variables only, so that every
+    # rank gives a variable's gradient the same name however many tables it owns.
+    names = {}
+    for v in variables:
+        if id(v) not in owned_ids:
+            names[id(v)] = "compare_grad_%d" % len(names)
+
+    @tf.function
+    def step(iterator):
+        features, labels = next(iterator)
+        with tf.GradientTape() as tape:
+            loss = model.summed_loss(features, labels) / args.global_batch
+        if not owned:
+            tape = hvd.DistributedGradientTape(tape, op=hvd.Sum)
+            gradients = tape.gradient(loss, variables)
+        else:
+            gradients = tape.gradient(loss, variables)
+            gradients = [g if id(v) in owned_ids else hvd.allreduce(g, op=hvd.Sum, name=names[id(v)])
+                         for g, v in zip(gradients, variables)]
+        optimizer.apply_gradients(zip(gradients, variables))
+        return loss
+
+    times = []
+    for _ in range(args.warmup + args.steps):
+        start = time.perf_counter()
+        step(iterator).numpy()
+        times.append(time.perf_counter() - start)
+    result = summarize(times, args.warmup)
+    result["horovod"] = __import__("horovod").__version__
+    return rank, workers, result
+
+
+def main():
+    """Parses the flags, runs the system and prints `RESULT {json}` on rank 0."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--system", required=True, choices=SYSTEMS)
+    parser.add_argument("--pipeline", default="none", help="nestpipe: none/dbp/fwp/nested")
+    parser.add_argument("--collectives", default="tf", help="nestpipe: tf or horovod")
+    parser.add_argument("--model", choices=["dlrm", "dcn"], default="dlrm")
+    parser.add_argument("--data", choices=["synthetic", "movielens-1m"], default="synthetic")
+    parser.add_argument("--steps", type=int, default=50, help="timed steps (after warm-up)")
+    parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument("--global-batch", type=int, default=512)
+    parser.add_argument("--dim", type=int, default=16)
+    parser.add_argument("--table-scale", type=float, default=0.002)
+    parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
+    parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
+    args = parser.parse_args()
+    data = synthetic_data(args) if args.data == "synthetic" else movielens_data(args)
+    if args.system == "psv2":
+        rank, workers, result = run_psv2(args, data)
+    elif args.system.startswith("hvd_"):
+        rank, workers, result = run_horovod(args, data)
+    else:
+        rank, workers, result = run_fit(args, data)
+    result.update({"system": args.system, "workers": workers, "global_batch": args.global_batch,
+                   "samples_per_s": args.global_batch / result["ms_median"] * 1e3})
+    if rank == 0:
+        print("RESULT " + json.dumps(result), flush=True)
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Fast checks of bench/compare.py's pure-Python parts (the matrix, ratios, targets, report);
+no cluster is started."""
+import argparse
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "bench"))
+import compare  # noqa: E402
+
+
+def test_expand_systems_names_every_row_of_ours():
+    rows = compare.expand_systems(["single", "mwms", "nestpipe"], ["none", "dbp"], ["tf", "horovod"])
+    assert rows[:2] == [("single", "-", "-"), ("mwms", "-", "tf")]
+    assert ("nestpipe", "dbp", "horovod") in rows and len(rows) == 6
+    assert compare.expand_systems(["nestpipe:fwp:tf", "hvd_alltoall"], [], []) == [
+        ("nestpipe", "fwp", "tf"), ("hvd_alltoall", "-", "horovod")]
+    with pytest.raises(ValueError):
+        compare.expand_systems(["nestpipe:bogus:tf"], [], [])
+    with pytest.raises(ValueError):
+        compare.expand_systems(["tpu"], [], [])
+
+
+def test_default_plan_has_every_system_at_two_workers_and_singles_first():
+    args = compare.parse_args([])
+    rows = compare.plan_rows(compare.plan_from_args(args), args.pipelines, args.collectives)
+    singles = [r for r in rows if r["system"] == "single"]
+    assert rows[:len(singles)] == singles
+    assert {(r["model"], r["data"]) for r in singles} == {
+        ("dlrm", "synthetic"), ("dcn", "synthetic"), ("dlrm", "movielens-1m")}
+    two = {compare.row_label(r) for r in rows if r["workers"] == 2 and r["model"] == "dlrm"
+           and r["data"] == "synthetic" and r["network"] == "loopback"}
+    assert {"mwms", "psv2", "hvd_replicated", "hvd_alltoall"} <= two
+    assert {"nestpipe %s/%s" % (p, c) for p in compare.PIPELINES for c in compare.COLLECTIVES} <= two
+    assert {r["workers"] for r in rows} == {1, 2, 4}
+    assert any(r["network"] != "loopback" for r in rows if r["system"] != "single")
+    assert len({tuple(sorted(r.items())) for r in rows}) == len(rows)
+
+
+def test_product_flags_and_no_single_worker_on_an_emulated_network():
+    args = compare.parse_args(["--workers", "1", "2", "--networks", "loopback", "1ms:200mbit",
+                               "--systems", "mwms", "nestpipe:none:tf"])
+    rows = compare.plan_rows(compare.plan_from_args(args), args.pipelines, args.collectives)
+    assert [(r["system"], r["network"], r["workers"]) for r in rows] == [
+        ("single", "-", 1),
+        ("mwms", "loopback", 1), ("nestpipe", "loopback", 1),
+        ("mwms", "loopback", 2), ("nestpipe", "loopback", 2),
+        ("mwms", "1ms:200mbit", 2), ("nestpipe", "1ms:200mbit", 2)]
+
+
+def _row(system, ms, workers=2, pipeline="-", collectives="tf", network="loopback"):
+    row = compare.make_row(system, pipeline, collectives, "dlrm", "synthetic", network, workers)
+    args = argparse.Namespace(global_batch=512, steps=10)
+    out = compare.empty_result(row, args, "", "ok")
+    if ms is not None:
+        out.update(ms_median=ms, ms_p90=ms * 1.1, samples_per_s=512 / ms * 1e3)
+    return out
+
+
+def test_ratios_targets_and_report():
+    rows = [_row("single", 5.0, workers=1, network="-"), _row("mwms", 100.0), _row("psv2", 40.0),
+            _row("hvd_replicated", None, collectives="horovod"),
+            _row("nestpipe", 16.0, pipeline="none")]
+    rows[3].update(status="not run", note="not run: horovod not installed",
+                   details="not run: horovod not installed")
+    rows[4].update(exposure=0.9, stage_ms={"compute": 4.0, "communication": 12.0},
+                   profiled_step_ms=17.0, exposed_ms=11.0)
+    compare.add_ratios(rows)
+    ours = rows[4]
+    assert ours["efficiency"] == pytest.approx(5.0 / 16.0)
+    assert ours["vs_mwms"] == pytest.approx(100.0 / 16.0)
+    assert ours["vs_psv2"] == pytest.approx(40.0 / 16.0)
+    assert ours["vs_hvd_replicated"] is None
+    assert compare.verdict(ours["vs_mwms"], 5.0).startswith("6.25 (met")
+    assert compare.verdict(ours["vs_psv2"], 3.0).startswith("2.50 (missed")
+    assert compare.verdict(None, 2.0) == "n/a"
+    args = compare.parse_args(["--steps", "10"])
+    env = {"load": 0.5, "horovod": False, "horovod_version": None}
+    text = compare.markdown(rows, args, env, 12.0)
+    assert "## Targets (ours on 2 workers)" in text
+    assert "0.31 (missed, target >= 0.8)" in text and "6.25 (met, target >= 5)" in text
+    assert "needs <= 6.2 ms/step" in text and "communication 12.0" in text
+    assert "not run: horovod not installed" in text
+    stored = json.loads(json.dumps(compare.json_rows(rows)))
+    for row in stored:
+        assert list(row)[:len(compare.JSON_KEYS)] == compare.JSON_KEYS
+    assert stored[3]["samples_per_s"] is None and stored[3]["note"].startswith("not run")
+
+
+def test_error_summary_names_the_last_error_line():
+    output = "starting\nTraceback (most recent call last):\n  File x\nValueError: bad table\n[launch] done"
+    assert compare.error_summary(output, 1) == "failed (rc=1): ValueError: bad table"
+    assert compare.error_summary("", "timeout after 5 s") == "failed (rc=timeout after 5 s): no output"
+
+
+def test_plot_writes_a_png(tmp_path):
+    pytest.importorskip("matplotlib")
+    rows = [_row("single", 5.0, workers=1, network="-"), _row("mwms", 100.0),
+            _row("mwms", 60.0, workers=1), _row("nestpipe", 16.0, pipeline="none")]
+    path = tmp_path / "c.png"
+    assert compare.plot(rows, str(path))
+    assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_horovod_rows_are_not_run_without_horovod_or_on_an_emulated_network():
+    args = compare.parse_args(["--steps", "5"])
+    env = {"horovod": False, "launcher_horovod": True}
+    for system, pipeline, coll in [("hvd_replicated", "-", "horovod"),
+                                   ("nestpipe", "dbp", "horovod")]:
+        row = compare.make_row(system, pipeline, coll, "dlrm", "synthetic", "loopback", 2)
+        with pytest.raises(compare.NotRun, match="not run: horovod not installed"):
+            compare.row_command(row, args, None, env)
+    env["horovod"] = True
+    row = compare.make_row("hvd_alltoall", "-", "horovod", "dlrm", "synthetic", "loopback", 2)
+    command = compare.row_command(row, args, None, env)
+    assert command[command.index("--workers") + 1] == "2" and "--horovod" in command
+    assert command[command.index("--system") + 1] == "hvd_alltoall"
+    env["launcher_horovod"] = False
+    assert "--gloo" in compare.row_command(row, args, None, env)
+    with pytest.raises(compare.NotRun, match="emulated network"):
+        compare.row_command(row, args, object(), env)
+    ps = compare.make_row("psv2", "-", "tf", "dlrm", "synthetic", "loopback", 2)
+    command = compare.row_command(ps, args, None, env)
+    assert command[command.index("--ps") + 1] == "2" and "--chief" in command
+    assert compare.cluster_tasks(ps) == {"chief": 1, "worker": 2, "ps": 2}
