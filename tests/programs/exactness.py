@@ -179,6 +179,7 @@ def train(strategy, batches, mode, opt_name, out_path):
     else:
         if mode == "one":
             batches = batches[:1]
+            local_dataset_fn = per_worker_dataset_fn(batches)
         with strategy.scope():
             model.compile(optimizer=optimizer,
                           loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),

@@ -1,7 +1,7 @@
 """Prints `LISTEN [addresses]`: where this task's TensorFlow server listens (from /proc/net).
 
 usage: listen_check.py [--server]
-  Starts the server of the TF_CONFIG task (through NestPipeStrategy, or a plain
+  Starts the server of the TF_CONFIG task (through a 2+-worker NestPipeStrategy, or a plain
   tf.distribute.Server with --server) and lists the local addresses bound to its port.
 """
 import json
