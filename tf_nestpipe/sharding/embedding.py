@@ -6,6 +6,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import context as pipeline_context
+from tf_nestpipe.strategy.row_shard_saving import gather_full_rows
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.pipeline.frozen_window import current_window, windowed_lookup
 from tf_nestpipe.sharding import partitioners
@@ -218,16 +219,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                     full[k::len(shards)] = shard
                 return full
             return np.concatenate(shards, axis=0)
-        local = tf.convert_to_tensor(self.embeddings)
-        if layout.num_shards == 1:
-            return local.numpy()
-        collectives = self.collectives()
-        pad = layout.max_local_rows - layout.local_rows
-        padded = tf.pad(local, [[0, pad], [0, 0]])
-        gathered = collectives.all_gather(padded, self.name + "/full_table").numpy()  # [num_shards * max_local_rows, dim]
-        ids = tf.range(layout.vocab_size, dtype=tf.int64).numpy()
-        index = (ids % layout.num_shards) * layout.max_local_rows + ids // layout.num_shards
-        return gathered[index]
+        return gather_full_rows(self.embeddings, layout, self.collectives(),
+                                self.name + "/full_table").numpy()
 
     def get_config(self):
         config = super().get_config()
