@@ -50,3 +50,16 @@ def test_listen_only_env_errors(monkeypatch):
     monkeypatch.setattr(listen, "SHIM", "/nonexistent/_nestpipe_bind.so")
     with pytest.raises(listen.ShimMissingError, match="pip install"):
         listen.listen_only_env("localhost:2222")
+
+
+def test_a_tf_config_host_of_another_machine_falls_back_with_a_warning():
+    """A relay / NAT / service address is not local: the server still starts, on every
+    interface, and says so (instead of failing to start)."""
+    port = free_ports(1)[0]
+    env = dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": {"worker": ["10.254.253.1:%d" % port]}, "task": {"type": "worker", "index": 0}}))
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch.task", "--",
+                          sys.executable, PROGRAM, "--server"], env=env, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    assert "10.254.253.1 is not an address of this machine" in result.stdout
+    assert not set(_listening(result.stdout)[0]) <= LOOPBACK
