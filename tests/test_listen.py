@@ -20,6 +20,13 @@ def _listening(output):
     return [json.loads(m) for m in re.findall(r"LISTEN (\[.*\])", output)]
 
 
+def _one_worker_env(host):
+    """The environment of worker 0 of a one-worker TF_CONFIG cluster at `host` on a free port."""
+    return dict(os.environ, TF_CONFIG=json.dumps(
+        {"cluster": {"worker": ["%s:%d" % (host, free_ports(1)[0])]},
+         "task": {"type": "worker", "index": 0}}))
+
+
 def test_launched_servers_listen_only_on_their_tf_config_address():
     result = launch(1, [PROGRAM, "--server"])
     assert result.returncode == 0, result.stdout[-4000:]
@@ -29,9 +36,7 @@ def test_launched_servers_listen_only_on_their_tf_config_address():
 
 
 def test_a_task_started_by_another_tool_listens_only_on_its_address(tmp_path):
-    port = free_ports(1)[0]
-    env = dict(os.environ, TF_CONFIG=json.dumps(
-        {"cluster": {"worker": ["localhost:%d" % port]}, "task": {"type": "worker", "index": 0}}))
+    env = _one_worker_env("localhost")
     narrowed = run_command([sys.executable, "-m", "tf_nestpipe.launch.task", "--",
                             sys.executable, PROGRAM, "--server"], env=env, timeout=120)
     assert narrowed.returncode == 0, narrowed.stdout[-3000:]
@@ -55,9 +60,7 @@ def test_listen_only_env_errors(monkeypatch):
 def test_a_tf_config_host_of_another_machine_falls_back_with_a_warning():
     """A relay / NAT / service address is not local: the server still starts, on every
     interface, and says so (instead of failing to start)."""
-    port = free_ports(1)[0]
-    env = dict(os.environ, TF_CONFIG=json.dumps(
-        {"cluster": {"worker": ["10.254.253.1:%d" % port]}, "task": {"type": "worker", "index": 0}}))
+    env = _one_worker_env("10.254.253.1")
     result = run_command([sys.executable, "-m", "tf_nestpipe.launch.task", "--",
                           sys.executable, PROGRAM, "--server"], env=env, timeout=120)
     assert result.returncode == 0, result.stdout[-3000:]

@@ -160,13 +160,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
 
     def _parameter_server_lookup(self, flat_ids):
         """Rows of `flat_ids` from the ps shards (the gradient is an IndexedSlices per shard)."""
-        flat_ids = self._checked_ids(flat_ids)
-        shards = self._table_shards()
-        if len(shards) == 1:
-            return tf.gather(shards[0], flat_ids)
-        if self._ps_row_order == partitioners.ROW_ORDER_MOD:
-            return tf.compat.v1.nn.embedding_lookup(shards, flat_ids, partition_strategy="mod")
-        return tf.nn.embedding_lookup(shards, flat_ids)
+        return partitioners.gather_shard_rows(self._table_shards(), self._checked_ids(flat_ids),
+                                              self._ps_row_order)
 
     def call(self, inputs):
         if isinstance(inputs, tf.RaggedTensor):

@@ -77,3 +77,13 @@ class ModShardsPartitioner(_ShardsFromPsCount, _partitioners.FixedShardsPartitio
     def __init__(self, num_shards=None):
         self._unbound = num_shards is None
         super().__init__(num_shards or 1)
+
+
+def gather_shard_rows(shards, ids, row_order):
+    """Rows `ids` (natural order) of a table split into `shards` laid out by `row_order`
+    ("div": contiguous ranges, "mod": round-robin), each gathered on the shard that owns it."""
+    if len(shards) == 1:
+        return tf.gather(shards[0], ids)
+    if row_order == ROW_ORDER_MOD:
+        return tf.compat.v1.nn.embedding_lookup(shards, ids, partition_strategy="mod")
+    return tf.nn.embedding_lookup(shards, ids)

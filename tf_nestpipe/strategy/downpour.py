@@ -177,11 +177,7 @@ class _ParameterGroup:
 
     def pull_rows(self, ids):
         """Rows `ids` (int64, natural order) of a table, read from the ps shards that own them."""
-        if len(self.shards) == 1:
-            return tf.gather(self.shards[0], ids)
-        if self.row_order == partitioners.ROW_ORDER_MOD:
-            return tf.compat.v1.nn.embedding_lookup(self.shards, ids, partition_strategy="mod")
-        return tf.nn.embedding_lookup(self.shards, ids)
+        return partitioners.gather_shard_rows(self.shards, ids, self.row_order)
 
     def split(self, gradient):
         """The gradient of the whole parameter as one gradient per shard."""
