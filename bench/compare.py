@@ -12,10 +12,11 @@ Every row is one launch of bench/compare_worker.py (which describes the systems 
 efficiency E = single ms/step / cluster ms/step (same global batch, same cores). A network
 `DELAYms:RATE` puts every task in its own network namespace (bench/netem.py: veth + `tc tbf` +
 a delaying TCP relay, since this kernel has no `tc netem`), created before the row and removed
-after it (needs root). Horovod rows (hvd_*, and ours with collectives "horovod") need
-`horovod.tensorflow` (scripts/install_horovod.sh) and run on loopback only, through
-`python -m tf_nestpipe.launch --horovod` when the launcher has that flag, else `horovodrun
---gloo`; without Horovod, or on an emulated network, they are listed as not run. A row that
+after it (needs root); Gloo's direct rank-to-rank connections are sent through the same relay
+(bench/native/relay_connect.c), so Horovod rows see the same delay. Horovod rows (hvd_*, and
+ours with collectives "horovod") need `horovod.tensorflow` (scripts/install_horovod.sh) and run
+through `python -m tf_nestpipe.launch --horovod` when the launcher has that flag, else (loopback
+only) `horovodrun --gloo`; without Horovod they are listed as not run. A row that
 fails is listed with its error. Writes bench/results/compare.md, compare.json (one dict per
 row) and compare.png (samples/s per system vs workers); `--plot-only` redraws the PNG.
 """
@@ -72,15 +73,15 @@ SYSTEM_NOTES = {
     "nestpipe": "NestPipeStrategy, fused ShardedEmbeddingCollection, fit",
 }
 HOROVOD_MISSING = "not run: horovod not installed (scripts/install_horovod.sh)"
-# `tf_nestpipe.launch --horovod` refuses --cluster-spec / --task-prefix, and Gloo's own
-# connections between the ranks would bypass netem.py's delaying relay (only the rate applies).
-HOROVOD_NETEM = ("not run: Horovod on the emulated network (launch --horovod runs on loopback "
-                 "only; Gloo's direct connections would skip the delay relay)")
+# horovodrun cannot start ranks inside network namespaces; our launcher can.
+HOROVOD_NETEM = ("not run: Horovod on the emulated network needs tf_nestpipe.launch --horovod "
+                 "(this checkout's launcher lacks it)")
 
-# tf_nestpipe.pipeline's profiler counts TF Collective* / Nccl* ops as communication; Horovod's
-# ops (which hand the work to Horovod's own background thread) are not classified as such.
-NO_COMMUNICATION_SEEN = ("exposure n/a: the profile saw no collective (the profiler classifies "
-                         "TF Collective*/Nccl* ops only, not Horovod's)")
+# tf_nestpipe.pipeline's profiler counts TF Collective* / Nccl* ops as communication. TF's profiler
+# records no event at all for Horovod's ops (HorovodAllreduce / HorovodAlltoall are absent from
+# the trace even at host_tracer_level 3), so Horovod rows have no exposure.
+NO_COMMUNICATION_SEEN = ("exposure n/a: the profile saw no collective (TF's profiler records no "
+                         "event for Horovod's ops)")
 
 
 class NotRun(Exception):
@@ -193,11 +194,15 @@ def row_command(row, args, net, env):
     w = str(row["workers"])
     launch = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", w,
               "--timeout", str(args.row_timeout)]
+    # On the emulated network every task's direct connections (Gloo's) go through the relay too.
+    relayed = ["env"] + ["%s=%s" % kv for kv in sorted(net.relay_env().items())] if net else []
     if uses_horovod(row):
         if not env["horovod"]:
             raise NotRun(HOROVOD_MISSING)
         if net is not None:
-            raise NotRun(HOROVOD_NETEM)
+            if not env["launcher_horovod"]:
+                raise NotRun(HOROVOD_NETEM)
+            return relayed + launch + net.launcher_flags(horovod=True) + ["--"] + argv
         if env["launcher_horovod"]:
             return launch + ["--horovod", "--"] + argv
         horovodrun = ("import sys; from horovod.runner.launch import run_commandline; "
@@ -206,7 +211,7 @@ def row_command(row, args, net, env):
     if row["system"] == "psv2":
         launch += ["--ps", w, "--chief"]
     net_flags = net.launcher_flags() if net is not None else []
-    return launch + net_flags + ["--"] + argv
+    return relayed + launch + net_flags + ["--"] + argv
 
 
 def error_summary(output, returncode):
@@ -258,8 +263,6 @@ def run_row(row, args, env):
             results = [run_command(row_command(row, args, None, env), args.row_timeout)
                        for _ in range(args.rounds)]
         else:
-            if uses_horovod(row):
-                raise NotRun(HOROVOD_MISSING if not env["horovod"] else HOROVOD_NETEM)
             results = []
             for _ in range(args.rounds):
                 with EmulatedNetwork(cluster_tasks(row), delay_ms=spec[0], rate=spec[1]) as net:
@@ -343,7 +346,8 @@ def bound_text(row, single_ms):
         parts.append("profiled step %.1f ms: %s; exposed communication %.1f ms" % (
             row.get("profiled_step_ms", float("nan")), stages, row.get("exposed_ms", float("nan"))))
         if row.get("exposure") is None:
-            parts.append("Horovod's ops are not classified as communication by the profiler")
+            parts.append("Horovod's communication is not in the profile (TF's profiler records "
+                         "no event for Horovod's ops): the step minus compute bounds it")
     return "; ".join(parts)
 
 
@@ -364,7 +368,8 @@ def markdown(rows, args, env, seconds):
         "and with other jobs; load average %.2f at the start), Python %s, TensorFlow 2.21 CPU, "
         "tf_keras, %s. Loopback: tasks on 127.0.0.1. `DELAYms:RATE`: every task in its own "
         "network namespace, veth pairs to a bridge with `tc tbf` at RATE on both ends and a TCP "
-        "relay delaying each direction by DELAY (no `tc netem` on this kernel); RTT is the "
+        "relay delaying each direction by DELAY (no `tc netem` on this kernel; Horovod's direct "
+        "Gloo connections are redirected through it by a preloaded connect()); RTT is the "
         "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores." % (
             os.cpu_count(), env["load"], platform.python_version(),
             "Horovod %s" % env["horovod_version"] if env["horovod"] else "Horovod not installed"),

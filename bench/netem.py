@@ -4,23 +4,49 @@ joined by veth pairs to a bridge, with `tc tbf` rate limits and an optional link
 `tc netem` is missing from this kernel, so the delay is a TCP relay (`delay_relay.py`) in the hub
 namespace: each task's advertised address is a relay port that forwards to the task with a fixed
 delay each way, so every message between two tasks crosses two rate-limited veth links and is
-delayed twice (once in each relay direction: one-way latency ~= delay). Needs root. Everything is
-created on entry and removed on exit.
+delayed twice (once in each relay direction: one-way latency ~= delay). Connections a task makes
+directly to another task's own address (Horovod's Gloo ranks connect to the addresses they
+publish) are sent through the same relay by a preloaded `connect()` interposer
+(`native/relay_connect.c`, see `relay_env`), so they are delayed too. Every task's interface is
+named `TASK_INTERFACE`, and a veth joins this (root) namespace to the bridge at `HOST_ADDRESS`
+(where tasks reach a Horovod rendezvous). Needs root. Everything is created on entry and removed
+on exit.
 
     with EmulatedNetwork({"worker": 2}, delay_ms=1.0, rate="1gbit") as net:
         run_program(argv, workers=2, launcher_flags=net.launcher_flags())
 """
 import json
 import os
+import shutil
+import socket
 import subprocess
 import sys
+import tempfile
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUBNET = "10.211.0"
 HUB_ADDRESS = SUBNET + ".254"
+HOST_ADDRESS = SUBNET + ".253"  # this (root) namespace on the bridge
+HOST_LINK = "npbhost"
+TASK_INTERFACE = "npb0"  # every task's veth end, inside its own namespace
 BASE_PORT = 21000
 PROBE_PORT = 21900  # relayed to the last task's namespace for `round_trip_ms` (not a task port)
+DYNAMIC_PORT = 21901  # the relay port of direct task-to-task connections (relay_connect.c)
+NETNS_ETC = "/etc/netns"
+RELAY_CONNECT_SOURCE = os.path.join(HERE, "native", "relay_connect.c")
+
+
+def relay_connect_library():
+    """Builds (once per source version) and returns the path of the connect() interposer."""
+    mtime = int(os.path.getmtime(RELAY_CONNECT_SOURCE))
+    path = os.path.join(tempfile.gettempdir(), "nestpipe_relay_connect_%d.so" % mtime)
+    if not os.path.exists(path):
+        partial = path + ".%d" % os.getpid()
+        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", partial, RELAY_CONNECT_SOURCE,
+                        "-ldl"], check=True)
+        os.replace(partial, path)
+    return path
 
 
 def _ip(*args, namespace=None, check=True):
@@ -50,10 +76,26 @@ class EmulatedNetwork:
         """The network namespace of one task."""
         return "%s_%s%d" % (self.prefix, role, index)
 
-    def launcher_flags(self):
-        """Flags for `python -m tf_nestpipe.launch` that run the tasks in their namespaces."""
-        return ["--cluster-spec", json.dumps(self.cluster),
-                "--task-prefix", "ip netns exec %s_{role}{index}" % self.prefix]
+    def launcher_flags(self, horovod=False):
+        """Flags for `python -m tf_nestpipe.launch` that run the tasks in their namespaces (with
+        `horovod`: Horovod's rendezvous on this namespace's bridge address, Gloo on the task
+        interface)."""
+        flags = ["--cluster-spec", json.dumps(self.cluster),
+                 "--task-prefix", "ip netns exec %s_{role}{index}" % self.prefix]
+        if horovod:
+            flags += ["--horovod", "--horovod-address", HOST_ADDRESS,
+                      "--horovod-interface", TASK_INTERFACE]
+        return flags
+
+    def relay_env(self):
+        """Environment for the launcher (inherited by its tasks) that sends the tasks' direct
+        connections through the delaying relay; empty when there is no delay."""
+        if self._relay is None:
+            return {}
+        preload = os.environ.get("LD_PRELOAD", "")
+        return {"LD_PRELOAD": relay_connect_library() + (":" + preload if preload else ""),
+                "NESTPIPE_RELAY_SUBNET": SUBNET + ".", "NESTPIPE_RELAY_ADDRESS": HUB_ADDRESS,
+                "NESTPIPE_RELAY_PORT": str(DYNAMIC_PORT), "NESTPIPE_RELAY_EXCLUDE": HOST_ADDRESS}
 
     def _namespaces(self):
         return [self.hub] + [self.namespace(r, i) for r, i in self.tasks]
@@ -70,6 +112,12 @@ class EmulatedNetwork:
         _ip("ip", "link", "add", "br0", "type", "bridge", namespace=self.hub)
         _ip("ip", "addr", "add", HUB_ADDRESS + "/24", "dev", "br0", namespace=self.hub)
         _ip("ip", "link", "set", "br0", "up", namespace=self.hub)
+        _ip("ip", "link", "add", HOST_LINK, "type", "veth", "peer", "name", "npbhub")
+        _ip("ip", "link", "set", "npbhub", "netns", self.hub)
+        _ip("ip", "addr", "add", HOST_ADDRESS + "/24", "dev", HOST_LINK)
+        _ip("ip", "link", "set", HOST_LINK, "up")
+        _ip("ip", "link", "set", "npbhub", "master", "br0", namespace=self.hub)
+        _ip("ip", "link", "set", "npbhub", "up", namespace=self.hub)
         mappings = []
         for k, (role, index) in enumerate(self.tasks):
             namespace = self.namespace(role, index)
@@ -79,6 +127,9 @@ class EmulatedNetwork:
             _ip("ip", "link", "set", "lo", "up", namespace=namespace)
             _ip("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
             _ip("ip", "link", "set", inner, "netns", namespace)
+            _ip("ip", "link", "set", inner, "name", TASK_INTERFACE, namespace=namespace)
+            self._hosts_file(namespace, address)
+            inner = TASK_INTERFACE
             _ip("ip", "link", "set", outer, "netns", self.hub)
             _ip("ip", "addr", "add", address + "/24", "dev", inner, namespace=namespace)
             _ip("ip", "link", "set", inner, "up", namespace=namespace)
@@ -96,7 +147,8 @@ class EmulatedNetwork:
             mappings.append("%d:%s.%d:%d" % (PROBE_PORT, SUBNET, len(self.tasks), PROBE_PORT))
             self._relay = subprocess.Popen(
                 ["ip", "netns", "exec", self.hub, sys.executable, "-u",
-                 os.path.join(HERE, "delay_relay.py"), "--delay-ms", str(self.delay_ms)] + mappings,
+                 os.path.join(HERE, "delay_relay.py"), "--delay-ms", str(self.delay_ms),
+                 "--dynamic", str(DYNAMIC_PORT)] + mappings,
                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
             line = self._relay.stdout.readline()
             if "READY" not in line:
@@ -104,9 +156,20 @@ class EmulatedNetwork:
                 raise RuntimeError("the delay relay did not start: %s" % line)
         return self
 
+    @staticmethod
+    def _hosts_file(namespace, address):
+        """Inside `namespace` (`ip netns exec` mounts /etc/netns/NAME/hosts on /etc/hosts) this
+        machine's name resolves to the task's own address: Horovod's process-set Gloo contexts
+        ignore HOROVOD_GLOO_IFACE and bind to the address of the host name."""
+        os.makedirs(os.path.join(NETNS_ETC, namespace), exist_ok=True)
+        with open(os.path.join(NETNS_ETC, namespace, "hosts"), "w") as f:
+            f.write("127.0.0.1 localhost\n%s %s\n" % (address, socket.gethostname()))
+
     def _remove(self):
         for namespace in self._namespaces():
             _ip("ip", "netns", "del", namespace, check=False)
+            shutil.rmtree(os.path.join(NETNS_ETC, namespace), ignore_errors=True)
+        _ip("ip", "link", "del", HOST_LINK, check=False)  # gone with the hub, unless interrupted
 
     def __exit__(self, *exc):
         if self._relay is not None:

@@ -104,7 +104,18 @@ def test_plot_writes_a_png(tmp_path):
     assert path.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_horovod_rows_are_not_run_without_horovod_or_on_an_emulated_network():
+class FakeNetwork:
+    """Stands for bench/netem.EmulatedNetwork in row commands."""
+
+    def launcher_flags(self, horovod=False):
+        return ["--cluster-spec", "{}"] + (["--horovod", "--horovod-address", "10.0.0.9"]
+                                           if horovod else [])
+
+    def relay_env(self):
+        return {"NESTPIPE_RELAY_PORT": "9"}
+
+
+def test_horovod_rows_run_with_horovod_and_on_the_emulated_network_through_our_launcher():
     args = compare.parse_args(["--steps", "5"])
     env = {"horovod": False, "launcher_horovod": True}
     for system, pipeline, coll in [("hvd_replicated", "-", "horovod"),
@@ -117,10 +128,14 @@ def test_horovod_rows_are_not_run_without_horovod_or_on_an_emulated_network():
     command = compare.row_command(row, args, None, env)
     assert command[command.index("--workers") + 1] == "2" and "--horovod" in command
     assert command[command.index("--system") + 1] == "hvd_alltoall"
+    # On the emulated network: the launcher in the namespaces, Gloo's connections relayed.
+    command = compare.row_command(row, args, FakeNetwork(), env)
+    assert command[:2] == ["env", "NESTPIPE_RELAY_PORT=9"]
+    assert "--horovod-address" in command and "--cluster-spec" in command
     env["launcher_horovod"] = False
     assert "--gloo" in compare.row_command(row, args, None, env)
     with pytest.raises(compare.NotRun, match="emulated network"):
-        compare.row_command(row, args, object(), env)
+        compare.row_command(row, args, FakeNetwork(), env)
     ps = compare.make_row("psv2", "-", "tf", "dlrm", "synthetic", "loopback", 2)
     command = compare.row_command(ps, args, None, env)
     assert command[command.index("--ps") + 1] == "2" and "--chief" in command

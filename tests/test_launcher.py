@@ -9,7 +9,7 @@ import pytest
 
 from conftest import run_command
 from tf_nestpipe.launch.__main__ import main as launch_main
-from tf_nestpipe.launch.local_cluster import make_cluster
+from tf_nestpipe.launch.local_cluster import LocalCluster, make_cluster
 
 
 def write(tmp_path, name, body):
@@ -55,6 +55,18 @@ def test_bad_cluster_spec_is_refused(bad, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
         launch_main(["--cluster-spec", bad, "--", "true"])
     assert exit_info.value.code == 2 and message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(horovod=True, num_ps=1), "cannot be combined with --ps"),
+    (dict(horovod=True, task_prefix="ip netns exec ns_{role}{index}"), "needs --horovod-address"),
+    (dict(horovod=True, cluster={"worker": ["10.0.0.1:1", "10.0.0.2:1"]},
+          horovod_address="10.0.0.9"), "--horovod-interface"),
+    (dict(horovod_address="10.0.0.9", horovod_interface="eth0"), "need --horovod"),
+])
+def test_bad_horovod_flags_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LocalCluster(["true"], 2, **kwargs)
 
 
 def test_failure_tears_down_the_cluster_fast_and_leaves_no_orphans(tmp_path):

@@ -32,6 +32,13 @@ def main(argv=None):
     parser.add_argument("--horovod", action="store_true",
                         help="also start Horovod's Gloo rendezvous and set each worker's "
                              "HOROVOD_* variables (for NestPipeStrategy(collectives='horovod'))")
+    parser.add_argument("--horovod-address", default=None, metavar="IP",
+                        help="with --horovod: the address of this machine the tasks reach the "
+                             "rendezvous at (default 127.0.0.1; needed with --cluster-spec or "
+                             "--task-prefix)")
+    parser.add_argument("--horovod-interface", default=None, metavar="IFACE",
+                        help="with --horovod: the network interface Gloo uses in every task "
+                             "(default lo)")
     parser.add_argument("--task-prefix", default="", metavar="TEMPLATE",
                         help="run each task under this command, {role} and {index} filled in "
                              "(e.g. 'ip netns exec ns_{role}{index}')")
@@ -62,7 +69,9 @@ def main(argv=None):
             parser.error("--horovod: %s (%s)" % (INSTALL_HINT, e))
     try:
         cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env, cluster=spec,
-                               task_prefix=args.task_prefix, horovod=args.horovod)
+                               task_prefix=args.task_prefix, horovod=args.horovod,
+                               horovod_address=args.horovod_address,
+                               horovod_interface=args.horovod_interface)
     except ValueError as e:
         parser.error(str(e))
     if args.restarts < 0:

@@ -8,7 +8,7 @@ gets both a `TF_CONFIG` and a Horovod environment per worker, with Horovod rank 
 position among the synchronous workers (chief first), which `NestPipeStrategy(collectives=
 "horovod")` checks.
 """
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 from tf_nestpipe.strategy.horovod_collectives import INSTALL_HINT
 
@@ -18,9 +18,11 @@ LOOPBACK_INTERFACE = "lo"
 
 class HorovodRendezvous:
     """A running Gloo rendezvous server for `num_workers` local processes; `env(rank)` is the
-    environment a worker needs to join it. Stop it with `stop()`."""
+    environment a worker needs to join it at `address` (an address of this machine) with Gloo on
+    `interface` (default loopback). Stop it with `stop()`."""
 
-    def __init__(self, num_workers: int, verbose: int = 0):
+    def __init__(self, num_workers: int, verbose: int = 0, address: Optional[str] = None,
+                 interface: Optional[str] = None):
         try:
             # pylint: disable=import-outside-toplevel
             from horovod.runner.common.util.hosts import get_host_assignments, parse_hosts
@@ -37,7 +39,7 @@ class HorovodRendezvous:
         self.port = self._server.start()
         self._server.init(self._slots)
         self._common = {k: str(v) for k, v in create_run_env_vars(
-            LOOPBACK_ADDRESS, [LOOPBACK_INTERFACE], self.port).items()}
+            address or LOOPBACK_ADDRESS, [interface or LOOPBACK_INTERFACE], self.port).items()}
         self._per_rank: List[Dict[str, str]] = [
             {k: str(v) for k, v in create_slot_env_vars(slot).items()} for slot in self._slots]
 

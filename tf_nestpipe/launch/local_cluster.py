@@ -79,18 +79,28 @@ class LocalCluster:
     def __init__(self, command: Sequence[str], num_workers: int, num_ps: int = 0,
                  chief: bool = False, env: Optional[Dict[str, str]] = None,
                  output=None, cluster: Optional[Dict[str, List[str]]] = None,
-                 task_prefix: str = "", horovod: bool = False):
+                 task_prefix: str = "", horovod: bool = False,
+                 horovod_address: Optional[str] = None, horovod_interface: Optional[str] = None):
         """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
         namespaces); `task_prefix` is a command template put before each task's command, with
         `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`). `horovod`
         starts a Gloo rendezvous and sets each chief / worker task's `HOROVOD_*` variables
-        (rank = position among chief + workers, chief first)."""
+        (rank = position among chief + workers, chief first); the tasks reach the rendezvous at
+        `horovod_address` and Gloo uses `horovod_interface` (default: loopback), which tasks
+        with their own `cluster` addresses or `task_prefix` (namespaces) must name."""
         if not command:
             raise ValueError("no command given: use `-- python script.py ARGS`")
-        if horovod and (num_ps or cluster is not None or task_prefix):
-            raise ValueError("--horovod runs the workers on this machine over loopback; it cannot "
-                             "be combined with --ps, --cluster-spec or --task-prefix")
+        if horovod and num_ps:
+            raise ValueError("--horovod trains synchronously; it cannot be combined with --ps")
+        if horovod and (cluster is not None or task_prefix) and not (horovod_address
+                                                                     and horovod_interface):
+            raise ValueError("--horovod with --cluster-spec or --task-prefix needs "
+                             "--horovod-address (where the tasks reach this machine) and "
+                             "--horovod-interface (the interface Gloo uses in the tasks)")
+        if (horovod_address or horovod_interface) and not horovod:
+            raise ValueError("--horovod-address / --horovod-interface need --horovod")
         self.horovod = horovod
+        self.horovod_address, self.horovod_interface = horovod_address, horovod_interface
         self._rendezvous = None
         self.command = list(command)
         self._generated_addresses = cluster is None
@@ -158,7 +168,8 @@ class LocalCluster:
 
             self._stop_rendezvous()
             self._rendezvous = HorovodRendezvous(
-                len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", [])))
+                len(self.cluster.get("chief", [])) + len(self.cluster.get("worker", [])),
+                address=self.horovod_address, interface=self.horovod_interface)
         for role, addresses in self.cluster.items():
             for index in range(len(addresses)):
                 self.tasks.append(self._spawn(role, index))
