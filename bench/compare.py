@@ -334,17 +334,36 @@ def targets_apply(row):
             and row["samples_per_s"] is not None)
 
 
+def needed_ms(row, single_ms):
+    """For each missed target of `row`, the ms/step that would meet it (same baselines)."""
+    needs = {}
+    if single_ms and (row.get("efficiency") or 0) < TARGETS["efficiency"]:
+        needs["E"] = single_ms / TARGETS["efficiency"]
+    for base, label in (("mwms", "MWMS"), ("psv2", "PSv2"), ("hvd_replicated", "Horovod repl.")):
+        ratio = row.get("vs_" + base)
+        if ratio is not None and ratio < TARGETS[base]:
+            needs[label] = row["ms_median"] * ratio / TARGETS[base]
+    return needs
+
+
 def bound_text(row, single_ms):
-    """What bounds a row, from its profile: the stages' medians and what E >= 0.8 would need."""
+    """What bounds a row, from its profile: what each missed target needs, the stages' medians,
+    and whether the profiled compute alone already exceeds a need (unreachable on these cores)."""
+    needs = needed_ms(row, single_ms)
     parts = []
-    if single_ms:
-        parts.append("E >= %.1f needs <= %.1f ms/step" % (TARGETS["efficiency"],
-                                                           single_ms / TARGETS["efficiency"]))
+    if needs:
+        parts.append("missed targets need <= " + ", ".join(
+            "%.1f ms/step (%s)" % (ms, label) for label, ms in needs.items()))
     if row.get("stage_ms"):
         stages = ", ".join("%s %.1f" % (k, v) for k, v in sorted(row["stage_ms"].items(),
                                                                   key=lambda kv: -kv[1]))
         parts.append("profiled step %.1f ms: %s; exposed communication %.1f ms" % (
             row.get("profiled_step_ms", float("nan")), stages, row.get("exposed_ms", float("nan"))))
+        compute = row["stage_ms"].get("compute", 0.0)
+        beyond = [label for label, ms in needs.items() if compute > ms]
+        if beyond:
+            parts.append("compute alone (%.1f ms, each worker's share of the same cores) exceeds "
+                         "the need of %s" % (compute, ", ".join(beyond)))
         if row.get("exposure") is None:
             parts.append("Horovod's communication is not in the profile (TF's profiler records "
                          "no event for Horovod's ops): the step minus compute bounds it")

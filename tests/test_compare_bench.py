@@ -81,7 +81,11 @@ def test_ratios_targets_and_report():
     text = compare.markdown(rows, args, env, 12.0)
     assert "## Targets (ours on 2 workers)" in text
     assert "0.31 (missed, target >= 0.8)" in text and "6.25 (met, target >= 5)" in text
-    assert "needs <= 6.2 ms/step" in text and "communication 12.0" in text
+    assert "missed targets need <= 6.2 ms/step (E), 13.3 ms/step (PSv2)" in text
+    assert "communication 12.0" in text and "compute alone" not in text
+    ours["stage_ms"]["compute"] = 7.0  # more than E's 6.2 ms: unreachable on these cores
+    assert "compute alone (7.0 ms, each worker's share of the same cores) exceeds the need of E" in (
+        compare.bound_text(ours, 5.0))
     assert "not run: horovod not installed" in text
     stored = json.loads(json.dumps(compare.json_rows(rows)))
     for row in stored:
