@@ -11,9 +11,20 @@ os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")
 EXACTNESS_STEPS = 20
+# The plain synchronous strategy (no pipeline): every optimizer, custom loop and fit.
 EXACTNESS_RUNS = {
     2: ["loop:sgd", "loop:adagrad", "loop:adam", "fit:adam"],
     3: ["loop:sgd", "loop:adagrad", "loop:adam", "fit:adagrad"],
+}
+# The pipelines (a run's ":dbp" / ":fwp" / ":nested" option), every optimizer, loop and fit, with
+# and without clustering (":cluster"); ":nosync" skips the buffer sync on purpose. They share the
+# launches of EXACTNESS_RUNS: each launch costs ~10 s of start-up on 2 cores, a run 5-30 s (the
+# nested pipeline's traces are the slowest), so each case is covered once, not every product.
+PIPELINE_RUNS = {
+    2: ["loop:sgd:dbp", "loop:adagrad:dbp", "fit:adam:dbp", "epochs:adagrad:dbp", "twice:sgd:dbp",
+        "one:sgd:dbp", "loop:adagrad:fwp", "fit:adam:fwp", "loop:adagrad:nested",
+        "loop:adagrad:cluster:nested", "fit:adam:nested", "loop:adagrad:dbp:nosync"],
+    3: ["loop:adam:dbp", "fit:adagrad:fwp", "loop:adam:cluster:fwp", "fit:sgd:nested"],
 }
 
 
@@ -35,18 +46,30 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
 
 @pytest.fixture(scope="session")
 def exactness_results(tmp_path_factory):
-    """Trains the exactness model in one process and on 2 and 3 workers; returns file prefixes."""
+    """Trains the exactness model in one process without pipeline (the reference of every run)
+    and, in one launch per cluster size, every run of EXACTNESS_RUNS and PIPELINE_RUNS on 2 and 3
+    workers. Returns the file prefixes {1: reference, 2: ..., 3: ...} (see `load_run`)."""
     out = tmp_path_factory.mktemp("exactness")
     program = os.path.join(PROGRAMS, "exactness.py")
-    all_runs = sorted(set(EXACTNESS_RUNS[2] + EXACTNESS_RUNS[3]))
-    ref = run_command([sys.executable, program, str(out / "ref"), str(EXACTNESS_STEPS)] + all_runs)
+    runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] for w in (2, 3)}
+    references = sorted(set(":".join(r.split(":")[:2]) for r in runs[2] + runs[3]))
+    ref = run_command([sys.executable, program, str(out / "ref"), str(EXACTNESS_STEPS)]
+                      + references)
     assert ref.returncode == 0, ref.stdout[-4000:]
     prefixes = {1: str(out / "ref")}
-    for workers, runs in EXACTNESS_RUNS.items():
-        result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)] + runs)
+    for workers, worker_runs in runs.items():
+        result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)]
+                        + worker_runs, timeout=600)
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes
+
+
+def load_run(prefix, run):
+    """The parameters (and pipeline stats) a run of exactness.py saved under `prefix`."""
+    import numpy as np  # pylint: disable=import-outside-toplevel
+
+    return np.load("%s.%s.npz" % (prefix, run.replace(":", ".")))
 
 
 def fetch_movielens_or_skip(name):

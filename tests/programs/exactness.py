@@ -6,7 +6,9 @@ the full tables and the dense weights.
 
 usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp|fwp|nested]
                     [--skip-sync]
-  RUN is MODE:OPTIMIZER[:cluster] (cluster: key-centric clustering of the micro-batches) with OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
+  RUN is MODE:OPTIMIZER[:OPTION ...] with OPTION in {cluster (key-centric clustering of the
+  micro-batches), dbp, fwp, nested (this run's pipeline instead of --pipeline), nosync (skip the
+  buffer sync on purpose, as --skip-sync)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
   loop; TrainPipeline under dbp / nested; 3 micro-batches under fwp / nested), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
@@ -226,8 +228,11 @@ def main():
         batches[0][0][-1, 0] = VOCAB_A + 5
     for run in runs:
         mode, opt_name, *options = run.split(":")
-        # Read when a run's train function is made: clustering can differ between runs.
+        # Read when a run's train function is made: pipeline and clustering can differ between
+        # runs, so one launch serves many runs.
         strategy.cluster_samples = "cluster" in options
+        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), pipeline)
+        strategy.unsafe_skip_buffer_sync = "--skip-sync" in sys.argv or "nosync" in options
         train(strategy, batches, mode, opt_name,
               "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)))
 

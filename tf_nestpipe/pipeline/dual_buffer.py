@@ -21,6 +21,7 @@ from tf_nestpipe.strategy.communication import capacity_bucket
 _MAX_EXACT_POSITION = 1 << 24
 
 
+@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def prefetch(table, ids, layout, collectives, table_name):
     """Routes `ids` and retrieves their rows; returns the prefetch state (a dict of tensors)."""
     if table.dtype not in (tf.float32, tf.float64):
@@ -33,6 +34,7 @@ def prefetch(table, ids, layout, collectives, table_name):
     return state
 
 
+@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def plan_sync(current_state, next_state, layout, collectives, table_name, all_updated):
     """Owner side, before the update: which of each requester's prefetched slots the current
     batch will update. Returns the plan (compacted slot positions, padded size)."""
@@ -49,6 +51,7 @@ def plan_sync(current_state, next_state, layout, collectives, table_name, all_up
             "rows_sent": tf.reduce_sum(counts)}
 
 
+@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def apply_sync(table, next_state, plan, layout, collectives, table_name):
     """After the update: owners send the planned rows, fresh; returns the patched prefetch rows
     and the number of rows this worker received."""
@@ -73,6 +76,7 @@ def apply_sync(table, next_state, plan, layout, collectives, table_name):
     return rows, tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
+@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def lookup_from_buffer(table, state, layout, collectives, table_name):
     """Compute stage: per-sample rows from the active buffer; the gradient flows to the owners'
     rows through the reverse all-to-all (an IndexedSlices gradient of `table`)."""

@@ -35,6 +35,10 @@ class ShardedEmbeddingCollection(tf_keras.layers.Layer):
                                       name=(self.name + "_fused"))
 
     def call(self, ids):
+        return self._embed(ids)
+
+    @tf.autograph.experimental.do_not_convert  # graph ops only (see ShardedEmbedding._embed)
+    def _embed(self, ids):
         ids = tf.cast(ids, tf.int64)
         num_fields = len(self.table_sizes)
         if ids.shape.rank != 2 or (ids.shape[1] is not None and ids.shape[1] != num_fields):
