@@ -486,9 +486,11 @@ def plot(rows, path):
         ax.set_visible(False)
     for ax, (model, data, network) in zip(axes.flat, panels):
         mine = [r for r in measured if (r["model"], r["data"], r["network"]) == (model, data, network)]
+        labels = sorted({row_label(r) for r in rows})  # one color per system in every panel
         for label in sorted({row_label(r) for r in mine}):
             points = sorted((r["workers"], r["samples_per_s"]) for r in mine if row_label(r) == label)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                    color=plt.get_cmap("tab20")(labels.index(label) % 20),
                     linestyle="-" if label.startswith("nestpipe") else ":")
         for r in measured:
             if r["system"] == "single" and (r["model"], r["data"]) == (model, data):
