@@ -123,7 +123,7 @@ def test_bad_backend_and_launcher_combinations_are_refused():
 
     with pytest.raises(ValueError, match="collectives must be one of"):
         tnp.NestPipeStrategy(collectives="mpi")
-    with pytest.raises(ValueError, match="--horovod runs the workers on this machine"):
+    with pytest.raises(ValueError, match="cannot be combined with --ps"):
         LocalCluster(["python", "x.py"], 2, num_ps=1, horovod=True)
 
 
