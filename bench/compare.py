@@ -484,9 +484,9 @@ def plot(rows, path):
                              squeeze=False)
     for ax in axes.flat[len(panels):]:
         ax.set_visible(False)
+    labels = sorted({row_label(r) for r in rows})  # one color per system in every panel
     for ax, (model, data, network) in zip(axes.flat, panels):
         mine = [r for r in measured if (r["model"], r["data"], r["network"]) == (model, data, network)]
-        labels = sorted({row_label(r) for r in rows})  # one color per system in every panel
         for label in sorted({row_label(r) for r in mine}):
             points = sorted((r["workers"], r["samples_per_s"]) for r in mine if row_label(r) == label)
             ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,

@@ -3,6 +3,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -67,8 +68,6 @@ def exactness_results(tmp_path_factory):
 
 def load_run(prefix, run):
     """The parameters (and pipeline stats) a run of exactness.py saved under `prefix`."""
-    import numpy as np  # pylint: disable=import-outside-toplevel
-
     return np.load("%s.%s.npz" % (prefix, run.replace(":", ".")))
 
 

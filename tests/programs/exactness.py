@@ -4,16 +4,15 @@ Run in one process (no TF_CONFIG: the reference) or on a cluster through the lau
 the same global batches (each worker takes its contiguous slice). Worker 0 writes an .npz with
 the full tables and the dense weights.
 
-usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id] [--pipeline=dbp|fwp|nested]
-                    [--skip-sync]
+usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   RUN is MODE:OPTIMIZER[:OPTION ...] with OPTION in {cluster (key-centric clustering of the
-  micro-batches), dbp, fwp, nested (this run's pipeline instead of --pipeline), nosync (skip the
-  buffer sync on purpose, as --skip-sync)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
+  micro-batches), dbp, fwp, nested (the run's pipeline; none without), nosync (skip the buffer
+  sync on purpose)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
   loop; TrainPipeline under dbp / nested; 3 micro-batches under fwp / nested), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
   dataset of one batch);
-  each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER.npz.
+  each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER[.OPTION ...].npz.
 """
 import contextlib
 import os
@@ -217,12 +216,7 @@ def train(strategy, batches, mode, opt_name, out_path):
 def main():
     prefix, steps = sys.argv[1], int(sys.argv[2])
     runs = [a for a in sys.argv[3:] if not a.startswith("--")]
-    pipeline = "none"
-    for arg in sys.argv:
-        if arg.startswith("--pipeline="):
-            pipeline = arg.split("=", 1)[1]
-    strategy = tnp.NestPipeStrategy(pipeline=pipeline, micro_batches=3,
-                                    unsafe_skip_buffer_sync="--skip-sync" in sys.argv)
+    strategy = tnp.NestPipeStrategy(micro_batches=3)
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5
@@ -231,8 +225,8 @@ def main():
         # Read when a run's train function is made: pipeline and clustering can differ between
         # runs, so one launch serves many runs.
         strategy.cluster_samples = "cluster" in options
-        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), pipeline)
-        strategy.unsafe_skip_buffer_sync = "--skip-sync" in sys.argv or "nosync" in options
+        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), "none")
+        strategy.unsafe_skip_buffer_sync = "nosync" in options
         train(strategy, batches, mode, opt_name,
               "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)))
 
