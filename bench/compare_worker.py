@@ -1,6 +1,8 @@
 """One row of the side-by-side benchmark (bench/compare.py): trains one model on one data set with
 one distribution system for `--warmup + --steps` steps and prints, on rank 0, `RESULT {json}`
-with the median / p90 / mean wall time of the steps after warm-up.
+with the median / p90 / mean wall time of the steps after warm-up (and, with `--profile-steps`,
+a later `PROFILE {json}`: the timing is printed first, so a profiling pass that aborts the process
+does not take the timing with it).
 
 Systems (`--system`), all on the same model, data and global batch:
 - `single`: one process, no strategy, replicated tf_keras `Embedding` per table, tf_keras fit;
@@ -18,7 +20,8 @@ Systems (`--system`), all on the same model, data and global batch:
   replicated);
 - `nestpipe`: `tnp.NestPipeStrategy(pipeline=..., collectives=...)` with one fused
   `ShardedEmbeddingCollection` (+ mean-pooled `ShardedEmbedding` bags), fit; `--profile-steps K`
-  adds the profiled communication and exposure (bench/dlrm_worker.py's `profile`).
+  runs K more steps on every worker, profiled on rank 0 only (bench/dlrm_worker.py's `profile`),
+  for the communication and exposure.
 
 Models (`--model`): `dlrm` = examples/dlrm.py's DLRM (bottom MLP, dot interaction, top MLP);
 `dcn` = a TFRS ranking model (`tfrs.layers.dcn.Cross` + deep tower + `tfrs.tasks.Ranking` with SUM
@@ -275,7 +278,8 @@ def summarize(times_s, warmup):
 
 # --- systems -------------------------------------------------------------------------------------
 def run_fit(args, data):
-    """single / mwms / nestpipe: tf_keras fit with a per-step timer (+ profile for nestpipe)."""
+    """single / mwms / nestpipe: tf_keras fit with a per-step timer; for nestpipe with
+    --profile-steps, also the profiling pass to run after the timing is printed."""
     if args.system == "single":
         strategy, rank, workers = tf.distribute.get_strategy(), 0, 1
         kind = "keras"
@@ -302,12 +306,19 @@ def run_fit(args, data):
     model.fit(dataset, epochs=1, steps_per_epoch=args.warmup + args.steps, callbacks=[timer],
               verbose=0)
     result = summarize(timer.times, args.warmup)
+    profiling = None
     if args.system == "nestpipe" and args.profile_steps:
-        try:
-            result.update(profile(model, dataset, args.profile_steps, ""))
-        except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
-            result["profile_error"] = "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])
-    return rank, workers, result
+        profiling = lambda: profiling_pass(model, dataset, args.profile_steps, rank)  # noqa: E731
+    return rank, workers, result, profiling
+
+
+def profiling_pass(model, dataset, steps, rank):
+    """`steps` more steps on every worker, profiled on rank 0: its communication and exposure,
+    or `profile_error` naming why the profile failed."""
+    try:
+        return profile(model, dataset, steps, "", enabled=rank == 0)
+    except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
+        return {"profile_error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])}
 
 
 def run_psv2(args, data):
@@ -354,7 +365,7 @@ def run_psv2(args, data):
     coordinator.join()
     result["async_samples_per_s"] = args.steps * args.global_batch / (time.perf_counter() - start)
     result["ps_tasks"], result["variable_shards"] = num_ps, shards
-    return 0, workers, result
+    return 0, workers, result, None
 
 
 def run_horovod(args, data):
@@ -406,7 +417,7 @@ def run_horovod(args, data):
         times.append(time.perf_counter() - start)
     result = summarize(times, args.warmup)
     result["horovod"] = __import__("horovod").__version__
-    return rank, workers, result
+    return rank, workers, result, None
 
 
 def main():
@@ -428,15 +439,19 @@ def main():
     args = parser.parse_args()
     data = synthetic_data(args) if args.data == "synthetic" else movielens_data(args)
     if args.system == "psv2":
-        rank, workers, result = run_psv2(args, data)
+        rank, workers, result, profiling = run_psv2(args, data)
     elif args.system.startswith("hvd_"):
-        rank, workers, result = run_horovod(args, data)
+        rank, workers, result, profiling = run_horovod(args, data)
     else:
-        rank, workers, result = run_fit(args, data)
+        rank, workers, result, profiling = run_fit(args, data)
     result.update({"system": args.system, "workers": workers, "global_batch": args.global_batch,
                    "samples_per_s": args.global_batch / result["ms_median"] * 1e3})
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
+    if profiling is not None:
+        profiled = profiling()
+        if rank == 0:
+            print("PROFILE " + json.dumps(profiled), flush=True)
     sys.stdout.flush()
 
 

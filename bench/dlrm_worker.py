@@ -84,17 +84,24 @@ def main():
               "global_batch": args.global_batch, "median_ms": float(np.median(times)),
               "p90_ms": float(np.percentile(times, 90)), "mean_ms": float(times.mean())}
     if args.profile_steps:
-        result.update(profile(model, dataset, args.profile_steps, args.trace if rank == 0 else ""))
+        result.update(profile(model, dataset, args.profile_steps, args.trace, enabled=rank == 0))
     if rank == 0:
         print("RESULT " + json.dumps(result), flush=True)
 
 
-def profile(model, dataset, steps, trace):
-    """Profiles `steps` more training steps; returns median communication and exposure."""
+def profile(model, dataset, steps, trace, enabled=True):
+    """Runs `steps` more training steps, profiled when `enabled`, and returns their median
+    communication and exposure ({} when not enabled). Every worker must call it (the steps
+    exchange data); profile one worker only: TF 2.21's profiler can abort a process when it stops
+    (see tf_nestpipe.pipeline.profile_steps), so each profiled worker adds a chance of that."""
     iterator = iter(dataset)
     train_function = model.make_train_function()
     for _ in range(3):  # the new iterator re-primes a pipeline
         train_function(iterator)
+    if not enabled:
+        for _ in range(steps):
+            train_function(iterator)
+        return {}
     timeline = tnp.pipeline.profile_steps(lambda: train_function(iterator), steps,
                                           tempfile.mkdtemp(prefix="nestpipe_profile_"))
     profiles = timeline.profiles()

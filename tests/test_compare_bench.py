@@ -77,7 +77,8 @@ def test_ratios_targets_and_report():
     assert compare.verdict(ours["vs_psv2"], 3.0).startswith("2.50 (missed")
     assert compare.verdict(None, 2.0) == "n/a"
     args = compare.parse_args(["--steps", "10"])
-    env = {"load": 0.5, "horovod": False, "horovod_version": None}
+    env = {"load": 0.5, "horovod": False, "horovod_version": None,
+           "horovod_text": "no Horovod rows"}
     text = compare.markdown(rows, args, env, 12.0)
     assert "## Targets (ours on 2 workers)" in text
     assert "0.31 (missed, target >= 0.8)" in text and "6.25 (met, target >= 5)" in text
@@ -144,3 +145,42 @@ def test_horovod_rows_run_with_horovod_and_on_the_emulated_network_through_our_l
     command = compare.row_command(ps, args, None, env)
     assert command[command.index("--ps") + 1] == "2" and "--chief" in command
     assert compare.cluster_tasks(ps) == {"chief": 1, "worker": 2, "ps": 2}
+
+
+def test_timing_survives_a_profiling_pass_that_aborts(monkeypatch):
+    timing = '[worker:0] RESULT {"ms_median": 50.0}\n'
+    profiled = timing + '[worker:0] PROFILE {"exposure_ratio": 0.5}\n'
+    assert compare.parse_output(profiled) == ({"ms_median": 50.0}, {"exposure_ratio": 0.5})
+    assert compare.parse_output("no result\n") == (None, None)
+
+    runs = iter([{"ms_median": 50.0, "profile_aborted": "failed (rc=-6): free(): invalid pointer"},
+                 {"ms_median": 51.0, "exposure_ratio": 0.5}])
+    assert compare.run_profiled_round(lambda: next(runs)) == {"ms_median": 51.0,
+                                                              "exposure_ratio": 0.5}
+    aborted = {"ms_median": 50.0, "profile_aborted": "failed (rc=-6): free(): invalid pointer"}
+    twice = iter([dict(aborted), dict(aborted, ms_median=52.0)])
+    result = compare.run_profiled_round(lambda: next(twice))
+    assert result["ms_median"] == 50.0 and "profile_aborted" not in result
+    assert "aborted twice" in result["profile_error"]
+    assert "invalid pointer" in result["profile_error"]
+
+
+@pytest.mark.parametrize("output, profiled, expected", [
+    ('RESULT {"ms_median": 5.0}\nPROFILE {"exposure_ratio": 0.25}\n', True,
+     {"ms_median": 5.0, "exposure_ratio": 0.25}),
+    ('RESULT {"ms_median": 5.0}\n', False, {"ms_median": 5.0}),
+    ('RESULT {"ms_median": 5.0}\nfree(): invalid pointer\n', True,
+     {"ms_median": 5.0, "profile_aborted": "failed (rc=1): free(): invalid pointer"}),
+])
+def test_run_command_reads_result_and_profile(tmp_path, output, profiled, expected):
+    script = tmp_path / "row.py"
+    script.write_text("import sys\nsys.stdout.write(%r)\nsys.exit(%d)\n"
+                      % (output, 1 if "invalid" in output else 0))
+    assert compare.run_command([sys.executable, str(script)], 30, profiled) == expected
+
+
+def test_run_command_without_result_names_the_error(tmp_path):
+    script = tmp_path / "row.py"
+    script.write_text("raise ValueError('bad table')\n")
+    with pytest.raises(RuntimeError, match="bad table"):
+        compare.run_command([sys.executable, str(script)], 30, True)

@@ -217,7 +217,12 @@ def read_xspace(logdir):
 
 
 def profile_steps(run_step, steps, logdir):
-    """Runs `run_step()` `steps` times under the TensorFlow profiler; returns their Timeline."""
+    """Runs `run_step()` `steps` times under the TensorFlow profiler; returns their Timeline.
+
+    In a multi-worker job, profile one worker (the others run the same steps unprofiled): TF
+    2.21's profiler can abort the process when it stops (`free(): invalid pointer` in tsl's
+    `TraceMeRecorder::Consume`, seen with 4 workers and concurrent collectives), and each
+    profiled process adds a chance of that."""
     tf.profiler.experimental.start(logdir)
     try:
         for index in range(steps):
