@@ -308,17 +308,22 @@ def run_fit(args, data):
     result = summarize(timer.times, args.warmup)
     profiling = None
     if args.system == "nestpipe" and args.profile_steps:
-        profiling = lambda: profiling_pass(model, dataset, args.profile_steps, rank)  # noqa: E731
+        profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps)  # noqa: E731
     return rank, workers, result, profiling
 
 
-def profiling_pass(model, dataset, steps, rank):
+def profiling_pass(strategy, model, dataset, steps):
     """`steps` more steps on every worker, profiled on rank 0: its communication and exposure,
-    or `profile_error` naming why the profile failed."""
+    or `profile_error` naming why the profile failed. Every worker returns together."""
     try:
-        return profile(model, dataset, steps, "", enabled=rank == 0)
+        result = profile(model, dataset, steps, "", enabled=strategy.worker_index == 0)
     except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
-        return {"profile_error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])}
+        result = {"profile_error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])}
+    # Rank 0 reads its trace for seconds after the last step; a Horovod-collectives rank that
+    # exited meanwhile was seen to hang in its exit (until the row's timeout), so wait for it.
+    if strategy.num_workers > 1:
+        strategy.extended.collectives.all_gather(tf.constant([1], tf.int32), "compare/exit")
+    return result
 
 
 def run_psv2(args, data):

@@ -172,14 +172,16 @@ def test_timing_survives_a_profiling_pass_that_aborts(monkeypatch):
     ('RESULT {"ms_median": 5.0}\nfree(): invalid pointer\n', True,
      {"ms_median": 5.0, "profile_aborted": "failed (rc=1): free(): invalid pointer"}),
 ])
-def test_run_command_reads_result_and_profile(tmp_path, output, profiled, expected):
+def test_run_command_reads_result_and_profile(tmp_path, monkeypatch, output, profiled, expected):
+    monkeypatch.setattr(compare.tempfile, "tempdir", str(tmp_path))  # the kept log goes there
     script = tmp_path / "row.py"
     script.write_text("import sys\nsys.stdout.write(%r)\nsys.exit(%d)\n"
                       % (output, 1 if "invalid" in output else 0))
     assert compare.run_command([sys.executable, str(script)], 30, profiled) == expected
 
 
-def test_run_command_without_result_names_the_error(tmp_path):
+def test_run_command_without_result_names_the_error(tmp_path, monkeypatch):
+    monkeypatch.setattr(compare.tempfile, "tempdir", str(tmp_path))
     script = tmp_path / "row.py"
     script.write_text("raise ValueError('bad table')\n")
     with pytest.raises(RuntimeError, match="bad table"):
