@@ -178,7 +178,12 @@ def worker_argv(row, args):
             "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
             "--dim", str(args.dim), "--table-scale", str(args.table_scale),
             "--micro-batches", str(args.micro_batches),
-            "--profile-steps", str(args.profile_steps if row["system"] == "nestpipe" else 0)]
+            "--profile-steps", str(profile_steps(row, args))]
+
+
+def profile_steps(row, args):
+    """How many steps a row profiles after its timed steps (ours only)."""
+    return args.profile_steps if row["system"] == "nestpipe" else 0
 
 
 def uses_horovod(row):
@@ -297,7 +302,7 @@ def run_row(row, args, env):
     the row dict with its measurements, or with the reason in `note` when it did not run."""
     out = empty_result(row, args, SYSTEM_NOTES[row["system"]], "ok")
     spec = parse_network(row["network"]) if row["network"] not in ("-", "loopback") else None
-    profiled = row["system"] == "nestpipe" and args.profile_steps > 0
+    profiled = profile_steps(row, args) > 0
 
     def run_once():
         if spec is None:
@@ -610,7 +615,8 @@ def main(argv=None):
     rows = plan_rows(plan_from_args(args), args.pipelines, args.collectives)
     env = {"load": os.getloadavg()[0], "horovod": False, "horovod_version": None,
            "launcher_horovod": launcher_has_horovod()}
-    if any(uses_horovod(r) for r in rows) and horovod_available():
+    needs_horovod = any(uses_horovod(r) for r in rows)
+    if needs_horovod and horovod_available():
         env["horovod"] = True
         env["horovod_version"] = subprocess.run(
             [sys.executable, "-c", "import horovod; print(horovod.__version__)"],
@@ -624,8 +630,7 @@ def main(argv=None):
                 (getattr(e, "stderr", b"") or b"").decode(errors="replace").strip().splitlines()[-1:]
                 or [str(e)])[0][:300]
     env["horovod_text"] = (("Horovod " + env["horovod_version"]) if env["horovod"] else
-                           "Horovod not installed") if any(uses_horovod(r) for r in rows) \
-        else "no Horovod rows"
+                           "Horovod not installed") if needs_horovod else "no Horovod rows"
     print("compare: %d rows (%s, launcher --horovod %s)" % (
         len(rows), env["horovod_text"], env["launcher_horovod"]), flush=True)
     started = time.perf_counter()
