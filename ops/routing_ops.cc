@@ -18,6 +18,57 @@ namespace nestpipe {
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
+// The error every out-of-range id of a table raises, naming the table, the id and the fix.
+template <typename Ids>
+absl::Status CheckIdRange(const Ids& ids, int64_t vocab_size, const std::string& table_name) {
+  const int64_t n = ids.size();
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = ids(i);
+    if (k < 0 || k >= vocab_size) {
+      return errors::InvalidArgument(
+          "ShardedEmbedding '", table_name, "': id ", k, " at position ", i,
+          " is out of range [0, ", vocab_size,
+          "). Fix the input pipeline (hash or clip ids into the vocabulary), "
+          "or construct the layer with invalid_id_policy='zero' to map "
+          "invalid ids to a zero vector.");
+    }
+  }
+  return absl::OkStatus();
+}
+
+REGISTER_OP("NestpipeCheckIds")
+    .Input("ids: int64")
+    .Attr("vocab_size: int >= 1")
+    .Attr("table_name: string = ''")
+    .Output("checked: int64")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Passes ids through after checking each lies in [0, vocab_size) (the error names the table).
+)doc");
+
+class CheckIdsOp : public OpKernel {
+ public:
+  explicit CheckIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_size", &vocab_size_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_name", &table_name_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& ids = ctx->input(0);
+    OP_REQUIRES_OK(ctx, CheckIdRange(ids.flat<int64_t>(), vocab_size_, table_name_));
+    ctx->set_output(0, ids);
+  }
+
+ private:
+  int64_t vocab_size_;
+  std::string table_name_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("NestpipeCheckIds").Device(DEVICE_CPU), CheckIdsOp);
+
 REGISTER_OP("NestpipeRouteKeys")
     .Input("ids: int64")
     .Attr("num_shards: int >= 1")
@@ -61,17 +112,7 @@ class RouteKeysOp : public OpKernel {
     const int64_t n = ids.size();
     OP_REQUIRES(ctx, n < (int64_t{1} << 31),
                 errors::InvalidArgument("too many ids in one batch: ", n));
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t k = ids(i);
-      OP_REQUIRES(
-          ctx, k >= 0 && k < vocab_size_,
-          errors::InvalidArgument(
-              "ShardedEmbedding '", table_name_, "': id ", k, " at position ", i,
-              " is out of range [0, ", vocab_size_,
-              "). Fix the input pipeline (hash or clip ids into the vocabulary), "
-              "or construct the layer with invalid_id_policy='zero' to map "
-              "invalid ids to a zero vector."));
-    }
+    OP_REQUIRES_OK(ctx, CheckIdRange(ids, vocab_size_, table_name_));
     // First pass: dedup in first-seen order.
     std::unordered_map<int64_t, int32> first_pos;
     first_pos.reserve(static_cast<size_t>(n) * 2 + 1);

@@ -13,9 +13,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")
 EXACTNESS_STEPS = 20
 # The plain synchronous strategy (no pipeline): every optimizer, custom loop and fit.
+# "loop" and "fit" go through the fused exchange (one per group of tables and step), "direct"
+# through each table's own exchange; ":mixed" adds a table group of another dim.
 EXACTNESS_RUNS = {
-    2: ["loop:sgd", "loop:adagrad", "loop:adam", "fit:adam"],
-    3: ["loop:sgd", "loop:adagrad", "loop:adam", "fit:adagrad"],
+    2: ["direct:sgd", "loop:adagrad", "direct:adam", "fit:adam", "fit:sgd:mixed"],
+    3: ["loop:sgd", "direct:adagrad", "loop:adam", "fit:adagrad", "loop:adam:mixed"],
 }
 # The pipelines (a run's ":dbp" / ":fwp" / ":nested" option), every optimizer, loop and fit, with
 # and without clustering (":cluster"); ":nosync" skips the buffer sync on purpose. They share the
@@ -23,10 +25,19 @@ EXACTNESS_RUNS = {
 # nested pipeline's traces are the slowest), so each case is covered once, not every product.
 PIPELINE_RUNS = {
     2: ["loop:sgd:dbp", "loop:adagrad:dbp", "fit:adam:dbp", "epochs:adagrad:dbp", "twice:sgd:dbp",
-        "one:sgd:dbp", "loop:adagrad:fwp", "fit:adam:fwp", "loop:adagrad:nested",
-        "loop:adagrad:cluster:nested", "fit:adam:nested", "loop:adagrad:dbp:nosync"],
-    3: ["loop:adam:dbp", "fit:adagrad:fwp", "loop:adam:cluster:fwp", "fit:sgd:nested"],
+        "one:sgd:dbp", "loop:adagrad:fwp", "direct:adagrad:fwp", "fit:adam:fwp",
+        "loop:adagrad:nested", "loop:adagrad:cluster:nested", "fit:adam:nested",
+        "loop:adagrad:dbp:nosync", "fit:adagrad:mixed:dbp", "loop:sgd:mixed:nested",
+        "fit:adam:auto"],
+    3: ["loop:adam:dbp", "fit:adagrad:fwp", "direct:adam:cluster:fwp", "fit:sgd:nested",
+        "fit:adam:mixed:fwp", "fit:sgd:mixed:auto"],
 }
+
+
+def reference_of(run):
+    """The single-process reference run of a run: its MODE:OPTIMIZER and model (":mixed")."""
+    mode, optimizer, *options = run.split(":")
+    return ":".join([mode, optimizer] + (["mixed"] if "mixed" in options else []))
 
 
 def run_command(argv, timeout=300, env=None, cwd=REPO):
@@ -53,14 +64,14 @@ def exactness_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("exactness")
     program = os.path.join(PROGRAMS, "exactness.py")
     runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] for w in (2, 3)}
-    references = sorted(set(":".join(r.split(":")[:2]) for r in runs[2] + runs[3]))
+    references = sorted(set(reference_of(r) for r in runs[2] + runs[3]))
     ref = run_command([sys.executable, program, str(out / "ref"), str(EXACTNESS_STEPS)]
                       + references)
     assert ref.returncode == 0, ref.stdout[-4000:]
     prefixes = {1: str(out / "ref")}
     for workers, worker_runs in runs.items():
         result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)]
-                        + worker_runs, timeout=600)
+                        + worker_runs, timeout=1500)
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes

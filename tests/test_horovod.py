@@ -13,7 +13,7 @@ import tensorflow as tf
 
 import tf_nestpipe as tnp
 from conftest import PROGRAMS, run_command
-from tf_nestpipe.strategy import horovod_collectives
+from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
 LAUNCHER_RUNS = ["none/loop:sgd", "none/loop:adagrad", "none/fit:adagrad"]

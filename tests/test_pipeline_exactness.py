@@ -8,12 +8,12 @@ import pytest
 import tf_keras
 import tf_nestpipe as tnp
 from conftest import EXACTNESS_STEPS as STEPS
-from conftest import PIPELINE_RUNS, load_run
+from conftest import PIPELINE_RUNS, load_run, reference_of
 from tf_nestpipe.pipeline import updates_only_touched_rows
 
 
 def _pipeline_of(run):
-    return next(o for o in run.split(":")[2:] if o in ("dbp", "fwp", "nested"))
+    return next(o for o in run.split(":")[2:] if o in ("dbp", "fwp", "nested", "auto"))
 
 
 def _cases(pipeline):
@@ -22,13 +22,18 @@ def _cases(pipeline):
 
 
 def _ref(results, run):
-    """The single-process reference of a run (the same MODE:OPT, no pipeline)."""
-    return load_run(results[1], ":".join(run.split(":")[:2]))
+    """The single-process reference of a run (the same MODE:OPT and model, no pipeline)."""
+    return load_run(results[1], reference_of(run))
+
+
+def _groups(run):
+    return 2 if ":mixed" in run else 1
 
 
 def _assert_params_equal(ref, got):
     params = [n for n in ref.files if not n.startswith("stats/")]
-    assert len(params) == 6 and all(n in got.files for n in params)
+    assert len(params) == (7 if "table_fields" in ref.files else 6)
+    assert all(n in got.files for n in params)
     for name in params:
         np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
 
@@ -39,6 +44,7 @@ def test_dbp_matches_unpipelined_single_process(exactness_results, workers, run)
     _assert_params_equal(_ref(exactness_results, run), got)
     steps = {"one": 1, "epochs": (STEPS // 3) * 3}.get(run.split(":")[0], STEPS)
     assert int(got["stats/steps"]) == steps  # "twice": one pipeline, re-primed by the 2nd fit
+    assert int(got["stats/exchanges"]) == _groups(run)  # one fused prefetch per table group
     if not run.startswith("one"):
         # Hot keys: batches share keys, so rows prefetched for i+1 were updated at i and re-synced.
         assert int(got["stats/rows_synced"]) > 0
@@ -49,7 +55,14 @@ def test_dbp_matches_unpipelined_single_process(exactness_results, workers, run)
 @pytest.mark.parametrize("workers,run", _cases("fwp"), ids=["%dw-%s" % c for c in _cases("fwp")])
 def test_fwp_matches_unpipelined_single_process(exactness_results, workers, run):
     """3 micro-batches per step in a frozen window, window cache on (clustered: ':cluster')."""
-    _assert_params_equal(_ref(exactness_results, run), load_run(exactness_results[workers], run))
+    got = load_run(exactness_results[workers], run)
+    _assert_params_equal(_ref(exactness_results, run), got)
+    if run.startswith("direct"):
+        return  # strategy.run with a frozen window: no pipeline statistics
+    # Only micro-batching makes these: an exchange per micro-batch and group, and the window
+    # cache leaving the later micro-batches only the ids the first did not fetch.
+    assert int(got["stats/exchanges"]) == 3 * _groups(run)
+    assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
 
 
 @pytest.mark.parametrize("workers,run", _cases("nested"),
@@ -59,10 +72,21 @@ def test_nested_matches_unpipelined_single_process(exactness_results, workers, r
     (clustered: ':cluster')."""
     got = load_run(exactness_results[workers], run)
     _assert_params_equal(_ref(exactness_results, run), got)
+    assert int(got["stats/exchanges"]) == 3 * _groups(run)  # a prefetch per micro-batch
     assert int(got["stats/steps"]) == STEPS and int(got["stats/drains"]) == 1
     assert int(got["stats/rows_synced"]) > 0
     # The window cache: later micro-batches fetch only ids the first did not.
     assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
+
+
+@pytest.mark.parametrize("workers,run", _cases("auto"), ids=["%dw-%s" % c for c in _cases("auto")])
+def test_auto_matches_unpipelined_single_process_and_chooses(exactness_results, workers, run):
+    """fit's default: each candidate trains 3 steps (1 untimed + 2 timed; dbp's and nested's
+    held batches are trained before the next), then the agreed fastest: 20 exact steps."""
+    got = load_run(exactness_results[workers], run)
+    _assert_params_equal(_ref(exactness_results, run), got)
+    assert "stats/auto_choice" in got.files  # every candidate was timed and one was chosen
+    assert 0 <= int(got["stats/auto_choice"]) < len(tnp.pipeline.AUTO_CANDIDATES)
 
 
 def test_clustering_puts_fewer_rows_in_the_first_micro_batch(exactness_results):

@@ -56,7 +56,7 @@ def scenario(costs, eta=1.0, name="measured"):
 
 # --- arithmetic ---------------------------------------------------------------------------------
 def test_padded_capacity_matches_the_strategy_buckets():
-    from tf_nestpipe.strategy.communication import _CAPACITIES
+    from tf_nestpipe.collectives.communication import _CAPACITIES
 
     for count in [0, 1, 2, 7, 8, 9, 55, 56, 1000, 12345]:
         expected = min(c for c in _CAPACITIES if c >= max(count, 1))

@@ -5,7 +5,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_nestpipe as tnp
-from tf_nestpipe.strategy.communication import resolve_implementation
+from tf_nestpipe.collectives.communication import resolve_implementation
 from tf_nestpipe.strategy.nestpipe_strategy import is_row_shard
 
 Impl = tnp.CommunicationImplementation

@@ -6,9 +6,13 @@ the full tables and the dense weights.
 
 usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   RUN is MODE:OPTIMIZER[:OPTION ...] with OPTION in {cluster (key-centric clustering of the
-  micro-batches), dbp, fwp, nested (the run's pipeline; none without), nosync (skip the buffer
-  sync on purpose)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom
-  loop; TrainPipeline under dbp / nested; 3 micro-batches under fwp / nested), fit (steps_per_epoch=STEPS), epochs (3 epochs of
+  micro-batches), dbp, fwp, nested, auto (the run's pipeline; none without; auto under fit
+  only), nosync (skip the buffer
+  sync on purpose), mixed (the model gets a ShardedEmbeddingCollection of another dim: two
+  exchange groups)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
+  through tnp.TrainPipeline: the fused exchange, with look-ahead under dbp / nested; 3
+  micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
+  own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
   dataset of one batch);
@@ -27,6 +31,7 @@ import tf_keras  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
 
 VOCAB_A, VOCAB_B, DIM, NUM_DENSE = 61, 47, 4, 3
+FIELD_SIZES, FIELD_DIM = [13, 7], 3
 GLOBAL_BATCH = 24
 
 
@@ -77,6 +82,34 @@ class TinyRanker(tf_keras.Model):
         return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
 
 
+class MixedRanker(TinyRanker):
+    """TinyRanker plus a collection of two single-hot tables of another dim (a second exchange
+    group: its rows travel in their own fused exchange)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fields = tnp.ShardedEmbeddingCollection(
+            FIELD_SIZES, FIELD_DIM,
+            embeddings_initializer=tf_keras.initializers.RandomUniform(-0.2, 0.2, seed=11),
+            name="fields")
+
+    def call(self, features):
+        a = tf.reshape(self.table_a(features["ids"]), [-1, 2 * DIM])
+        b = self.table_b(features["bag"])
+        # Field f reads column f of the id pair, folded into its table.
+        fields = features["ids"] % tf.constant(FIELD_SIZES, tf.int64)[None, :]
+        c = tf.reshape(self.fields(fields), [-1, len(FIELD_SIZES) * FIELD_DIM])
+        return self.out(self.hidden(tf.concat([a, b, c, features["dense"]], axis=1)))
+
+
+def model_tables(model):
+    """The model's full tables by name (a collective: every worker calls it)."""
+    tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
+    if isinstance(model, MixedRanker):
+        tables["table_fields"] = model.fields.fused.full_table()
+    return tables
+
+
 BATCH_SPEC = ({"ids": tf.TensorSpec([None, 2], tf.int64),
                "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
                                           row_splits_dtype=tf.int64),
@@ -123,12 +156,13 @@ def make_optimizer(name):
             "adam": lambda: tf_keras.optimizers.Adam(0.05)}[name]()
 
 
-def train(strategy, batches, mode, opt_name, out_path):
-    """Trains a fresh TinyRanker with `mode` (custom loop or fit) and saves all parameters."""
+def train(strategy, batches, mode, opt_name, out_path, mixed=False):
+    """Trains a fresh TinyRanker (MixedRanker if `mixed`) with `mode` (custom loop or fit) and
+    saves all parameters."""
     rank, workers = strategy.worker_index, strategy.num_workers
     steps = len(batches)
     with strategy.scope():
-        model = TinyRanker()
+        model = MixedRanker() if mixed else TinyRanker()
         optimizer = make_optimizer(opt_name)
     loss_fn = new_loss_fn()
     spec = BATCH_SPEC
@@ -159,15 +193,17 @@ def train(strategy, batches, mode, opt_name, out_path):
             for (f, _), _ in (micro_batches(batch) if micro else [(batch, 1.0)]):
                 model(f)
 
-    stats = None
-    if mode == "loop" and strategy.pipeline in ("dbp", "nested"):
+    stats, auto_choice = None, None
+    if mode == "loop":
+        lookahead = 1 if strategy.pipeline in ("dbp", "nested") else 0
         pipeline = tnp.TrainPipeline(strategy, step_fn, route_fn, optimizer=optimizer,
-                                     skip_buffer_sync=strategy.unsafe_skip_buffer_sync)
+                                     skip_buffer_sync=strategy.unsafe_skip_buffer_sync,
+                                     lookahead=lookahead)
         iterator = iter(strategy.distribute_datasets_from_function(local_dataset_fn))
         for _ in range(steps):
             pipeline.progress(iterator)
         stats = pipeline.stats
-    elif mode == "loop":
+    elif mode == "direct":
         @tf.function(input_signature=spec)
         def train_step(features, labels):
             per_replica = strategy.run(step_fn, args=((features, labels),))
@@ -197,18 +233,26 @@ def train(strategy, batches, mode, opt_name, out_path):
             history = model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0)
         print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},
               flush=True)
-        stats = getattr(model, "_nestpipe_pipeline", None)
-        stats = stats.stats if stats is not None else None
-    tables = {"table_a": model.table_a.full_table(), "table_b": model.table_b.full_table()}
+        pipeline = getattr(model, "_nestpipe_pipeline", None)
+        stats = pipeline.stats if pipeline is not None else None
+        if getattr(pipeline, "choice", None) is not None:
+            auto_choice = tnp.pipeline.AUTO_CANDIDATES.index(pipeline.choice)
+    tables = model_tables(model)
     # Dense weights by position: Keras name suffixes depend on how many models a process built.
-    dense = [v.numpy() for v in model.trainable_variables if "table_" not in v.name]
+    dense = [v.numpy() for v in model.trainable_variables
+             if "table_" not in v.name and "fields" not in v.name]
     if stats is not None:
         print("pipeline stats", stats, flush=True)
     if rank == 0:
         extra = {} if stats is None else {
             "stats/rows_synced": stats.rows_synced, "stats/steps": stats.steps,
             "stats/drains": stats.drains, "stats/rows_requested": stats.rows_requested,
-            "stats/first_lookup_rows": stats.first_lookup_rows}
+            "stats/first_lookup_rows": stats.first_lookup_rows,
+            "stats/exchanges": stats.exchanges}
+        if auto_choice is not None:
+            extra["stats/auto_choice"] = auto_choice
+        # Keys exchanges that needed the overflow round, in this launch so far (all runs).
+        extra["stats/overflow_rounds"] = strategy.extended.embedding_exchange.overflow_rounds()
         np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)}, **extra)
     print("saved", mode, opt_name, flush=True)
 
@@ -225,10 +269,12 @@ def main():
         # Read when a run's train function is made: pipeline and clustering can differ between
         # runs, so one launch serves many runs.
         strategy.cluster_samples = "cluster" in options
-        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), "none")
+        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested", "auto")),
+                                 "none")
         strategy.unsafe_skip_buffer_sync = "nosync" in options
         train(strategy, batches, mode, opt_name,
-              "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)))
+              "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)),
+              mixed="mixed" in options)
 
 
 if __name__ == "__main__":

@@ -64,7 +64,7 @@ def main(argv=None):
         try:
             import horovod.runner.gloo_run  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
         except ImportError as e:
-            from tf_nestpipe.strategy.horovod_collectives import INSTALL_HINT  # pylint: disable=import-outside-toplevel
+            from tf_nestpipe.collectives.horovod_collectives import INSTALL_HINT  # pylint: disable=import-outside-toplevel
 
             parser.error("--horovod: %s (%s)" % (INSTALL_HINT, e))
     try:

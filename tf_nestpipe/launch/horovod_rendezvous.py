@@ -10,7 +10,7 @@ position among the synchronous workers (chief first), which `NestPipeStrategy(co
 """
 from typing import Dict, List, Optional
 
-from tf_nestpipe.strategy.horovod_collectives import INSTALL_HINT
+from tf_nestpipe.collectives.horovod_collectives import INSTALL_HINT
 
 LOOPBACK_ADDRESS = "127.0.0.1"
 LOOPBACK_INTERFACE = "lo"

@@ -2,11 +2,12 @@
 from tf_nestpipe.ops.buffer_sync import buffer_sync, sync_plan
 from tf_nestpipe.ops.gather import gather_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
-from tf_nestpipe.ops.routing import owner_dedup, route_keys
+from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
 from tf_nestpipe.ops.row_init import stateless_row_init
 
 __all__ = [
     "buffer_sync",
+    "check_ids",
     "gather_rows",
     "load_op_library",
     "owner_dedup",

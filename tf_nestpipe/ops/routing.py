@@ -16,6 +16,13 @@ def route_keys(ids, num_shards, vocab_size, table_name=""):
         ids, num_shards=num_shards, vocab_size=vocab_size, table_name=table_name)
 
 
+def check_ids(ids, vocab_size, table_name=""):
+    """`ids` (int64), after checking that each lies in `[0, vocab_size)`: an out-of-range id
+    raises `InvalidArgumentError` naming `table_name`, the id and its position."""
+    return load_op_library().nestpipe_check_ids(tf.convert_to_tensor(ids, tf.int64),
+                                                vocab_size=vocab_size, table_name=table_name)
+
+
 def owner_dedup(received_keys, num_shards, shard_index):
     """Dedups the padded `[requesters, capacity]` keys an owner received (-1 is padding).
 
@@ -26,5 +33,6 @@ def owner_dedup(received_keys, num_shards, shard_index):
         received_keys, num_shards=num_shards, shard_index=shard_index)
 
 
+tf.no_gradient("NestpipeCheckIds")
 tf.no_gradient("NestpipeRouteKeys")
 tf.no_gradient("NestpipeOwnerDedup")

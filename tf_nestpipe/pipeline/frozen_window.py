@@ -14,13 +14,11 @@ Custom loops:
         loss = tf.add_n([loss_fn(mb) * share for mb, share in tnp.pipeline.split_batch(batch, M)])
 """
 import contextlib
-import threading
 
 import tensorflow as tf
 
 from tf_nestpipe.pipeline import clustering
-
-_local = threading.local()
+from tf_nestpipe.sharding.fetch import RowFetcher, current_fetcher, installed
 
 
 class WindowCache:
@@ -31,21 +29,36 @@ class WindowCache:
         self.rows = {}
 
 
-def current_window():
-    """The WindowCache of the frozen window being traced in this thread, or None."""
-    return getattr(_local, "window", None)
+class WindowFetcher(RowFetcher):
+    """Within a frozen window: each lookup of a row-wise table asks the fetcher it wraps only
+    for the ids no earlier lookup of that table in the window fetched."""
+
+    def __init__(self, inner):
+        self.inner = inner
+        self.cache = WindowCache()
+
+    def lookup(self, layer, flat_ids):
+        if not layer.exchanged:
+            return self.inner.lookup(layer, flat_ids)
+        return windowed_lookup(self.cache, layer.name, flat_ids,
+                               lambda ids: self.inner.lookup(layer, ids), layer.dim,
+                               layer.embeddings.dtype)
 
 
 @contextlib.contextmanager
 def frozen_window():
-    """Within this context, sharded lookups of the same table share a window cache: use it
-    around the micro-batches of one batch, before the batch's update."""
-    previous = current_window()
-    _local.window = WindowCache()
-    try:
-        yield _local.window
-    finally:
-        _local.window = previous
+    """Within this context, sharded lookups of the same table share a frozen window: each id is
+    fetched once, by the first lookup that reads it. Use it around the micro-batches of one
+    batch, before the batch's update. Under the fused exchange (a `TrainPipeline` pass) the
+    exchange keeps the window itself, once per batch; otherwise (`strategy.run` loops) each
+    table keeps a window cache (`WindowFetcher`)."""
+    fetcher = current_fetcher()
+    if hasattr(fetcher, "window"):
+        with fetcher.window():
+            yield None
+        return
+    with installed(WindowFetcher(fetcher)) as window_fetcher:
+        yield window_fetcher.cache
 
 
 def windowed_lookup(cache, name, ids, lookup, dim, dtype):

@@ -1,38 +1,61 @@
-"""tf_keras `fit` through the NestPipe pipelines.
+"""tf_keras `fit` through the fused exchange and the NestPipe pipelines.
 
-`Model.make_train_function` is wrapped once (at `import tf_nestpipe`). For a model built under
-`NestPipeStrategy(pipeline="dbp")` the train function becomes a `TrainPipeline` whose step is the
-model's own `train_step` and whose route pass calls the model on the batch's inputs. Under
-`pipeline="fwp"` each step runs the standard train step over `micro_batches` micro-batches in a
-frozen window (one tape, one update). `pipeline="nested"` is both: a `TrainPipeline` whose route
-pass prefetches the next batch micro-batch by micro-batch and whose step is the micro-batched
-train step reading those buffers. With `cluster_samples=True` the micro-batches are formed by
-key-centric clustering of the batch's integer features. Other models, and
-`steps_per_execution > 1`, `run_eagerly` or a cluster coordinator, keep Keras's own train
-function.
+`Model.make_train_function` is wrapped once (at `import tf_nestpipe`). For a model built under a
+`NestPipeStrategy` with several workers, the train function becomes a `TrainPipeline` whose
+route pass calls the model on the batch's inputs, so every row-wise lookup of a step goes
+through one exchange per group of tables, however many layers the model has:
+
+- `pipeline="none"`: the model's own `train_step`, after its batch's exchange (lookahead 0);
+- `pipeline="fwp"`: tf_keras's standard train step over `micro_batches` micro-batches in a
+  frozen window, one exchange per micro-batch (lookahead 0, one tape, one update);
+- `pipeline="dbp"`: the model's own `train_step` with the Dual-Buffer Pipeline (lookahead 1);
+- `pipeline="nested"`: both, the next batch prefetched micro-batch by micro-batch;
+- `pipeline="auto"` (the default): the first steps try each of these on real batches and the
+  workers continue with the fastest (`tf_nestpipe.pipeline.auto`).
+
+With `cluster_samples=True` the micro-batches are formed by key-centric clustering of the
+batch's integer features. Keras's own train function stays for one worker under "none" and "auto", for a
+`train_step` override under "none" and "auto" (the route pass could not know what it looks up,
+so each table keeps its own exchange), and for `steps_per_execution > 1`, `run_eagerly` or a cluster
+coordinator.
 """
+import sys
+
 import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
+from tf_nestpipe.pipeline.auto import AutoPipeline
 from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
+from tf_nestpipe.pipeline.modes import AUTO_CANDIDATES, LOOKAHEAD, MICRO_BATCHED
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 
 _ORIGINAL = keras_training.Model.make_train_function
 _PATCHED_ATTR = "_nestpipe_patched"
 
 
-def _pipelined_strategy(model):
-    from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy  # avoid an import cycle
+def _standard_train_step(model):
+    return type(model).train_step is keras_training.Model.train_step
 
+
+def _pipelined_strategy(model):
+    """The NestPipeStrategy whose exchange and pipeline run `model`'s fit, else None."""
     strategy = model.distribute_strategy
     if getattr(strategy, "update_window", 1) > 1:
         raise ValueError(
             "tf_keras fit pushes every step's update to the ps, but this "
             "tnp.ParameterServerStrategy has update_window=%d: train with "
             "tnp.DownpourTrainer, or use update_window=1 with fit" % strategy.update_window)
-    if not isinstance(strategy, NestPipeStrategy) or strategy.pipeline == "none":
+    if getattr(strategy.extended, "embedding_exchange", None) is None:
+        return None  # not a NestPipeStrategy
+    if strategy.pipeline in ("none", "auto") and (strategy.num_workers == 1
+                                                  or not _standard_train_step(model)):
+        if strategy.pipeline == "auto" and strategy.num_workers > 1:
+            _log(strategy, "tf_nestpipe: pipeline='auto' runs %s with 'none' (each table its "
+                 "own exchange): it overrides train_step, so a route pass cannot know what it "
+                 "looks up. Pass pipeline='dbp' if its call() looks up the same ids as its "
+                 "train_step." % type(model).__name__)
         return None
     if model.run_eagerly or model._cluster_coordinator:  # pylint: disable=protected-access
         return None
@@ -43,21 +66,30 @@ def _pipelined_strategy(model):
 
 
 def make_train_function(self, force=False):
-    """`Model.make_train_function`, pipelined under `NestPipeStrategy(pipeline="dbp" | "fwp" |
-    "nested")`."""
+    """`Model.make_train_function`, through the fused exchange and the pipeline of the model's
+    `NestPipeStrategy` ("none", "dbp", "fwp" or "nested")."""
     strategy = _pipelined_strategy(self)
     if strategy is None:
         return _ORIGINAL(self, force)
     if self.train_function is not None and not force:
         return self.train_function
-    if strategy.pipeline in ("fwp", "nested"):
-        _check_standard_train_step(self, strategy.pipeline)
-    if strategy.pipeline == "fwp":
-        self.train_function = _frozen_window_train_function(self, strategy)
-        return self.train_function
-    model = self
-    reduce_fn = _reducer(model, strategy)
-    if strategy.pipeline == "nested":
+    if strategy.pipeline == "auto":
+        pipeline = AutoPipeline(
+            [(name, _train_pipeline(self, strategy, name)) for name in AUTO_CANDIDATES],
+            agree=lambda times: _slowest_worker(strategy, times),
+            warmup_steps=strategy.auto_warmup_steps, timed_steps=strategy.auto_timed_steps,
+            log=lambda text: _log(strategy, text))
+    else:
+        pipeline = _train_pipeline(self, strategy, strategy.pipeline)
+    self._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
+    self.train_function = pipeline.progress
+    return self.train_function
+
+
+def _train_pipeline(model, strategy, pipeline):
+    """The `TrainPipeline` of `model`'s fit under `pipeline` (none, fwp, dbp or nested)."""
+    if pipeline in MICRO_BATCHED:
+        _check_standard_train_step(model, pipeline)
         micro_batches, cluster = strategy.micro_batches, strategy.cluster_samples
         step_fn = _counting_step(
             model, lambda data: _frozen_window_train_step(model, data, micro_batches, cluster))
@@ -73,12 +105,23 @@ def make_train_function(self, force=False):
             x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
             model(x, training=False)
 
-    pipeline = TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
-                             reduce_fn=reduce_fn,
-                             skip_buffer_sync=strategy.unsafe_skip_buffer_sync)
-    model._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
-    self.train_function = pipeline.progress
-    return self.train_function
+    return TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
+                         reduce_fn=_reducer(model, strategy),
+                         skip_buffer_sync=strategy.unsafe_skip_buffer_sync,
+                         lookahead=LOOKAHEAD[pipeline])
+
+
+def _slowest_worker(strategy, times):
+    """Each of `times` (this worker's seconds per candidate) as its max over the workers."""
+    gathered = strategy.extended.embedding_exchange.collectives.all_gather(
+        tf.constant([times], tf.float32), "nestpipe/auto")
+    return tf.reduce_max(gathered, axis=0).numpy().tolist()
+
+
+def _log(strategy, text):
+    """Prints `text` on worker 0 (stderr)."""
+    if strategy.worker_index == 0:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _counting_step(model, train_step):
@@ -135,24 +178,11 @@ def _frozen_window_train_step(model, data, micro_batches, cluster=False):
 
 def _check_standard_train_step(model, pipeline):
     """Micro-batching pipelines run tf_keras's standard train step; refuse overridden ones."""
-    if type(model).train_step is not keras_training.Model.train_step:
+    if not _standard_train_step(model):
         raise ValueError(
             "pipeline=%r runs tf_keras's standard train step over micro-batches, but %s "
             "overrides train_step. Split the batch yourself inside tnp.pipeline.frozen_window() "
             "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % (pipeline, type(model).__name__))
-
-
-def _frozen_window_train_function(model, strategy):
-    step_fn = _counting_step(
-        model, lambda data: _frozen_window_train_step(model, data, strategy.micro_batches,
-                                                      strategy.cluster_samples))
-    reduce_fn = _reducer(model, strategy)
-
-    @tf.function(reduce_retracing=True)
-    def train_function(iterator):
-        return reduce_fn(strategy.run(step_fn, args=(next(iterator),)))
-
-    return train_function
 
 
 def install():

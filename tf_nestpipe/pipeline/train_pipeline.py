@@ -1,16 +1,21 @@
-"""`TrainPipeline`: runs training steps through the Dual-Buffer Pipeline.
+"""`TrainPipeline`: runs training steps through the fused exchange, with or without look-ahead.
 
-Step i, traced as one `tf.function` (independent subgraphs run concurrently in TF's executor):
+Every step's row-wise lookups go through one exchange per group of tables and round (see
+`fused_exchange`): a route pass records the ids, the exchanges fetch the rows into buffers, the
+compute pass reads them. `lookahead=1` is the Dual-Buffer Pipeline; step i, traced as one
+`tf.function` (independent subgraphs run concurrently in TF's executor):
 
-    route + retrieve batch i+1 (reads the tables before step i's update)  ─┐  overlaps
-    plan the sync: (keys updated at i) ∩ (keys prefetched for i+1)        ─┤
-    compute batch i from the active buffer: forward, backward, update  ───┘
-    sync: owners send the planned rows, fresh; requesters patch the prefetch buffer
-    swap: the patched prefetch buffer becomes step i+1's active buffer
+    route + retrieve batch i+1 (reads the tables before step i's update),  ─┐  overlaps
+    planning the sync: (keys updated at i) ∩ (keys prefetched for i+1)      │
+    compute batch i from the active buffers: forward, backward, update  ───┘
+    sync: owners send the planned rows, fresh; requesters patch the prefetch buffers
+    swap: the patched prefetch buffers become step i+1's active buffers
 
 The first call primes the pipeline (routes batch 0); when the iterator runs dry the last batch
 is computed without a prefetch (drain). Every row read at step i+1 equals the row a
-non-pipelined run reads at step i+1.
+non-pipelined run reads at step i+1. `lookahead=0` routes and retrieves each batch in its own
+step, before its compute (no sync needed): the synchronous step, and with micro-batches in a
+frozen window the Frozen-Window Pipeline (micro-batch j+1's exchange overlaps j's compute).
 """
 import dataclasses
 import weakref
@@ -18,9 +23,12 @@ import weakref
 import tensorflow as tf
 import tf_keras
 
+from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.pipeline import dual_buffer
-from tf_nestpipe.pipeline.context import COMPUTE, ROUTE, PipelineContext, pipeline_mode
+from tf_nestpipe.pipeline.fused_exchange import (BufferReader, RouteRecorder, prefetch_lookups,
+                                                 rows_requested)
 from tf_nestpipe.pipeline.state_store import TensorStore
+from tf_nestpipe.sharding.fetch import installed
 
 
 def updates_only_touched_rows(optimizer):
@@ -50,38 +58,36 @@ class PipelineStats:
     rows_synced: int = 0  # fresh rows this worker received into its prefetch buffers
     rows_planned: int = 0  # fresh rows this worker sent as an owner
     rows_requested: int = 0  # distinct rows this worker prefetched (all tables and lookups)
-    first_lookup_rows: int = 0  # of which by the first lookup of each step (first micro-batch)
-
-
-def _rows_requested(states):
-    """Distinct rows requested per lookup index (summed over tables): `[lookups]` int64."""
-    per_lookup = {}
-    for table_states in states.values():
-        for j, state in enumerate(table_states):
-            per_lookup.setdefault(j, []).append(tf.reduce_sum(tf.cast(state["splits"], tf.int64)))
-    return tf.stack([tf.add_n(per_lookup[j]) for j in sorted(per_lookup)]) if per_lookup else \
-        tf.zeros([0], tf.int64)
+    first_lookup_rows: int = 0  # of which by the first round of each step (first micro-batch)
+    exchanges: int = 0  # fused exchanges a step runs (rounds x groups of tables), as traced
+    collectives: CollectiveCount = None  # the collectives a step issues, as traced
 
 
 class TrainPipeline:
     """Runs `step_fn(batch)` (per replica: forward, backward, optimizer update) for successive
-    batches of an iterator with the Dual-Buffer Pipeline.
+    batches of an iterator through the fused exchange; `lookahead=1` (default) with the
+    Dual-Buffer Pipeline, `lookahead=0` without.
 
     `route_fn(batch)` must look up the same tables with the same ids as `step_fn` (typically it
-    calls the model on the batch's features); it runs with the layers in routing mode, where
-    lookups only record and prefetch and return zeros, so its dense compute is pruned.
-    `reduce_fn(outputs)` (optional) reduces the per-replica outputs inside the step function.
+    calls the model on the batch's features, micro-batch by micro-batch in a frozen window if
+    `step_fn` does); it runs with the layers' lookups recorded and answered with zeros, so its
+    dense compute is pruned. `reduce_fn(outputs)` (optional) reduces the per-replica outputs
+    inside the step function.
     """
 
     def __init__(self, strategy, step_fn, route_fn, optimizer=None, reduce_fn=None,
-                 skip_buffer_sync=False):
+                 skip_buffer_sync=False, lookahead=1):
+        if lookahead not in (0, 1):
+            raise ValueError("lookahead must be 0 or 1, got %r" % (lookahead,))
         self._strategy = strategy
         self._step_fn = step_fn
         self._route_fn = route_fn
         self._reduce_fn = reduce_fn
+        self._lookahead = lookahead
         self._all_updated = not updates_only_touched_rows(optimizer)
         self._skip_buffer_sync = skip_buffer_sync
-        self._collectives = strategy.extended.collectives
+        self._exchange = strategy.extended.embedding_exchange
+        self._collectives = self._exchange.collectives
         device = strategy.extended.worker_devices[0]
         # Between steps, in worker-local variables: the batch to compute next, the prefetch
         # buffers holding its rows (with its routing), and the batch after it.
@@ -94,22 +100,34 @@ class TrainPipeline:
         self.stats = PipelineStats()
         self._prime = tf.function(self._prime_step)
         self._step = tf.function(self._pipelined_step)
+        self._step_held = tf.function(lambda: self._pipelined_step(None))
         self._drain = tf.function(self._drain_step)
+        self._synchronous = tf.function(self._synchronous_step)
 
     # --- traced pieces -----------------------------------------------------------------------
-    def _route_pass(self, batch):
-        context = PipelineContext(ROUTE)
-        with pipeline_mode(context), self._collectives.stream("prefetch"):
+    def _prefetch(self, batch, current=None):
+        """Route pass over `batch` and its fused exchanges: the buffers of its rows. With the
+        `current` batch's buffers (DBP), also the sync plans of the rows it updates."""
+        recorder = RouteRecorder()
+        updated = None
+        if current is not None and not self._skip_buffer_sync:
+            # Rows updated by the current step: every row any of its buffers of a group read.
+            updated = {group: tf.concat([b.routing.local_rows for b in buffers.rounds.values()],
+                                        0) for group, buffers in current.items()}
+        with installed(recorder), self._collectives.stream("prefetch"):
             self._route_fn(batch)
-        return context
+            buffers, plans = prefetch_lookups(self._exchange, recorder.lookups,
+                                              recorder.windowed, updated, self._all_updated)
+        self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
+        return buffers, plans
 
-    def _compute_pass(self, batch, states):
-        context = PipelineContext(COMPUTE, states)
-        with pipeline_mode(context):
+    def _compute_pass(self, batch, buffers):
+        reader = BufferReader(self._exchange, buffers)
+        with installed(reader):
             outputs = self._step_fn(batch)
-        if context.unused():
+        if reader.untaken():
             raise ValueError("the training step did not look up the prefetched tables %s as "
-                             "often as the route pass did" % context.unused())
+                             "often as the route pass did" % reader.untaken())
         return outputs
 
     def _local(self, value):
@@ -120,6 +138,17 @@ class TrainPipeline:
 
     def _reduce(self, outputs):
         return self._reduce_fn(outputs) if self._reduce_fn is not None else outputs
+
+    def _synchronous_step(self, iterator):
+        """lookahead=0: route, retrieve and compute the next batch."""
+        def replica_step(batch):
+            buffers, _ = self._prefetch(batch)
+            return self._compute_pass(batch, buffers), rows_requested(buffers)
+
+        outputs, requested = self._strategy.run(replica_step, args=(next(iterator),))
+        outputs, requested = self._reduce(outputs), self._local(requested)
+        self.stats.collectives = count_collectives(tf.compat.v1.get_default_graph())
+        return outputs, requested
 
     def _next_local(self, iterator):
         """Requests the next element as an Optional; returns (has_value, the Optional)."""
@@ -135,70 +164,73 @@ class TrainPipeline:
 
     def _prime_step(self, iterator):
         batch = self._local(next(iterator))
-        states = self._local(self._strategy.run(lambda b: self._route_pass(b).states_out,
-                                                args=(batch,)))
+        states = self._local(self._strategy.run(lambda b: self._prefetch(b)[0], args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
         with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)):
             return self._store_if_present(self._upcoming, has_upcoming, optional)
 
-    def _pipelined_step(self, iterator):
+    def _pipelined_step(self, iterator=None):
+        """Computes the current batch while prefetching the upcoming one; with an `iterator`,
+        reads the batch after next (without: trains a held batch, reading nothing)."""
         batch, next_batch, states = (self._current.read(), self._upcoming.read(),
                                      self._states.read())
         # The batch after next is requested as an Optional: it never fails, overlaps this step,
         # and tells the driver whether to pipeline or drain on the next call.
-        has_upcoming, optional = self._next_local(iterator)
+        if iterator is not None:
+            has_upcoming, optional = self._next_local(iterator)
         outputs, next_states, received, sent, requested = self._strategy.run(
             self._replica_step, args=(batch, next_batch, states))
         next_states, received, sent, requested = self._local(
             (next_states, received, sent, requested))
         with tf.control_dependencies(self._current.assign(next_batch)
                                      + self._states.assign(next_states)):
-            has_upcoming = self._store_if_present(self._upcoming, has_upcoming, optional)
-        return self._reduce(outputs), has_upcoming, received, sent, requested
+            if iterator is None:
+                has_upcoming = tf.identity(tf.constant(False))
+            else:
+                has_upcoming = self._store_if_present(self._upcoming, has_upcoming, optional)
+        outputs = self._reduce(outputs)
+        self.stats.collectives = count_collectives(tf.compat.v1.get_default_graph())
+        return outputs, has_upcoming, received, sent, requested
 
     def _replica_step(self, batch, next_batch, states):
         """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
-        routed = self._route_pass(next_batch)
-        next_states = routed.states_out
-        plans = {}
-        # Its own stream: the plan's count exchange overlaps the prefetch's row exchange.
-        with self._collectives.stream("sync_plan"):
-            for name, prefetched in next_states.items():
-                if name in states and not self._skip_buffer_sync:
-                    layer = routed.layers[name]
-                    # Rows updated at step i: every row any lookup of this table read at step i.
-                    updated = {"local_rows": tf.concat([s["local_rows"] for s in states[name]], 0)}
-                    plans[name] = [dual_buffer.plan_sync(updated, state, layer.layout,
-                                                         layer.collectives(), layer.name,
-                                                         self._all_updated)
-                                   for state in prefetched]
+        next_states, plans = self._prefetch(next_batch, current=states)
         outputs = self._compute_pass(batch, states)
         received = tf.constant(0, tf.int64)
         sent = tf.constant(0, tf.int64)
         # No control dependency on `outputs`: automatic control dependencies already order the
         # sync's table reads after the update, and waiting for the metrics' all-reduces too
         # would put them on the critical path.
-        for name, table_plans in plans.items():
-            layer = routed.layers[name]
-            synced = []
-            for state, plan in zip(next_states[name], table_plans):
-                rows, count = dual_buffer.apply_sync(layer.embeddings, state, plan, layer.layout,
-                                                     layer.collectives(), layer.name)
-                synced.append(dict(state, rows=rows))
+        for group, group_plans in plans.items():
+            tables = self._exchange.tables(group)
+            synced = {}
+            for key, plan in group_plans.items():
+                synced[key], count = dual_buffer.apply_sync(
+                    tables, next_states[group].rounds[key], plan, self._collectives,
+                    "nestpipe/sync/%s/%s" % (group, key))
                 received += count
                 sent += tf.cast(plan["rows_sent"], tf.int64)
-            next_states[name] = synced
-        return outputs, next_states, received, sent, _rows_requested(next_states)
+            next_states[group] = next_states[group]._replace(rounds=synced)
+        return outputs, next_states, received, sent, rows_requested(next_states)
 
     def _drain_step(self):
         batch, states = self._current.read(), self._states.read()
-        return self._reduce(self._strategy.run(lambda b, s: self._compute_pass(b, s),
-                                               args=(batch, states)))
+        return self._reduce(self._strategy.run(self._compute_pass, args=(batch, states)))
 
     # --- driver ------------------------------------------------------------------------------
+    def _count_requested(self, requested):
+        requested = requested.numpy().tolist()
+        self.stats.rows_requested += sum(requested)
+        self.stats.first_lookup_rows += requested[0] if requested else 0
+
     def progress(self, iterator):
         """Trains on the next batch of `iterator` and returns `step_fn`'s (reduced) outputs.
         Raises StopIteration / OutOfRangeError once the iterator and the pipeline are empty."""
+        if self._lookahead == 0:
+            outputs, requested = self._synchronous(iterator)
+            self._count_requested(requested)
+            self.stats.steps += 1
+            return outputs
         if self._iterator_ref is None or self._iterator_ref() is not iterator:
             # A new iterator (e.g. a new fit call): the old look-ahead is dropped, as the old
             # iterator's remaining elements would have been without the pipeline.
@@ -208,20 +240,36 @@ class TrainPipeline:
             self._has_upcoming = bool(self._prime(iterator))  # raises at the end of the data
             self._primed = True
             self.stats.primes += 1
+        return self._advance(iterator)
+
+    def _advance(self, iterator):
+        """One step of a primed pipeline: pipelined (reading `iterator` unless None) while a
+        batch is upcoming, else the drain."""
         if self._has_upcoming:
-            outputs, has_upcoming, received, sent, requested = self._step(iterator)
+            outputs, has_upcoming, received, sent, requested = (
+                self._step(iterator) if iterator is not None else self._step_held())
             self._has_upcoming = bool(has_upcoming)
             self.stats.rows_synced += int(received)
             self.stats.rows_planned += int(sent)
-            requested = requested.numpy().tolist()
-            self.stats.rows_requested += sum(requested)
-            self.stats.first_lookup_rows += requested[0] if requested else 0
+            self._count_requested(requested)
         else:
             outputs = self._drain()
             self.reset()
             self.stats.drains += 1
         self.stats.steps += 1
         return outputs
+
+    def progress_held(self, iterator):
+        """Trains the next batch the look-ahead holds from `iterator`, reading nothing more
+        (to switch to another pipeline without skipping a batch); None once it holds none, or
+        if `iterator` is not the one it read them from (they are dropped, as a new fit call
+        drops them)."""
+        if self._lookahead == 0 or not self._primed:
+            return None
+        if self._iterator_ref is None or self._iterator_ref() is not iterator:
+            self.reset()
+            return None
+        return self._advance(None)
 
     def reset(self):
         """Forgets the prefetched batch (e.g. after the tables were restored from a checkpoint);

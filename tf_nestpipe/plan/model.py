@@ -23,7 +23,7 @@ PIPELINES = ("none", "dbp", "fwp", "nested")
 COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
 KEY_BYTES = 8  # int64 keys
 COUNT_BYTES = 4  # int32 split sizes
-# The padded exchange's capacities, as tf_nestpipe.strategy.communication buckets them.
+# The padded exchange's capacities, as tf_nestpipe.collectives.communication buckets them.
 _CAPACITIES = sorted({int(math.ceil(1.19 ** k)) for k in range(0, 124)})
 
 

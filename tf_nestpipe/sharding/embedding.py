@@ -5,18 +5,24 @@ import numpy as np
 import tensorflow as tf
 import tf_keras
 
-from tf_nestpipe.pipeline import context as pipeline_context
-from tf_nestpipe.strategy.row_shard_saving import gather_full_rows
-from tf_nestpipe.pipeline import dual_buffer
-from tf_nestpipe.pipeline.frozen_window import current_window, windowed_lookup
+from tf_nestpipe import ops
 from tf_nestpipe.sharding import partitioners
+from tf_nestpipe.sharding.fetch import current_fetcher
+from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
-from tf_nestpipe.strategy.export import export_table
-from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy, creating_row_shard
+from tf_nestpipe.sharding.row_shard import creating_row_shard
+from tf_nestpipe.sharding.tables import FusedTables
 
 COMBINERS = (None, "sum", "mean")
+
+
+def embedding_exchange_of(strategy):
+    """The `EmbeddingExchange` of a strategy that places row-wise tables (NestPipeStrategy),
+    else None."""
+    return getattr(getattr(strategy, "extended", None), "embedding_exchange", None)
+
 INVALID_ID_POLICIES = ("error", "zero")
 
 
@@ -50,7 +56,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         # The strategy whose scope the layer was created in; its variables are built there even
         # if the layer is first called outside the scope.
         current = tf.distribute.get_strategy()
-        self._strategy = current if isinstance(current, NestPipeStrategy) else None
+        self._strategy = current if embedding_exchange_of(current) is not None else None
         # Parameter-server mode: the table is a ShardedVariable on the ps tasks, its rows laid
         # out by the strategy's partitioner ("div": contiguous ranges, "mod": round-robin).
         self._ps_row_order = None
@@ -67,7 +73,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                                               trainable=True)
             super().build(input_shape)
             return
-        if self._strategy is None and isinstance(tf.distribute.get_strategy(), NestPipeStrategy):
+        if self._strategy is None and embedding_exchange_of(tf.distribute.get_strategy()):
             self._strategy = tf.distribute.get_strategy()
         scope = creation = contextlib.nullcontext()
         if self._strategy is not None:
@@ -84,31 +90,40 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                 name="embeddings", shape=(self.layout.local_rows, self.dim),
                 initializer=RowShardInitializer(self.embeddings_initializer, self.layout),
                 trainable=True)
+        if self.exchanged:
+            embedding_exchange_of(self._strategy).register(self)
         super().build(input_shape)
+
+    @property
+    def exchanged(self):
+        """Whether lookups of this table go through an exchange between workers (a row-wise
+        table of a NestPipeStrategy with more than one worker)."""
+        return (self._strategy is not None and self._ps_row_order is None
+                and self.layout is not None and self.layout.num_shards > 1)
 
     def collectives(self):
         """The strategy's collectives (None outside a NestPipeStrategy)."""
-        if self._strategy is None:
-            return None
-        return self._strategy.extended.collectives
+        exchange = embedding_exchange_of(self._strategy)
+        return exchange.collectives if exchange is not None else None
 
-    def _row_fetcher(self):
-        """The function that fetches rows for a vector of ids in the current trace: the
-        synchronous sharded lookup, or inside a pipelined pass the prefetch (route mode: records
-        the state, returns zeros) or the read of the prefetched buffer (compute mode)."""
-        context = pipeline_context.current()
-        if context is None:
-            return lambda ids: sharded_lookup(self.embeddings, ids, self.layout, self.collectives(),
-                                              table_name=self.name)
-        if context.mode == pipeline_context.ROUTE:
-            def prefetch(ids):
-                context.record(self, dual_buffer.prefetch(self.embeddings, ids, self.layout,
-                                                          self.collectives(), self.name))
-                return tf.zeros([tf.size(ids), self.dim], self.embeddings.dtype)
+    def checked_ids(self, flat_ids):
+        """`flat_ids` after checking they lie in the vocabulary (an error naming the table and
+        the id; with invalid_id_policy="zero" they were already mapped into it)."""
+        if self.invalid_id_policy != "error":
+            return flat_ids
+        return ops.check_ids(flat_ids, self.vocab_size, self.name)
 
-            return prefetch
-        return lambda ids: dual_buffer.lookup_from_buffer(
-            self.embeddings, context.take(self), self.layout, self.collectives(), self.name)
+    def direct_lookup(self, flat_ids):
+        """This table's own lookup, fused with no other: its exchange (row-wise, several
+        workers), a local gather (one worker), or the gather from the ps shards."""
+        if self._ps_row_order is not None:
+            return self._parameter_server_lookup(flat_ids)
+        if not self.exchanged:
+            return sharded_lookup(FusedTables([self], 1, 0), flat_ids, None, self.name, None)
+        exchange = embedding_exchange_of(self._strategy)
+        tables = FusedTables([self], self.layout.num_shards, self.layout.shard_index)
+        return sharded_lookup(tables, flat_ids, exchange.collectives, self.name,
+                              exchange.capacity_hint(self.name))
 
     def _lookup(self, flat_ids):
         valid = None
@@ -116,27 +131,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             valid = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
             flat_ids = tf.where(valid, flat_ids, tf.zeros_like(flat_ids))
         flat_ids = tf.reshape(flat_ids, [-1])
-        full = export_table(self)
-        if full is not None:  # tracing a SavedModel's serving function: core ops only
-            rows = tf.gather(full, flat_ids)
-        elif self._ps_row_order is not None:
-            context = pipeline_context.current()
-            if context is not None and context.mode == pipeline_context.ROUTE:
-                # A DOWNPOUR window's route pass: record the ids, so that only their rows are
-                # pulled from the ps tasks (see strategy/downpour.py).
-                context.record(self, self._checked_ids(flat_ids))
-                rows = tf.zeros([tf.size(flat_ids), self.dim], self.embeddings.dtype)
-            else:
-                rows = self._parameter_server_lookup(flat_ids)
-        elif self._strategy is None or self.layout.num_shards == 1:
-            rows = sharded_lookup(self.embeddings, flat_ids, self.layout, None, table_name=self.name)
-        else:
-            fetch = self._row_fetcher()
-            window = current_window()
-            # In a frozen window each lookup fetches only the ids no earlier lookup fetched.
-            rows = (fetch(flat_ids) if window is None else
-                    windowed_lookup(window, self.name, flat_ids, fetch, self.dim,
-                                    self.embeddings.dtype))
+        # The installed fetcher answers: this table's own lookup unless a pipeline, a frozen
+        # window, DOWNPOUR's route pass or an export installed another (sharding/fetch.py).
+        rows = current_fetcher().lookup(self, flat_ids)
         if valid is not None:
             rows = rows * tf.cast(valid, rows.dtype)[:, None]
         return rows
@@ -145,22 +142,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         """The table's shard variables in order (one if the partitioner did not split it)."""
         return list(getattr(self.embeddings, "variables", [self.embeddings]))
 
-    def _checked_ids(self, flat_ids):
-        """`flat_ids`, after an assertion that they lie in the vocabulary (policy "error")."""
-        if self.invalid_id_policy != "error":
-            return flat_ids
-        in_range = tf.logical_and(flat_ids >= 0, flat_ids < self.vocab_size)
-        check = tf.debugging.Assert(
-            tf.reduce_all(in_range),
-            ["ShardedEmbedding '%s': ids out of range [0, %d); fix the input pipeline or use "
-             "invalid_id_policy='zero'. Offending ids:" % (self.name, self.vocab_size),
-             tf.boolean_mask(flat_ids, tf.logical_not(in_range))], summarize=20)
-        with tf.control_dependencies([check]):
-            return tf.identity(flat_ids)
-
     def _parameter_server_lookup(self, flat_ids):
         """Rows of `flat_ids` from the ps shards (the gradient is an IndexedSlices per shard)."""
-        return partitioners.gather_shard_rows(self._table_shards(), self._checked_ids(flat_ids),
+        return partitioners.gather_shard_rows(self._table_shards(), self.checked_ids(flat_ids),
                                               self._ps_row_order)
 
     def call(self, inputs):

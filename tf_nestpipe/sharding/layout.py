@@ -9,6 +9,11 @@ import dataclasses
 import numpy as np
 
 
+def _as_ids(ids):
+    """Lists become NumPy arrays; arrays and tensors pass through."""
+    return np.asarray(ids) if isinstance(ids, (list, tuple)) else ids
+
+
 @dataclasses.dataclass(frozen=True)
 class ShardLayout:
     """Which rows of a `[vocab_size, dim]` table shard `shard_index` of `num_shards` holds."""
@@ -42,8 +47,13 @@ class ShardLayout:
 
     def global_ids(self) -> np.ndarray:
         """Global ids of this shard's rows, in local row order."""
-        return np.arange(self.shard_index, self.vocab_size, self.num_shards, dtype=np.int64)
+        ids = np.arange(self.vocab_size, dtype=np.int64)
+        return ids[self.owner(ids) == self.shard_index]
 
     def owner(self, ids):
-        """Owner shard of each id."""
-        return np.asarray(ids) % self.num_shards
+        """Owner shard of each id (NumPy arrays or int64 tensors)."""
+        return _as_ids(ids) % self.num_shards
+
+    def local_row(self, ids):
+        """Row of each id in its owner's shard (NumPy arrays or int64 tensors)."""
+        return _as_ids(ids) // self.num_shards

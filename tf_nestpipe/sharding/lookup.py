@@ -1,74 +1,101 @@
-"""The model-parallel embedding lookup of one table (DESIGN.md section 2).
+"""The row-wise sharder's stages for one exchange (DESIGN.md sections 2 and 10).
 
-Forward, per step: fused dedup + bucket-by-owner (custom op); an all-gather of the split sizes
-(each worker learns what it will receive and the common padded capacity); an all-to-all of the
-padded keys; owner-side dedup (custom op) and gather of the owned rows; an all-to-all of the rows
-back; a gather through the inverse index. Backward is the adjoint of each step: segment-sum of
-the per-sample gradients per unique key (custom op), the reverse all-to-all, and the owner's
-segment-sum into an `IndexedSlices` gradient of its own rows only.
+`source` is the row source of the exchange: a `FusedTables` (one table, or every table of one
+dim and dtype in one fused id space) with its `layout` and `gather(local_rows)`.
+
+- route: fused dedup + bucket-by-owner (custom op); the keys all-to-all, padded to the tag's
+  capacity hint and headed by the sender's split sizes, so every worker learns the whole count
+  matrix from it (no separate counts all-gather); if a count exceeded the hint, a second
+  all-to-all carries the overflow (every worker sees the same counts, so all take it or none:
+  no key is ever dropped); the owner's dedup (custom op).
+- fetch: the owner gathers the owned rows (`source.gather`).
+- output: the rows all-to-all back to the requesters and the inverse-index rebuild.
+- backward (the adjoint): segment-sum per unique key (custom op), the reverse all-to-all and the
+  owner's segment-sum into an `IndexedSlices` gradient of its own rows only.
 """
 import tensorflow as tf
 
 from tf_nestpipe import ops
-from tf_nestpipe.sharding.layout import ShardLayout
-from tf_nestpipe.strategy.communication import capacity_bucket
+from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.sharding.records import RoutingRecord
 
 
-def route(ids, layout: ShardLayout, collectives, table_name=""):
-    """Stage 3 for a vector of int64 `ids` (more than one shard): dedup + bucket-by-owner, counts
-    exchange, keys all-to-all and owner-side dedup. Returns a dict of tensors:
+def _padded(ragged_keys, width):
+    """`[W, None]` ragged keys as a `[W, width]` tensor padded with -1."""
+    return ragged_keys.to_tensor(default_value=-1, shape=tf.stack(
+        [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
-    - requester side: `splits` (unique ids per owner), `inverse` (input position -> bucketed
-      unique index), `slot_of_bucket_pos` (bucketed unique index -> slot of the row exchange);
-    - exchange shape: `bucket`, `capacity` (padded ids per owner/requester pair);
-    - owner side: `local_rows` (distinct owned rows requested), `slot_to_unique` (slot ->
-      index into `local_rows`, -1 for padding), `received` (ids received from each requester:
-      the rows this owner sends back to each).
 
-    The exchanges pass their real per-worker counts along: a collectives backend with variable
-    splits (Horovod) sends only those entries, TensorFlow's all-to-all the padded blocks.
-    """
+def route(ids, layout, collectives, tag, hint):
+    """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
+    `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker)."""
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards = layout.num_shards
-    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, table_name)
-    # Counts exchange: sent[i, j] = number of unique ids worker i requests from worker j.
-    sent = tf.reshape(collectives.all_gather(splits, table_name + "/counts"), [num_shards, num_shards])
-    bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(sent), 1))
-    padded_keys = tf.RaggedTensor.from_row_lengths(keys, tf.cast(splits, tf.int64)).to_tensor(
-        default_value=-1, shape=tf.stack([tf.constant(num_shards, tf.int64),
-                                          tf.cast(capacity, tf.int64)]))
-    received_keys = collectives.all_to_all(padded_keys, table_name + "/keys", bucket,
-                                           send_counts=splits, fill=-1)
+    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
+    splits64 = tf.cast(splits, tf.int64)
+    by_owner = tf.RaggedTensor.from_row_lengths(keys, splits64)
+    hint_bucket, hint_capacity = hint.read()
+    # Block j: this worker's split sizes (the header), then up to hint_capacity keys for owner j.
+    header = tf.tile(splits64[None, :], [num_shards, 1])
+    first = tf.concat([header, _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
+    first_counts = num_shards + tf.minimum(splits, hint_capacity)
+    received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
+                                            send_counts=first_counts, fill=-1)
+    # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
+    sent = tf.cast(received_first[:, :num_shards], tf.int32)
+    largest = tf.reduce_max(sent)
+
+    def overflow():
+        extra_bucket, extra_capacity = capacity_bucket(largest - hint_capacity)
+        rest = _padded(by_owner[:, hint_capacity:], extra_capacity)
+        with tf.control_dependencies([hint.count_overflow()]):
+            return collectives.all_to_all(rest, tag + "/keys_overflow", extra_bucket,
+                                          send_counts=tf.maximum(splits - hint_capacity, 0),
+                                          fill=-1)
+
+    extra = tf.cond(largest > hint_capacity, overflow,
+                    lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
+    with tf.control_dependencies([hint.follow(largest)]):
+        bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
+    # The rows exchange's slot layout: from requester i, its sent[i, me] keys, then padding.
+    received = sent[:, layout.shard_index]
+    keys_in = tf.concat([received_first[:, num_shards:], extra], axis=1)
+    received_keys = _padded(tf.RaggedTensor.from_row_lengths(
+        tf.boolean_mask(keys_in, keys_in >= 0), tf.cast(received, tf.int64)), capacity)
     local_rows, slot_to_unique = ops.owner_dedup(received_keys, num_shards, layout.shard_index)
     offsets = tf.cumsum(splits, exclusive=True)
     owner_of_bucket_pos = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
     slot_of_bucket_pos = (owner_of_bucket_pos * capacity + tf.range(tf.size(keys, tf.int32))
                           - tf.gather(offsets, owner_of_bucket_pos))
-    return {"splits": splits, "inverse": inverse, "slot_of_bucket_pos": slot_of_bucket_pos,
-            "bucket": bucket, "capacity": capacity, "local_rows": local_rows,
-            "slot_to_unique": slot_to_unique, "received": sent[:, layout.shard_index]}
+    return RoutingRecord(splits=splits, inverse=inverse, slot_of_bucket_pos=slot_of_bucket_pos,
+                         bucket=bucket, capacity=capacity, local_rows=local_rows,
+                         slot_to_unique=slot_to_unique, received=received)
 
 
-def exchange_rows(owned, routing, layout: ShardLayout, collectives, table_name="",
-                  differentiable=True):
-    """Stage 4: the owner's `owned` rows (one per `local_rows`) go back to the requesters.
-    Returns the received rows in slot layout, `[num_shards * capacity, dim]`."""
-    outgoing = tf.reshape(ops.gather_rows(owned, routing["slot_to_unique"]),
-                          [layout.num_shards, routing["capacity"], layout.dim])
+def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True):
+    """Output stage: the owner's `owned` rows (one per `routing.local_rows`) go back to the
+    requesters. Returns the received rows in slot layout, `[num_shards * capacity, dim]`."""
+    outgoing = tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
+                          [layout.num_shards, routing.capacity, layout.dim])
     exchange = collectives.all_to_all_differentiable if differentiable else collectives.all_to_all
-    return tf.reshape(exchange(outgoing, table_name + "/rows", routing["bucket"],
-                               send_counts=routing["received"]), [-1, layout.dim])
+    return tf.reshape(exchange(outgoing, tag + "/rows", routing.bucket,
+                               send_counts=routing.received), [-1, layout.dim])
 
 
-def sharded_lookup(table, ids, layout: ShardLayout, collectives, table_name=""):
-    """Returns `table_full[ids]` (`[n, dim]`) for a vector of int64 `ids`, where `table` holds
-    this worker's row shard of `table_full` as described by `layout`."""
+def local_lookup(source, ids, tag):
+    """Rows of `ids` from a source that is not split over workers (one shard)."""
+    keys, _, inverse = ops.route_keys(ids, 1, source.layout.vocab_size, tag)
+    return ops.gather_rows(source.gather(keys), inverse)
+
+
+def sharded_lookup(source, ids, collectives, tag, hint):
+    """Returns `table_full[ids]` (`[n, dim]`) for a vector of int64 (fused) `ids` of `source`
+    through one synchronous exchange (every stage, in order)."""
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    layout = source.layout
     if layout.num_shards == 1:
-        keys, _, inverse = ops.route_keys(ids, 1, layout.vocab_size, table_name)
-        return ops.gather_rows(tf.gather(table, keys), inverse)
-    routing = route(ids, layout, collectives, table_name)
-    owned = tf.gather(table, routing["local_rows"])  # IndexedSlices gradient on owned rows only
-    incoming = exchange_rows(owned, routing, layout, collectives, table_name)
-    # Stage 5: inverse-index rebuild of the per-sample rows.
-    return ops.gather_rows(incoming, tf.gather(routing["slot_of_bucket_pos"], routing["inverse"]))
+        return local_lookup(source, ids, tag)
+    routing = route(ids, layout, collectives, tag, hint)
+    owned = source.gather(routing.local_rows)  # IndexedSlices gradient on owned rows only
+    incoming = exchange_rows(owned, routing, layout, collectives, tag)
+    return ops.gather_rows(incoming, tf.gather(routing.slot_of_bucket_pos, routing.inverse))

@@ -1,6 +1,6 @@
 """The synchronous NestPipe distribution strategy and its collectives, and the
 parameter-server strategy."""
-from tf_nestpipe.strategy.communication import CommunicationImplementation, Collectives
+from tf_nestpipe.collectives.communication import CommunicationImplementation, Collectives
 from tf_nestpipe.strategy.nestpipe_strategy import (NestPipeExtended, NestPipeStrategy,
                                                     is_row_shard)
 from tf_nestpipe.strategy.downpour import DownpourTrainer, LocalAdagrad, LocalSGD

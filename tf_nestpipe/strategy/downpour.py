@@ -29,8 +29,8 @@ from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
 
-from tf_nestpipe.pipeline import context as pipeline_context
 from tf_nestpipe.sharding import partitioners
+from tf_nestpipe.sharding.fetch import RowFetcher, installed
 
 
 class _LocalVariable(ps_values.PerWorkerVariable):
@@ -50,6 +50,18 @@ class _LocalVariable(ps_values.PerWorkerVariable):
         closure, spec = self.handle_call_time_value()
         return ops.get_default_graph().capture_call_time_value(
             closure, spec, key=("tf_nestpipe_local_variable", id(self)))
+
+
+class _IdRecorder(RowFetcher):
+    """A DOWNPOUR window's route pass: records each table lookup's checked ids (only their rows
+    are pulled from the ps tasks) and returns zeros."""
+
+    def __init__(self):
+        self.lookups = []
+
+    def lookup(self, layer, flat_ids):
+        self.lookups.append((layer, layer.checked_ids(flat_ids)))
+        return tf.zeros([tf.size(flat_ids), layer.dim], layer.embeddings.dtype)
 
 
 @contextlib.contextmanager
@@ -291,8 +303,8 @@ class DownpourTrainer:
             # ids (its dense ops have no consumer and are pruned from the function).
             step_ids = []
             for features, _ in batches:
-                route = pipeline_context.PipelineContext(pipeline_context.ROUTE)
-                with pipeline_context.pipeline_mode(route):
+                route = _IdRecorder()
+                with installed(route):
                     self.local_model(features, training=True)
                 step_ids.append(self._ids_by_variable(route))
             # Pull: the dense parameters whole, and of each table only the rows the window
@@ -350,11 +362,10 @@ class DownpourTrainer:
         """{position of a table in the local model's trainable variables: the ids all lookups
         of that table recorded in `route`}."""
         positions = {id(v): i for i, v in enumerate(self.local_model.trainable_variables)}
-        ids = {}
-        for name, recorded in route.states_out.items():
-            position = positions[id(route.layers[name].embeddings)]
-            ids[position] = tf.concat([tf.reshape(tf.cast(r, tf.int64), [-1]) for r in recorded], 0)
-        return ids
+        recorded = {}
+        for layer, flat_ids in route.lookups:
+            recorded.setdefault(positions[id(layer.embeddings)], []).append(flat_ids)
+        return {position: tf.concat(parts, 0) for position, parts in recorded.items()}
 
     def global_values(self):
         """The model's parameters as NumPy arrays, rows in natural order (read from the ps)."""

@@ -5,32 +5,24 @@ stored in the SavedModel as an ordinary variable; while the serving function is 
 layers look rows up in it with `tf.gather` only, so the SavedModel uses no tf_nestpipe op and
 loads in a process that never imports tf_nestpipe. Worker 0 writes it.
 """
-import contextlib
-import threading
-
 import tensorflow as tf
 
-_local = threading.local()
+from tf_nestpipe.sharding.embedding import ShardedEmbedding
+from tf_nestpipe.sharding.fetch import RowFetcher, installed
 
 
-def export_table(layer):
-    """The full-table variable a layer reads while a serving function is traced, or None."""
-    return getattr(_local, "tables", {}).get(id(layer))
+class _FullTableFetcher(RowFetcher):
+    """While a serving function is traced: every lookup is a `tf.gather` from the layer's full
+    table (core ops only)."""
 
+    def __init__(self, tables_by_layer):
+        self._tables = tables_by_layer
 
-@contextlib.contextmanager
-def _serving_tables(tables):
-    previous = getattr(_local, "tables", {})
-    _local.tables = tables
-    try:
-        yield
-    finally:
-        _local.tables = previous
+    def lookup(self, layer, flat_ids):
+        return tf.gather(self._tables[id(layer)], flat_ids)
 
 
 def _sharded_layers(model):
-    from tf_nestpipe.sharding.embedding import ShardedEmbedding  # avoid an import cycle
-
     return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
             if isinstance(layer, ShardedEmbedding)]
 
@@ -66,7 +58,7 @@ def _serving_module(model, tables_by_layer, input_signature):
             else:
                 inputs[name] = flat[position]
                 position += 1
-        with _serving_tables(tables_by_layer):
+        with installed(_FullTableFetcher(tables_by_layer)):
             outputs = model(inputs, training=False)
         return {"outputs": outputs}
 

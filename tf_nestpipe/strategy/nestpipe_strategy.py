@@ -6,9 +6,6 @@ worker-local variables holding only the rows this worker owns; their optimizer s
 worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
 all-to-all already delivered each owner the summed gradient of its rows.
 """
-import contextlib
-import threading
-
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
 from tensorflow.python.distribute import distribute_lib, distribute_utils
@@ -21,36 +18,15 @@ from tensorflow.python.trackable import base as _trackable_base
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.pipeline.modes import PIPELINES
+from tf_nestpipe.sharding.exchange import EmbeddingExchange
+from tf_nestpipe.sharding.row_shard import is_row_shard, row_shard_being_created, row_shard_layout
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
-from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
+from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
-from tf_nestpipe.strategy.horovod_collectives import HorovodCollectives, init_horovod
+from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
 
-_SHARD_ATTR = "_nestpipe_row_shard"
-PIPELINES = ("none", "dbp", "fwp", "nested")
 COLLECTIVES = ("tf", "horovod")
-_creation_state = threading.local()
-
-
-def is_row_shard(variable):
-    """True for a sharded-embedding row shard or one of its optimizer slots."""
-    return row_shard_layout(variable) is not None
-
-
-def row_shard_layout(variable):
-    """The `ShardLayout` of a row-shard variable (or its slot), else None."""
-    return getattr(variable, _SHARD_ATTR, None)
-
-
-@contextlib.contextmanager
-def creating_row_shard(layout):
-    """Within this context, the next variables created under a NestPipeStrategy are row shards."""
-    previous = getattr(_creation_state, "layout", None)
-    _creation_state.layout = layout
-    try:
-        yield
-    finally:
-        _creation_state.layout = previous
 
 
 class NestPipeExtended(_cars.CollectiveAllReduceExtended):
@@ -74,6 +50,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._nestpipe_collectives = HorovodCollectives(
                 hvd, num_workers=size, worker_index=rank, device=self.worker_devices[0],
                 timeout_seconds=collective_timeout_seconds)
+            self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, size)
             return
         self._nestpipe_collectives = Collectives(
             num_workers=self._num_workers,
@@ -83,6 +60,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                                                   self._local_device_type),
             timeout_seconds=collective_timeout_seconds)
         self._nestpipe_collectives.worker_index = self._collective_rank()
+        # The per-step exchange of every row-wise table (the pipelines install its fetchers).
+        self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
 
     # --- one replica per worker -----------------------------------------------------------
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -144,7 +123,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
-        layout = getattr(_creation_state, "layout", None)
+        layout = row_shard_being_created()
         colocate_with = kwargs.get("colocate_with")
         if layout is None and colocate_with is not None and is_row_shard(colocate_with):
             layout = row_shard_layout(colocate_with)  # an optimizer slot of a row shard
@@ -273,9 +252,15 @@ class NestPipeStrategy(distribute_lib.Strategy):
     """Synchronous NestPipe training: row-sharded `ShardedEmbedding` tables, mirrored dense weights.
 
     Reads the cluster from `TF_CONFIG` (a single local worker without it). Build models under
-    `strategy.scope()` and train them with tf_keras `fit` or `strategy.run` in a custom loop.
+    `strategy.scope()` and train them with tf_keras `fit`, `tnp.TrainPipeline` or `strategy.run`
+    in a custom loop. Under `fit` (and `TrainPipeline`) every row-wise lookup of a step goes
+    through one exchange per group of tables (one dim and dtype), however many layers the model
+    has; `strategy.run` loops exchange each table on its own.
     `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
+    `pipeline="auto"` (default) tries none, fwp, dbp and nested on the first steps of `fit`
+    (`auto_warmup_steps` untimed + `auto_timed_steps` timed steps each, every one exact
+    training) and continues with the fastest, logging the timings.
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
@@ -293,9 +278,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
     _collective_key_base = 0
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
-                 communication_options=None, collective_timeout_seconds=0, pipeline="none",
+                 communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf"):
+                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -305,7 +290,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
             raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
         if int(micro_batches) < 1:
             raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
+        if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1:
+            raise ValueError("auto_warmup_steps must be >= 0 and auto_timed_steps >= 1, got %r "
+                             "and %r" % (auto_warmup_steps, auto_timed_steps))
         self.pipeline = pipeline
+        self.auto_warmup_steps = int(auto_warmup_steps)
+        self.auto_timed_steps = int(auto_timed_steps)
         self.micro_batches = int(micro_batches)
         self.cluster_samples = bool(cluster_samples)
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.

@@ -19,6 +19,9 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.checkpoint import tensor_callable
 
+from tf_nestpipe.sharding.full_table import gather_full_rows
+from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
+
 _state = threading.local()
 _classes = {}
 
@@ -38,24 +41,11 @@ def _saving_local_rows():
     return getattr(_state, "local", False)
 
 
-def gather_full_rows(local, layout, collectives, tag):
-    """The whole `[vocab_size, ...]` value from every worker's row shard `local` (a collective)."""
-    if layout.num_shards == 1:
-        return tf.convert_to_tensor(local)
-    local = tf.convert_to_tensor(local)
-    pad = layout.max_local_rows - layout.local_rows
-    padded = tf.pad(local, [[0, pad]] + [[0, 0]] * (local.shape.rank - 1))
-    gathered = collectives.all_gather(padded, tag)  # [num_shards * max_local_rows, ...]
-    ids = tf.range(layout.vocab_size, dtype=tf.int64)
-    index = (ids % layout.num_shards) * layout.max_local_rows + ids // layout.num_shards
-    return tf.gather(gathered, index)
-
-
 class _RowShardSaving:
     """Mixed into a row-shard variable's class: checkpoints hold the whole table (see module)."""
 
     def _serialize_to_tensors(self):
-        layout = self._nestpipe_row_shard  # pylint: disable=no-member
+        layout = row_shard_layout(self)
         if layout.num_shards == 1 or _saving_local_rows():
             return super()._serialize_to_tensors()
         variable, collectives = self, self._nestpipe_collectives  # pylint: disable=no-member
@@ -69,7 +59,7 @@ class _RowShardSaving:
             read_whole_table, dtype=self.dtype, device=self.device)}
 
     def _restore_from_tensors(self, restored_tensors):
-        layout = self._nestpipe_row_shard  # pylint: disable=no-member
+        layout = row_shard_layout(self)
         value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
         rows = value.shape[0] if value.shape.rank else None
         if not _saving_local_rows() and layout.num_shards > 1 and rows in (layout.vocab_size, None):
@@ -91,6 +81,6 @@ def make_checkpointable(variable, layout, collectives):
     if base not in _classes:
         _classes[base] = type("RowShard" + base.__name__, (_RowShardSaving, base), {})
     variable.__class__ = _classes[base]
-    variable._nestpipe_row_shard = layout  # pylint: disable=protected-access
+    mark_row_shard(variable, layout)
     variable._nestpipe_collectives = collectives  # pylint: disable=protected-access
     return variable

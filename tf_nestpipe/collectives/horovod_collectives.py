@@ -22,7 +22,7 @@ import threading
 import tensorflow as tf
 
 from tf_nestpipe.launch.tf_config import parse_tf_config
-from tf_nestpipe.strategy.communication import Collectives
+from tf_nestpipe.collectives.communication import Collectives
 
 INSTALL_HINT = ("collectives='horovod' needs Horovod built against this TensorFlow: run "
                 "scripts/install_horovod.sh (Horovod 0.28.1 with Gloo, about 2.5 minutes), or "

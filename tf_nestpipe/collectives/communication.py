@@ -13,6 +13,7 @@ Callers pass the real per-worker counts of a padded exchange (`send_counts`); th
 the padded blocks whole (CollectiveAllToAllV2 needs equal splits), while
 `horovod_collectives.HorovodCollectives` (same interface) sends only the data entries.
 """
+import bisect
 import contextlib
 import os
 import threading
@@ -54,11 +55,24 @@ def _delayed(seconds, tensor):
     return out
 
 
+MAX_BUCKET = len(_CAPACITIES) - 1
+
+
 def capacity_bucket(capacity):
     """Returns `(bucket, padded_capacity)`: the smallest bucketed capacity >= `capacity` (int32)."""
     table = tf.constant(_CAPACITIES, tf.int32)
     bucket = tf.searchsorted(table, tf.reshape(tf.cast(capacity, tf.int32), [1]), side="left")[0]
     return bucket, tf.gather(table, bucket)
+
+
+def static_capacity_bucket(capacity):
+    """`capacity_bucket` of a Python int, as a Python int (the bucket index)."""
+    return bisect.bisect_left(_CAPACITIES, int(capacity))
+
+
+def capacity_of_bucket(bucket):
+    """The padded capacity of a bucket index (int32)."""
+    return tf.gather(tf.constant(_CAPACITIES, tf.int32), bucket)
 
 
 def resolve_implementation(implementation, device_type):

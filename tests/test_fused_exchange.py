@@ -1,0 +1,193 @@
+"""The fused exchange's single-process pieces: the id check op, the fused id space of a table
+group, the frozen window's dedup, round assignment, the collective counter and `auto`'s choice."""
+import collections
+
+import numpy as np
+import pytest
+import tensorflow as tf
+from tensorflow.python.ops import collective_ops
+
+from tf_nestpipe import ops
+from tf_nestpipe.collectives.counting import count_collectives
+from tf_nestpipe.pipeline.auto import AutoPipeline
+from tf_nestpipe.pipeline.fused_exchange import RoundTracker, _window_rounds
+from tf_nestpipe.sharding.layout import ShardLayout
+from tf_nestpipe.sharding.tables import FusedTables
+
+
+def test_check_ids_passes_valid_ids_and_names_table_id_and_position():
+    ids = tf.constant([0, 4, 2], tf.int64)
+    np.testing.assert_array_equal(ops.check_ids(ids, 5, "t").numpy(), [0, 4, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"ShardedEmbedding 'users': id 5 at position 1 is out of range "
+                             r"\[0, 5\).*invalid_id_policy='zero'"):
+        ops.check_ids(tf.constant([1, 5, -1], tf.int64), 5, "users")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="id -1 at position 0"):
+        ops.check_ids(tf.constant([-1], tf.int64), 5, "users")
+
+
+class _FakeTable:
+    """What FusedTables reads of a layer: vocab_size, dim and this worker's shard variable."""
+
+    def __init__(self, full, num_shards, shard_index, name):
+        self.name = name
+        self.vocab_size, self.dim = full.shape
+        layout = ShardLayout(self.vocab_size, self.dim, num_shards, shard_index)
+        self.embeddings = tf.Variable(full[layout.global_ids()])
+
+
+def _tables(num_shards, shard_index, sizes=(7, 10, 4), dim=3):
+    rng = np.random.default_rng(0)
+    fulls = [rng.normal(size=(size, dim)).astype(np.float32) for size in sizes]
+    return fulls, [_FakeTable(f, num_shards, shard_index, "t%d" % i) for i, f in enumerate(fulls)]
+
+
+@pytest.mark.parametrize("num_shards", [1, 2, 3])
+def test_fused_ids_keep_each_ids_owner_and_local_row(num_shards):
+    for shard in range(num_shards):
+        fulls, layers = _tables(num_shards, shard)
+        group = FusedTables(layers, num_shards, shard)
+        for layer, full in zip(layers, fulls):
+            ids = tf.range(layer.vocab_size, dtype=tf.int64)
+            fused = group.fuse(layer, ids)
+            np.testing.assert_array_equal(group.layout.owner(fused).numpy(), ids.numpy() % num_shards)
+            assert int(tf.reduce_max(fused)) < group.layout.vocab_size
+            # This shard's ids, gathered through the fused local rows, are the table's rows.
+            mine = ids.numpy()[ids.numpy() % num_shards == shard]
+            rows = group.gather(group.layout.local_row(tf.constant(mine) + group.offset(layer)))
+            np.testing.assert_array_equal(rows.numpy(), full[mine])
+
+
+def test_fused_gather_sends_each_table_its_own_sparse_gradient():
+    fulls, layers = _tables(2, 1)
+    group = FusedTables(layers, 2, 1)
+    picks = [(0, 3), (2, 1), (1, 9), (0, 3), (2, 3)]  # (table, id), all owned by shard 1
+    local = tf.constant([group.layout.local_row(k + group.offset(layers[t])) for t, k in picks],
+                        tf.int64)
+    with tf.GradientTape() as tape:
+        rows = group.gather(local)
+        loss = tf.reduce_sum(rows * tf.constant(np.arange(15, dtype=np.float32).reshape(5, 3)))
+    grads = tape.gradient(loss, [layer.embeddings for layer in layers])
+    for t, (layer, grad) in enumerate(zip(layers, grads)):
+        assert isinstance(grad, tf.IndexedSlices)
+        dense = tf.convert_to_tensor(grad).numpy()
+        expected = np.zeros_like(layer.embeddings.numpy())
+        for i, (table, k) in enumerate(picks):
+            if table == t:
+                expected[k // 2] += np.arange(15, dtype=np.float32).reshape(5, 3)[i]
+        np.testing.assert_array_equal(dense, expected)
+
+
+def test_fused_tables_refuse_mixed_dims():
+    _, layers = _tables(2, 0)
+    _, other = _tables(2, 0, sizes=(5,), dim=4)
+    with pytest.raises(ValueError, match="share dim and dtype"):
+        FusedTables(layers + other, 2, 0)
+
+
+def test_window_rounds_fetch_each_id_once_in_the_round_that_first_reads_it():
+    rounds = [np.array([5, 3, 5]), np.array([3, 8, 1, 8]), np.array([], np.int64),
+              np.array([1, 9, 5])]
+    new_keys, inverse = _window_rounds([tf.constant(r, tf.int64) for r in rounds])
+    seen, expected = set(), []
+    for r in rounds:
+        fresh = [k for k in dict.fromkeys(r.tolist()) if k not in seen]
+        seen.update(fresh)
+        expected.append(fresh)
+    assert [k.numpy().tolist() for k in new_keys] == expected
+    unique = np.concatenate([k.numpy() for k in new_keys])
+    np.testing.assert_array_equal(unique[inverse.numpy()], np.concatenate(rounds))
+
+
+def test_rounds_end_where_a_table_is_looked_up_again():
+    a, b = object(), object()
+    tracker = RoundTracker()
+    assert [tracker.place(x) for x in (a, b, a, b, b, a)] == [0, 0, 1, 1, 2, 2]
+
+
+def test_collective_counter_counts_branches_as_conditional_and_has_a_zero_control():
+    @tf.function
+    def with_collectives(x):
+        total = collective_ops.all_reduce_v2(x, 1, 7, 1)
+        gathered = tf.cond(tf.reduce_sum(x) > 0,
+                           lambda: collective_ops.all_gather_v2(x, 1, 7, 2),
+                           lambda: tf.identity(x))
+        return total + tf.reduce_sum(gathered)
+
+    @tf.function
+    def without(x):
+        return x * 2
+
+    spec = tf.TensorSpec([2], tf.float32)
+    count = count_collectives(with_collectives.get_concrete_function(spec).graph)
+    assert count.always == {"CollectiveReduceV2": 1}
+    assert count.conditional == {"CollectiveGatherV2": 1}
+    assert count.total == 1 and "1 conditional" in count.describe()
+    assert count_collectives(without.get_concrete_function(spec).graph).total == 0
+
+
+class _FakePipeline:
+    """Trains batches from a Python iterator (records which); `lookahead` batches are held."""
+
+    def __init__(self, name, trained, lookahead=0, seconds=0.0):
+        self.name, self.trained, self.lookahead, self.seconds = name, trained, lookahead, seconds
+        self.held = collections.deque()
+        self.stats = name
+
+    def progress(self, iterator):
+        while len(self.held) < self.lookahead + 1:
+            self.held.append(next(iterator))
+        batch = self.held.popleft()
+        self.trained.append((self.name, batch))
+        if self.seconds:
+            import time
+            time.sleep(self.seconds)
+        return batch
+
+    def progress_held(self, iterator):
+        del iterator
+        if not self.held:
+            return None
+        batch = self.held.popleft()
+        self.trained.append((self.name, batch))
+        return batch
+
+
+def test_auto_trains_every_batch_once_in_order_and_keeps_the_agreed_fastest():
+    trained, logged = [], []
+    candidates = [("slow", _FakePipeline("slow", trained, seconds=0.02)),
+                  ("ahead", _FakePipeline("ahead", trained, lookahead=1, seconds=0.001)),
+                  ("slower", _FakePipeline("slower", trained, lookahead=1, seconds=0.03))]
+    agreed = []
+
+    def agree(times):
+        agreed.append(times)
+        return [t * 1.0 for t in times]  # one worker: its own times
+
+    auto = AutoPipeline(candidates, agree, warmup_steps=1, timed_steps=2, log=logged.append)
+    iterator = iter(range(100))
+    outputs = [auto.progress(iterator) for _ in range(20)]
+    assert outputs == list(range(20))  # no batch skipped or repeated, in order
+    assert [b for _, b in trained] == list(range(20))
+    assert auto.choice == "ahead" and len(agreed) == 1 and "chose 'ahead'" in logged[0]
+    # 3 steps each; "ahead"'s held batch was trained before "slower", "slower"'s before "ahead".
+    assert [n for n, _ in trained][:11] == ["slow"] * 3 + ["ahead"] * 4 + ["slower"] * 4
+    assert all(n == "ahead" for n, _ in trained[11:])
+    assert auto.stats == "ahead"
+
+
+def test_auto_takes_the_slowest_workers_view():
+    trained = []
+    candidates = [("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))]
+    # Locally "a" looks fastest, but another worker was slow with it: the agreed times decide.
+    auto = AutoPipeline(candidates, lambda times: [1.0, 0.5], warmup_steps=0, timed_steps=1,
+                        log=lambda text: None)
+    iterator = iter(range(10))
+    for _ in range(3):
+        auto.progress(iterator)
+    assert auto.choice == "b" and auto.timings_ms == {"a": 1000.0, "b": 500.0}
+
+
+def test_auto_refuses_empty_probes():
+    with pytest.raises(ValueError, match="timed_steps >= 1"):
+        AutoPipeline([], lambda t: t, timed_steps=0)

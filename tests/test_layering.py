@@ -1,0 +1,59 @@
+"""Dependencies point one way: strategy -> pipeline -> sharding -> collectives, ops (DESIGN.md
+section 10). A lower package never imports a higher one, and production code never reads the
+benchmarks' environment switches."""
+import ast
+import glob
+import os
+
+import pytest
+
+from conftest import REPO
+
+PACKAGE = os.path.join(REPO, "tf_nestpipe")
+# Each package and the packages it must never import.
+FORBIDDEN = {
+    "sharding": {"pipeline", "strategy"},
+    "pipeline": {"strategy"},
+    "collectives": {"sharding", "pipeline", "strategy"},
+    "ops": {"collectives", "sharding", "pipeline", "strategy"},
+}
+
+
+def imported_packages(path):
+    """The tf_nestpipe subpackages a module imports (at any depth of the file)."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module] + ["%s.%s" % (node.module, a.name) for a in node.names]
+        for name in names:
+            parts = name.split(".")
+            if parts[0] == "tf_nestpipe" and len(parts) > 1:
+                found.add(parts[1])
+    return found
+
+
+def violations(package):
+    """`(module, forbidden package)` pairs of `package`."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(PACKAGE, package, "*.py"))):
+        for imported in imported_packages(path) & FORBIDDEN[package]:
+            out.append((os.path.relpath(path, REPO), imported))
+    return out
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN))
+def test_lower_layers_never_import_higher_ones(package):
+    assert violations(package) == []
+
+
+def test_the_check_sees_an_upward_import(tmp_path):
+    """Positive control: a module importing upwards is reported."""
+    module = tmp_path / "bad.py"
+    module.write_text("def f():\n    from tf_nestpipe.strategy import nestpipe_strategy\n"
+                      "import tf_nestpipe.pipeline.auto\n")
+    assert imported_packages(str(module)) == {"strategy", "pipeline"}

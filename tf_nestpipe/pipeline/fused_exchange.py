@@ -1,0 +1,207 @@
+"""The fused exchange of a step: every row-wise lookup the model makes goes through one exchange
+per group of tables and round (DESIGN.md section 10), however the model is written (separate
+`ShardedEmbedding` layers, collections, TFRS towers).
+
+A *route pass* traces the model on the batch's features with a `RouteRecorder` installed: each
+lookup records its checked ids and returns zeros, so the dense ops have no consumer and are
+pruned. `prefetch_lookups` then runs one route + fetch + output exchange per (round, group):
+a group is the tables of one dim and dtype (one fused id space), a round the lookups up to a
+table's next lookup (one round per micro-batch of a frozen window). The *compute pass* traces
+the step with a `BufferReader` installed: each lookup takes its rows from its buffer in the
+order the route pass recorded, and the backward is one reverse all-to-all per buffer.
+
+In a frozen window (`frozen_window()` inside either pass) the window is kept per group, once per
+batch: one dedup of all the batch's fused ids (first-seen order), round r fetching exactly the
+ids first seen in round r, and round r's lookups reading the rows of rounds 0..r. Outside one,
+each round's buffer holds its own ids (the exchange's route dedups them).
+
+Buffers are kept as `{group key: GroupBuffers}` (tuples and dicts of tensors, so the pipelines
+can store them between steps).
+"""
+import contextlib
+from typing import NamedTuple
+
+import tensorflow as tf
+
+from tf_nestpipe.pipeline import dual_buffer
+from tf_nestpipe.sharding.fetch import RowFetcher
+
+
+def round_key(round_index):
+    """The key of a round in a group's buffers (sorts in round order)."""
+    return "r%03d" % round_index
+
+
+def buffer_tag(group_key, round_index):
+    """The collective tag of one fused exchange."""
+    return "nestpipe/fused/%s/%s" % (group_key, round_key(round_index))
+
+
+class GroupBuffers(NamedTuple):
+    """The prefetch buffers of one group: `rounds` (round key -> `PrefetchedRows`) and, for a
+    frozen window, `window_inverse` (each looked-up id, in route order -> its index among the
+    window's unique ids; empty outside a window)."""
+
+    rounds: dict
+    window_inverse: tf.Tensor
+
+
+class RoundTracker:
+    """Assigns a step's lookups to rounds: a round ends where a table it already looked up is
+    looked up again (each micro-batch of a frozen window is a round)."""
+
+    def __init__(self):
+        self._round = 0
+        self._seen = set()
+
+    def place(self, layer):
+        """The round of `layer`'s next lookup."""
+        if id(layer) in self._seen:
+            self._round += 1
+            self._seen = set()
+        self._seen.add(id(layer))
+        return self._round
+
+
+class _WindowAware(RowFetcher):
+    """A fused-exchange fetcher that keeps frozen windows itself (see `frozen_window`)."""
+
+    def __init__(self):
+        self.windowed = False
+        self._rounds = RoundTracker()
+
+    @contextlib.contextmanager
+    def window(self):
+        """Lookups inside share one frozen window (one dedup of the batch per group)."""
+        self.windowed = True
+        yield
+
+
+class RouteRecorder(_WindowAware):
+    """Route pass: records every row-wise lookup (its round, layer and checked ids) and returns
+    zeros; other tables (one worker, ps) look up directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.lookups = []
+
+    def lookup(self, layer, flat_ids):
+        if not layer.exchanged:
+            return layer.direct_lookup(flat_ids)
+        self.lookups.append((self._rounds.place(layer), layer, layer.checked_ids(flat_ids)))
+        return tf.zeros([tf.size(flat_ids), layer.dim], layer.embeddings.dtype)
+
+
+def _window_rounds(fused_by_round):
+    """One frozen window's dedup: `fused_by_round` (fused ids of each round, in order) ->
+    (the ids each round fetches: those first seen in it; each id's index among the unique)."""
+    unique, inverse = tf.unique(tf.concat(fused_by_round, axis=0), out_idx=tf.int32)
+    new_keys, start, end, seen = [], 0, 0, tf.constant(0, tf.int32)
+    for ids in fused_by_round:
+        end = end + tf.size(ids, tf.int32)
+        # First-seen order: the ids new in this round follow those of the earlier rounds.
+        seen_after = tf.maximum(seen, tf.reduce_max(tf.concat([[-1], inverse[start:end]], 0)) + 1)
+        new_keys.append(unique[seen:seen_after])
+        start, seen = end, seen_after
+    return new_keys, inverse
+
+
+@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
+def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False):
+    """One exchange per (round, group) of the recorded `lookups`, in round order (the first
+    micro-batch's rows arrive first); returns `(buffers, plans)`. With `updated` (group -> the
+    local rows the batch computed meanwhile updates), each buffer of those groups comes with
+    its sync plan (`dual_buffer.prefetch`): `plans[group][round key]`."""
+    entries = {}
+    for round_index, layer, ids in lookups:
+        entries.setdefault(exchange.group_key(layer), {}).setdefault(round_index, []).append(
+            (layer, ids))
+    fetch = {}  # (round, group) -> the fused ids its exchange fetches
+    inverses = {}
+    for group, rounds in entries.items():
+        tables = exchange.tables(group)
+        order = sorted(rounds)
+        fused = [tf.concat([tables.fuse(layer, ids) for layer, ids in rounds[r]], axis=0)
+                 for r in order]
+        if windowed:
+            fused, inverses[group] = _window_rounds(fused)
+        for r, ids in zip(order, fused):
+            fetch[(r, group)] = ids
+    buffers, plans = {}, {}
+    updated = updated or {}
+    for (round_index, group), ids in sorted(fetch.items()):
+        tag = buffer_tag(group, round_index)
+        key = round_key(round_index)
+        buffers.setdefault(group, {})[key], plan = dual_buffer.prefetch(
+            exchange.tables(group), ids, exchange.collectives, tag, exchange.capacity_hint(tag),
+            updated_rows=updated.get(group), all_updated=all_updated)
+        if plan is not None:
+            plans.setdefault(group, {})[key] = plan
+    buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))
+               for group, rounds in buffers.items()}
+    return buffers, plans
+
+
+class BufferReader(_WindowAware):
+    """Compute pass: each row-wise lookup takes its rows from its (round, group) buffer, in the
+    order the route pass recorded them (in a frozen window: from the rows of rounds 0..r)."""
+
+    def __init__(self, exchange, buffers):
+        super().__init__()
+        self._exchange = exchange
+        self._buffers = buffers
+        self._rows = {}  # (group, round key) -> the buffer's rows, one per id it fetched
+        self._window_rows = {}  # (group, round key) -> the window's rows up to that round
+        self._taken = {}  # group, or (group, round key) -> ids taken so far
+
+    def _buffer_rows(self, group, key):
+        if (group, key) not in self._rows:
+            self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
+                self._exchange.tables(group), self._buffers[group].rounds[key],
+                self._exchange.collectives, "nestpipe/fused/%s/%s" % (group, key))
+        return self._rows[(group, key)]
+
+    def _take(self, counter, flat_ids):
+        """`[start, end)` of `flat_ids` among the ids counted by `counter`."""
+        start = self._taken.get(counter, 0)
+        self._taken[counter] = start + tf.size(flat_ids)
+        return start, start + tf.size(flat_ids)
+
+    def lookup(self, layer, flat_ids):
+        if not layer.exchanged:
+            return layer.direct_lookup(flat_ids)
+        key = round_key(self._rounds.place(layer))
+        group = self._exchange.group_key(layer)
+        buffers = self._buffers.get(group)
+        if buffers is None or key not in buffers.rounds:
+            raise ValueError(
+                "ShardedEmbedding '%s' has no prefetched rows for this lookup: the training step "
+                "looked up the tables more often than the route pass did. The route pass must "
+                "call the model on the same inputs (and the same micro-batches); make the "
+                "lookups depend only on the inputs." % layer.name)
+        if not self.windowed:
+            start, end = self._take((group, key), flat_ids)
+            return self._buffer_rows(group, key)[start:end]
+        if (group, key) not in self._window_rows:
+            upto = [k for k in sorted(buffers.rounds) if k <= key]
+            self._window_rows[(group, key)] = tf.concat(
+                [self._buffer_rows(group, k) for k in upto], axis=0)
+        start, end = self._take(group, flat_ids)
+        return tf.gather(self._window_rows[(group, key)], buffers.window_inverse[start:end])
+
+    def untaken(self):
+        """(group, round) of the buffers the compute pass did not read."""
+        return sorted((group, r) for group, buffers in self._buffers.items()
+                      for r in buffers.rounds if (group, r) not in self._rows)
+
+
+def rows_requested(buffers):
+    """Distinct rows requested per round (summed over groups): `[rounds]` int64."""
+    per_round = {}
+    for group_buffers in buffers.values():
+        for key, buffer in group_buffers.rounds.items():
+            per_round.setdefault(key, []).append(
+                tf.reduce_sum(tf.cast(buffer.routing.splits, tf.int64)))
+    if not per_round:
+        return tf.zeros([0], tf.int64)
+    return tf.stack([tf.add_n(per_round[key]) for key in sorted(per_round)])

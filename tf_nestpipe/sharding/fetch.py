@@ -1,0 +1,51 @@
+"""Who fetches a sharded table's rows while a step is traced (DESIGN.md section 10).
+
+A `ShardedEmbedding` layer asks the *installed row fetcher* for the rows of its ids. With none
+installed that is `DirectFetcher`: the layer's own lookup (one table's synchronous exchange, a
+local gather, or the ps gather). The pipelines (route pass, compute pass from prefetched
+buffers, frozen windows), DOWNPOUR's route pass and export each install their own fetcher
+explicitly for the passes they trace: this is the one control channel from the higher layers to
+the layers, and it points down (the fetchers live above, the layer only calls `lookup`).
+"""
+import abc
+import contextlib
+import threading
+
+_local = threading.local()
+
+
+class RowFetcher(abc.ABC):
+    """Returns the rows of a table lookup being traced."""
+
+    @abc.abstractmethod
+    def lookup(self, layer, flat_ids):
+        """Rows `[n, layer.dim]` of the int64 vector `flat_ids` (already checked) of `layer`."""
+
+
+class DirectFetcher(RowFetcher):
+    """The layer's own lookup, nothing deferred or shared with other lookups."""
+
+    def lookup(self, layer, flat_ids):
+        return layer.direct_lookup(flat_ids)
+
+
+_DIRECT = DirectFetcher()
+
+
+def current_fetcher():
+    """The fetcher installed in this thread (innermost), else the `DirectFetcher`."""
+    stack = getattr(_local, "stack", None)
+    return stack[-1] if stack else _DIRECT
+
+
+@contextlib.contextmanager
+def installed(fetcher):
+    """Makes `fetcher` answer every sharded lookup traced in this thread inside the context."""
+    stack = getattr(_local, "stack", None)
+    if stack is None:
+        stack = _local.stack = []
+    stack.append(fetcher)
+    try:
+        yield fetcher
+    finally:
+        stack.pop()
