@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The launcher shows only the first task's output by default; tests read every task's lines.
+os.environ.setdefault("TF_NESTPIPE_LAUNCH_OUTPUT", "all")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")

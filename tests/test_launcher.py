@@ -119,7 +119,8 @@ def test_make_cluster_roles_and_free_ports():
     assert sorted(cluster) == ["chief", "ps", "worker"] and len(cluster["worker"]) == 2
     ports = [a.split(":")[1] for role in cluster.values() for a in role]
     assert len(set(ports)) == 4
-    json.dumps(cluster)
+    assert all(a.startswith("127.0.0.1:") for role in cluster.values() for a in role)
+    assert json.loads(json.dumps(cluster)) == cluster  # what every task's TF_CONFIG carries
     with pytest.raises(ValueError):
         make_cluster(0)
 
@@ -147,3 +148,110 @@ def test_parameter_server_mode_runs_servers_and_the_command_on_the_chief(tmp_pat
     assert "[chief:0] chief saw ['chief', 'ps', 'worker'] {'type': 'chief', 'index': 0}" in result.stdout
     assert "[ps:0] tf_nestpipe.server: ps:0 serving at" in result.stdout
     assert "[worker:0] tf_nestpipe.server: worker:0 serving at" in result.stdout
+
+
+TERM_AWARE = """
+    import json, os, signal, sys, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    mode = sys.argv[2]
+    def on_term(signum, frame):
+        open(os.path.join(sys.argv[1], "term-%d" % index), "w").close()
+        time.sleep(0.5 * index)  # worker 1 "saves" longer: worker 0's exit must not kill it
+        open(os.path.join(sys.argv[1], "saved-%d" % index), "w").close()
+        sys.exit(42)
+    if mode == "save":
+        signal.signal(signal.SIGTERM, on_term)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("worker %d ready" % index, flush=True)
+    time.sleep(120)
+"""
+
+
+def _launch_then_sigterm(tmp_path, mode, grace):
+    import signal
+    import subprocess
+
+    script = write(tmp_path, "term.py", TERM_AWARE)
+    out = tmp_path / mode
+    out.mkdir()
+    env = dict(os.environ, TF_NESTPIPE_LAUNCH_OUTPUT="all")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--restarts", "1",
+         "--grace-period", str(grace), "--log-dir", str(tmp_path / ("logs-" + mode)), "--",
+         sys.executable, script, str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    while sum("ready" in line for line in lines) < 2:
+        line = process.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    start = time.time()
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=60)
+    return process.returncode, "".join(lines) + rest, time.time() - start, out
+
+
+def test_sigterm_is_forwarded_and_the_tasks_exit_code_returned(tmp_path):
+    code, log, took, out = _launch_then_sigterm(tmp_path, "save", grace=20)
+    # Both tasks handled the SIGTERM to the end (worker 1 after worker 0 had exited), the launcher
+    # returned their code and did not restart the cluster.
+    assert sorted(os.listdir(out)) == ["saved-0", "saved-1", "term-0", "term-1"], log
+    assert code == 42, log
+    assert "restarting" not in log and took < 10, log
+    assert "[launch] worker:1: exit 42 after" in log and "stopped on signal 15; exit 42" in log
+
+
+def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    code, log, took, _ = _launch_then_sigterm(tmp_path, "ignore", grace=1)
+    assert code == 143, log
+    assert 1 <= took < 10, log
+    assert "still running 1 s after SIGTERM; killing them" in log
+    assert "[launch] worker:0: killed by the launcher after" in log
+
+
+def test_quiet_by_default_other_tasks_log_to_files_and_a_summary_ends_the_run(tmp_path):
+    script = write(tmp_path, "talk.py", """
+        import json, os, sys
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        print("hello from", index, "level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+        sys.exit(int(sys.argv[1]) if index == 1 else 0)
+    """)
+    logs = tmp_path / "logs"
+    env = {"TF_NESTPIPE_LAUNCH_OUTPUT": ""}
+    ok = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--log-dir",
+                      str(logs), "--", sys.executable, script, "0"], timeout=60, env=env)
+    assert ok.returncode == 0, ok.stdout
+    assert "[worker:0] hello from 0 level 2" in ok.stdout
+    assert "hello from 1" not in ok.stdout  # worker 1's output is only in its file
+    assert "hello from 1 level 2" in (logs / "worker-1.log").read_text()
+    summary = [l for l in ok.stdout.splitlines() if l.startswith("[launch] worker:")]
+    assert len(summary) == 2 and all(" exit 0 after " in l for l in summary), ok.stdout
+    assert str(logs / "worker-1.log") in summary[1]
+    # The user's own log level wins; a failed hidden task's last lines are shown.
+    failed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                          "--log-dir", str(logs), "--", sys.executable, script, "3"],
+                         timeout=60, env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"))
+    assert failed.returncode == 1
+    assert "[worker:1] hello from 1 level 0" in failed.stdout  # the tail of its log
+    assert "[launch] worker:1: exit 3 after" in failed.stdout
+    # --output all shows every task's lines.
+    every = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                         "--output", "all", "--", sys.executable, script, "0"], timeout=60,
+                        env=env)
+    assert "[worker:1] hello from 1" in every.stdout, every.stdout
+
+
+def test_help_does_not_import_tensorflow():
+    from tf_nestpipe import _started_as_launcher
+
+    result = run_command([sys.executable, "-X", "importtime", "-m", "tf_nestpipe.launch",
+                          "--help"], timeout=60)
+    assert result.returncode == 0 and "--grace-period" in result.stdout
+    imported = [l for l in result.stdout.splitlines() if "import time:" in l]
+    assert any("tf_nestpipe.launch.local_cluster" in l for l in imported)  # the log is complete
+    assert not any("tensorflow" in l for l in imported), [l for l in imported if "tensorflow" in l]
+    # ... and the rule recognises only the launcher's entry points.
+    assert _started_as_launcher(["python", "-u", "-m", "tf_nestpipe.launch", "--help"])
+    assert not _started_as_launcher(["python", "-m", "tf_nestpipe.plan"])
+    assert not _started_as_launcher(["python", "train.py", "-m", "x"])
