@@ -72,16 +72,32 @@ class _RowShardSaving:
         layout = self._nestpipe_row_shard  # pylint: disable=no-member
         value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
         rows = value.shape[0] if value.shape.rank else None
-        if not _saving_local_rows() and layout.num_shards > 1 and rows in (layout.vocab_size, None):
+        check_restored_rows(self.name, rows, layout, local=_saving_local_rows())
+        if not _saving_local_rows() and layout.num_shards > 1:
             with tf.device(self.device):
                 value = tf.gather(value, tf.constant(layout.global_ids()))
-        elif rows is not None and rows != layout.local_rows:
-            raise ValueError(
-                "checkpoint value of %s has %d rows; this worker's shard has %d and the whole "
-                "table %d. Was it written for another table size? (ShardedCheckpoint files "
-                "restore through ShardedCheckpoint.restore.)"
-                % (self.name, rows, layout.local_rows, layout.vocab_size))
         return super()._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: value})
+
+
+def check_restored_rows(name, rows, layout, local):
+    """Refuses a checkpoint value of `rows` rows for the row shard `layout` of table `name`:
+    a whole-table checkpoint must hold exactly `vocab_size` rows (a value the size of this
+    worker's shard is not a whole table: a table of another size), a per-worker one
+    (`local`, `ShardedCheckpoint`) exactly this shard's rows."""
+    expected = layout.local_rows if local else layout.vocab_size
+    if rows is None or rows == expected:
+        return
+    if local:
+        raise ValueError(
+            "cannot restore %s: its per-worker checkpoint holds %d rows, this worker's shard "
+            "has %d (a table of %d rows on %d workers). Restore with a model of the table size "
+            "it was written with." % (name, rows, layout.local_rows, layout.vocab_size,
+                                      layout.num_shards))
+    raise ValueError(
+        "cannot restore %s: the checkpoint holds a table of %d rows, this model's table has %d "
+        "rows. Build the model with the vocabulary size the checkpoint was written with (%d), "
+        "or copy the rows into the new table yourself. (ShardedCheckpoint files restore "
+        "through ShardedCheckpoint.restore.)" % (name, rows, layout.vocab_size, rows))
 
 
 def make_checkpointable(variable, layout, collectives):
