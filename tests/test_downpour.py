@@ -99,3 +99,44 @@ def test_a_ps_failure_is_explained():
     assert "--restarts" in str(explained)
     assert explain_ps_failure(tf.errors.UnavailableError(
         None, None, "GRPC error information from remote target /job:worker/replica:0/task:0")) is None
+
+
+class _FailingCoordinator:
+    """What ClusterCoordinator does after a window failed: schedule and join raise its error."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def schedule(self, fn, args=()):
+        raise self.error
+
+    def join(self):
+        raise self.error
+
+
+def _trainer_with(coordinator):
+    from tf_nestpipe.strategy.downpour import DownpourTrainer
+
+    trainer = DownpourTrainer.__new__(DownpourTrainer)  # only the coordinator is exercised
+    trainer.coordinator, trainer.windows, trainer._window = coordinator, 0, None
+    return trainer
+
+
+def test_schedule_and_join_explain_a_ps_failure_and_pass_other_errors():
+    import tensorflow as tf
+    from tf_nestpipe.strategy.downpour import ParameterServerUnavailableError
+
+    ps_down = tf.errors.UnavailableError(None, None, (
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:0 while calling /tensorflow.WorkerService/RunGraph"))
+    trainer = _trainer_with(_FailingCoordinator(ps_down))
+    for call in (lambda: trainer.schedule(None), trainer.join):
+        with pytest.raises(ParameterServerUnavailableError, match="/job:ps/task:0") as info:
+            call()
+        assert info.value.__cause__ is ps_down
+    assert trainer.windows == 0  # the failed window was not counted as scheduled
+    # Positive control: an error that is not a ps failure reaches the caller unchanged.
+    other = tf.errors.InvalidArgumentError(None, None, "bad input")
+    trainer = _trainer_with(_FailingCoordinator(other))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bad input"):
+        trainer.schedule(None)
