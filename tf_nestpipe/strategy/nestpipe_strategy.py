@@ -19,7 +19,8 @@ from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resol
 from tensorflow.python.trackable import base as _trackable_base
 
 from tf_nestpipe.data.autoshard import check_auto_shard
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.launch import cluster_check
+from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
@@ -51,6 +52,26 @@ def creating_row_shard(layout):
         yield
     finally:
         _creation_state.layout = previous
+
+
+# --- start-up checks (issue 17) -------------------------------------------------------------
+_checked_clusters = set()
+
+
+def check_cluster_at_startup(config, collectives, timeout=None):
+    """Before TensorFlow starts its server: refuses roles we do not run (e.g. evaluator) and
+    checks with every other task that all were given the same cluster (once per process; see
+    `tf_nestpipe.launch.cluster_check`)."""
+    if config is None:
+        return
+    check_synchronous_roles(config)
+    key = (cluster_check.fingerprint(config.cluster), config.task_type, config.task_index)
+    if collectives != "tf" or key in _checked_clusters:
+        return  # Horovod checks its own rendezvous; a second strategy reuses the server
+    cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
+                                   timeout=timeout)
+    _checked_clusters.add(key)
+# --- end of start-up checks ------------------------------------------------------------------
 
 
 class NestPipeExtended(_cars.CollectiveAllReduceExtended):
@@ -287,6 +308,10 @@ class NestPipeStrategy(distribute_lib.Strategy):
     embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
     `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
     `python -m tf_nestpipe.launch --horovod`, which also checks it against `TF_CONFIG`).
+    Before starting TensorFlow's server, the tasks of a `TF_CONFIG` cluster check that all were
+    given the same cluster (see `tf_nestpipe.launch.cluster_check`): a disagreement, a duplicate
+    task or a task that never starts fails every task within `startup_timeout_seconds`
+    (default `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s) with the field or address to fix.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -295,7 +320,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="none",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf"):
+                 collectives="tf", startup_timeout_seconds=None):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -312,7 +337,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
         load_op_library()
         if cluster_resolver is None:
-            parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG
+            # A clear TFConfigError for a malformed TF_CONFIG; a ClusterMismatchError within
+            # `startup_timeout_seconds` (default 30 s) when the tasks disagree or cannot meet.
+            check_cluster_at_startup(parse_tf_config(), collectives, startup_timeout_seconds)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions(
