@@ -4,7 +4,8 @@ usage: keras_checkpoint.py OUT_DIR fit | load
   fit  (any number of workers): OUT_DIR/uninterrupted.npz: a 4-epoch fit with ModelCheckpoint
        (weights of every epoch in OUT_DIR/weights); OUT_DIR/resumed.npz: the same fit with
        BackupAndRestore, interrupted after epoch 2 and fitted again by a fresh model (which
-       resumes at epoch 3); OUT_DIR/tf_checkpoint: tf.train.Checkpoint(model, optimizer) of the
+       resumes at epoch 3); OUT_DIR/resumed_lazy.npz: the same with a resumed model that fit
+       builds (the backup restored before its variables exist); OUT_DIR/tf_checkpoint: tf.train.Checkpoint(model, optimizer) of the
        uninterrupted model, written by the chief (the others write to a scratch directory).
   load (any number of workers): OUT_DIR/loaded_W.npz: the epoch-4 weights read by load_weights,
        and the tf.train.Checkpoint read into a fresh model and optimizer.
@@ -119,6 +120,28 @@ def main():
         print("resumed run trained epochs", epochs_run, flush=True)
         assert epochs_run == [2, 3], epochs_run
         save(strategy, os.path.join(out, "resumed.npz"), state(strategy, second))
+
+        # The usual Keras way: the resumed model is built lazily by fit, so the backup is
+        # restored before its tables and slots exist (restored when they are created).
+        lazy_backup = tnp.BackupAndRestore(os.path.join(out, "backup_lazy"))
+        tf_keras.utils.set_random_seed(1)
+        try:
+            new_model(strategy, batches).fit(
+                data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                callbacks=[lazy_backup, Interrupt(1)])
+            raise AssertionError("the run was not interrupted")
+        except RuntimeError as error:
+            if "interrupted after epoch" not in str(error):
+                raise
+        tf_keras.utils.set_random_seed(2)
+        with strategy.scope():
+            lazy = ex.TinyRanker()
+            lazy.compile(optimizer=ex.make_optimizer("adagrad"),
+                         loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        assert not lazy.built
+        lazy.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                 callbacks=[lazy_backup])
+        save(strategy, os.path.join(out, "resumed_lazy.npz"), state(strategy, lazy))
     else:
         tf_keras.utils.set_random_seed(3)
         model = new_model(strategy, batches)

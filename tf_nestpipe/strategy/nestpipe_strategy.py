@@ -22,7 +22,7 @@ from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
-from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
+from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.strategy.horovod_collectives import HorovodCollectives, init_horovod
@@ -173,6 +173,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             return super()._create_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
         kwargs.pop("distribute_strategy", None)
+        if "initial_value" in kwargs:  # a whole table restored on creation -> this shard's rows
+            kwargs["initial_value"] = restore_on_create_rows(
+                kwargs["initial_value"], layout, kwargs.get("name") or "a table")
         with tf.device(self.worker_devices[0]):
             variable = next_creator(**kwargs)
         # Its checkpoints hold the whole table, so tf.train.Checkpoint and tf_keras callbacks

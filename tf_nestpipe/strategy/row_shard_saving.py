@@ -100,6 +100,27 @@ def check_restored_rows(name, rows, layout, local):
         "through ShardedCheckpoint.restore.)" % (name, rows, layout.vocab_size, rows))
 
 
+def restore_on_create_rows(initial_value, layout, name):
+    """`initial_value` for the row shard `layout` of table `name`, where a value restored on
+    creation (TensorFlow's deferred restoration: a `tf.train.Checkpoint` / tf_keras
+    `BackupAndRestore` restored before `fit` built the model) is a whole table: it is checked
+    (exactly `vocab_size` rows) and cut to this worker's rows, instead of becoming a variable of
+    the whole table's shape or the first rows of it."""
+    if layout.num_shards == 1:
+        return initial_value
+
+    def rows_of_this_worker():
+        value = initial_value() if callable(initial_value) else initial_value
+        if not isinstance(value, trackable.CheckpointInitialValue):
+            return value
+        whole = value.wrapped_value
+        check_restored_rows(name, whole.shape[0] if whole.shape.rank else None, layout,
+                            local=False)
+        return tf.gather(whole, tf.constant(layout.global_ids()))
+
+    return rows_of_this_worker
+
+
 def make_checkpointable(variable, layout, collectives):
     """Marks `variable` as the row shard `layout` of a table and makes TensorFlow checkpoints
     of it hold (and restore from) the whole table."""
