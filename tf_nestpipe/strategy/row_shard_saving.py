@@ -106,9 +106,6 @@ def restore_on_create_rows(initial_value, layout, name):
     `BackupAndRestore` restored before `fit` built the model) is a whole table: it is checked
     (exactly `vocab_size` rows) and cut to this worker's rows, instead of becoming a variable of
     the whole table's shape or the first rows of it."""
-    if layout.num_shards == 1:
-        return initial_value
-
     def rows_of_this_worker():
         value = initial_value() if callable(initial_value) else initial_value
         if not isinstance(value, trackable.CheckpointInitialValue):
@@ -116,6 +113,8 @@ def restore_on_create_rows(initial_value, layout, name):
         whole = value.wrapped_value
         check_restored_rows(name, whole.shape[0] if whole.shape.rank else None, layout,
                             local=False)
+        if layout.num_shards == 1:
+            return whole
         return tf.gather(whole, tf.constant(layout.global_ids()))
 
     return rows_of_this_worker
