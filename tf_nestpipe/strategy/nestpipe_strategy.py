@@ -22,6 +22,7 @@ from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy import equal_shares
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
@@ -78,8 +79,10 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 collective_timeout_seconds=0, collectives="tf"):
+                 collective_timeout_seconds=0, collectives="tf", check_equal_shares=True):
         self._nestpipe_backend = collectives
+        self._nestpipe_check_shares = bool(check_equal_shares)
+        self._nestpipe_share_size = None
         if collectives == "horovod":
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
@@ -104,6 +107,31 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                                                   self._local_device_type),
             timeout_seconds=collective_timeout_seconds)
         self._nestpipe_collectives.worker_index = self._collective_rank()
+
+    # --- equal shares of the global batch (issue 17) ---------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        """Runs `fn`, noting the size of this worker's share of the step's batch (its first
+        argument) when it is not static, for `_equal_shares_check` (see `equal_shares`)."""
+        if self._num_workers == 1 or not args or not self._nestpipe_check_shares:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        previous = self._nestpipe_share_size
+        self._nestpipe_share_size = equal_shares.leading_size(
+            distribute_utils.select_replica(0, tuple(args[:1])))
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._nestpipe_share_size = previous
+
+    def _equal_shares_check(self, pairs):
+        """Before a step's gradients are aggregated (the values reduced into trainable
+        variables), checks once that every worker's share had the same size; returns the
+        check (None when there is nothing to check: static shapes, evaluate / predict)."""
+        size = self._nestpipe_share_size
+        if size is None or not any(getattr(d, "trainable", False) for _, d in pairs):
+            return None
+        self._nestpipe_share_size = None  # once per step
+        return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
+    # --- end of equal shares -----------------------------------------------------------------
 
     # --- one replica per worker -----------------------------------------------------------
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -229,6 +257,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- gradient aggregation --------------------------------------------------------------
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = list(value_destination_pairs)
+        check = self._equal_shares_check(pairs)  # issue 17: no update from unequal shares
+        pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
         if dense and self._nestpipe_backend == "horovod":
@@ -315,6 +345,10 @@ class NestPipeStrategy(distribute_lib.Strategy):
     given the same cluster (see `tf_nestpipe.launch.cluster_check`): a disagreement, a duplicate
     task or a task that never starts fails every task within `startup_timeout_seconds`
     (default `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s) with the field or address to fix.
+    A step whose workers got shares of different sizes of the global batch (the last batch of a
+    dataset batched without `drop_remainder=True`) is refused on every worker before it runs
+    (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
+    differ from one process's.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -323,7 +357,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="none",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf", startup_timeout_seconds=None):
+                 collectives="tf", startup_timeout_seconds=None, check_equal_shares=True):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -348,7 +382,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
             communication_options = tf.distribute.experimental.CommunicationOptions(
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
-                                          collective_timeout_seconds, collectives))
+                                          collective_timeout_seconds, collectives,
+                                          check_equal_shares))
 
     @property
     def collectives_backend(self):
