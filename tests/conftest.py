@@ -31,6 +31,22 @@ PIPELINE_RUNS = {
 }
 
 
+# Session fixtures that launch clusters: every test using one is marked `cluster` (see
+# pytest.ini), as are tests that start processes themselves (@pytest.mark.cluster), so that
+# `pytest -m "not cluster"` runs the fast in-process subset.
+CLUSTER_FIXTURES = {"exactness_results", "checkpoint_runs", "keras_checkpoint_runs", "ps_results",
+                    "downpour_results", "horovod_results", "autoshard_results", "tfrs_results",
+                    "restore_results", "share_results"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test that uses a cluster-launching session fixture `cluster`."""
+    del config
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
 def run_command(argv, timeout=300, env=None, cwd=REPO):
     """Runs argv, returns CompletedProcess with merged stdout/stderr text."""
     full_env = dict(os.environ)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from conftest import PROGRAMS, REPO
 
 
@@ -22,6 +24,7 @@ def _free_ports(count):
     return ports
 
 
+@pytest.mark.cluster
 def test_a_silent_worker_fails_the_survivor_fast_naming_it(tmp_path):
     cluster = {"worker": ["localhost:%d" % p for p in _free_ports(2)]}
     procs, logs = [], []

@@ -73,6 +73,7 @@ def test_fit_refuses_a_downpour_strategy():
         keras_integration._pipelined_strategy(Model())
 
 
+@pytest.mark.cluster
 def test_a_killed_ps_restarts_the_cluster_which_resumes_from_the_checkpoint(tmp_path):
     result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps",
                           "2", "--chief", "--restarts", "1", "--timeout", "150", "--",

@@ -4,12 +4,15 @@ tf_keras fit; the held-out AUC shows the model learned."""
 import os
 import re
 
+import pytest
+
 from conftest import fetch_movielens_or_skip, launch
 
 EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "examples",
                        "dlrm.py")
 
 
+@pytest.mark.cluster
 def test_dlrm_learns_movielens_100k_on_two_workers():
     fetch_movielens_or_skip("movielens-100k")
     result = launch(2, [EXAMPLE, "--data", "movielens-100k", "--epochs", "2"], timeout=600)
