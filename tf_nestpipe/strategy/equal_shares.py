@@ -32,7 +32,8 @@ def _message(sizes):
             "dataset.batch(global_batch, drop_remainder=True), or "
             "input_context.get_per_replica_batch_size(...) with drop_remainder=True in a "
             "dataset_fn) so that every step's global batch is full. Pass "
-            "check_equal_shares=False to NestPipeStrategy to train anyway." % (sizes,))
+            "check_equal_shares=False to NestPipeStrategy (or set strategy.check_equal_shares = "
+            "False) to train anyway." % (sizes,))
 
 
 def leading_size(args):

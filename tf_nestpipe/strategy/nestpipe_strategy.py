@@ -386,6 +386,16 @@ class NestPipeStrategy(distribute_lib.Strategy):
                                           check_equal_shares))
 
     @property
+    def check_equal_shares(self):
+        """Whether a training step whose workers got shares of different sizes is refused
+        (default True; settable, read at every step)."""
+        return self.extended._nestpipe_check_shares  # pylint: disable=protected-access
+
+    @check_equal_shares.setter
+    def check_equal_shares(self, value):
+        self.extended._nestpipe_check_shares = bool(value)  # pylint: disable=protected-access
+
+    @property
     def collectives_backend(self):
         """The collectives backend this strategy was built with: "tf" or "horovod"."""
         return self.extended.collectives_backend
