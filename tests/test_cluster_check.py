@@ -182,3 +182,25 @@ def test_strategies_given_different_clusters_fail_fast_on_every_task():
             in output, output[-3000:]
         assert "started" not in output
     assert took < 30, took
+
+
+def test_a_leader_that_gives_no_verdict_in_time_is_reported(monkeypatch):
+    monkeypatch.setattr(cluster_check, "_VERDICT_GRACE", 0.5)
+    cluster = _cluster(3)  # worker 2 never starts; the leader waits longer than worker 1
+    results = [None, None]
+
+    def leader():
+        try:
+            agree_on_cluster(cluster, "worker", 0, timeout=4)
+        except ClusterMismatchError as error:
+            results[0] = str(error)
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    time.sleep(0.1)
+    start = time.time()
+    with pytest.raises(ClusterMismatchError, match="took the report but gave no verdict within 2 s"):
+        agree_on_cluster(cluster, "worker", 1, timeout=1.5)
+    assert time.time() - start < 3
+    thread.join(15)
+    assert "waiting at %s for worker:2 to report" % cluster["worker"][0] in results[0]

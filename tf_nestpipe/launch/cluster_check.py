@@ -28,6 +28,7 @@ STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
 DEFAULT_STARTUP_TIMEOUT = 30.0
 TRAINING_ROLES = ("chief", "worker")
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
+_VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
 
 
@@ -101,15 +102,19 @@ def _send(conn: socket.socket, message: dict):
     conn.sendall((json.dumps(message) + "\n").encode())
 
 
+_TIMED_OUT = {"timed_out": True}
+
+
 def _receive(conn: socket.socket, deadline: float) -> Optional[dict]:
-    """One JSON line from `conn` before `deadline`; None if the peer closed or sent no JSON."""
+    """One JSON line from `conn` before `deadline`; None if the peer closed or sent no JSON,
+    `_TIMED_OUT` if nothing complete arrived in time."""
     data = b""
     while b"\n" not in data and len(data) < _MAX_MESSAGE:
         conn.settimeout(max(0.05, deadline - time.time()))
         try:
             chunk = conn.recv(65536)
         except socket.timeout:
-            return None
+            return _TIMED_OUT
         except OSError:
             return None
         if not chunk:
@@ -177,7 +182,7 @@ def _lead(cluster, me, timeout):
             except socket.timeout:
                 continue
             hello = _receive(conn, time.time() + 5.0)
-            if hello is None:
+            if hello is None or hello is _TIMED_OUT:
                 conn.close()
                 continue
             try:
@@ -229,7 +234,7 @@ def _linger(server, problem):
             conn, _ = server.accept()
         except (socket.timeout, OSError):
             continue
-        if _receive(conn, time.time() + 1.0) is not None:
+        if _receive(conn, time.time() + 1.0) not in (None, _TIMED_OUT):
             try:
                 _send(conn, {"ok": False, "error": problem})
             except OSError:
@@ -263,11 +268,18 @@ def _report(cluster, me, timeout):
         try:
             _send(conn, hello)
             # The leader answers once every task reported (or it timed out itself).
-            answer = _receive(conn, deadline + 10.0)
+            answer = _receive(conn, deadline + _VERDICT_GRACE)
         except OSError as error:
             answer, last_error = None, str(error)
         finally:
             conn.close()
+        if answer is _TIMED_OUT:
+            raise ClusterMismatchError(
+                "%s: the leader %s at %s took the report but gave no verdict within %.0f s (it "
+                "is still waiting for other tasks, or it started much later than this task). "
+                "Start every task, or raise $%s." % (_name(me), _name(leader), address,
+                                                   timeout + _VERDICT_GRACE,
+                                                   STARTUP_TIMEOUT_ENV))
         if answer is None:
             raise ClusterMismatchError(
                 "%s: the process at the leader %s's address %s did not answer the start-up "
