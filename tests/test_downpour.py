@@ -141,3 +141,65 @@ def test_schedule_and_join_explain_a_ps_failure_and_pass_other_errors():
     trainer = _trainer_with(_FailingCoordinator(other))
     with pytest.raises(tf.errors.InvalidArgumentError, match="bad input"):
         trainer.schedule(None)
+
+
+SCHEDULE_THROUGH_A_PS_FAILURE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf, tf_keras
+import tf_nestpipe as tnp
+from downpour import dataset_fn, loss_fn, make_model
+from ps_mode import kill_task_soon
+strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.ModShardsPartitioner(),
+                                       update_window=1, local_optimizer=tnp.LocalSGD(0.2))
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                              tf_keras.optimizers.SGD(0.1))
+iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+for _ in range(3):
+    trainer.schedule(iterator)
+trainer.join()
+kill_task_soon("ps", 0, 0.0).join()
+start = time.time()
+try:
+    for _ in range(3000):
+        trainer.schedule(iterator)
+        time.sleep(0.01)
+    print("NO ERROR FROM SCHEDULE", flush=True)
+except Exception as error:
+    print("schedule raised %s after %.1f s: %s" % (type(error).__name__, time.time() - start,
+                                                    str(error)[:400]), flush=True)
+"""
+
+
+@pytest.mark.cluster
+def test_a_ps_killed_while_schedule_runs_is_explained_by_schedule(tmp_path):
+    """A real ps failure (its server SIGKILLed) surfaces in DownpourTrainer.schedule, not only
+    in join, as a ParameterServerUnavailableError naming the task (plain TF_CONFIG processes:
+    the launcher would tear the cluster down first)."""
+    import subprocess
+
+    from tf_nestpipe.launch.local_cluster import free_ports
+
+    ports = free_ports(3)
+    cluster = {"chief": ["127.0.0.1:%d" % ports[0]], "worker": ["127.0.0.1:%d" % ports[1]],
+               "ps": ["127.0.0.1:%d" % ports[2]]}
+
+    def env(role):
+        return dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                      "task": {"type": role, "index": 0}}))
+
+    servers = [subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], env=env(role),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for role in ("worker", "ps")]
+    try:
+        chief = run_command([sys.executable, "-c", SCHEDULE_THROUGH_A_PS_FAILURE, PROGRAMS],
+                            timeout=180, env={"TF_CONFIG": env("chief")["TF_CONFIG"]})
+    finally:
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+            server.wait()
+    assert "killed ps 0" in chief.stdout, chief.stdout[-3000:]
+    assert "schedule raised ParameterServerUnavailableError" in chief.stdout, chief.stdout[-3000:]
+    assert "parameter server /job:ps/task:0 became unavailable" in chief.stdout
