@@ -255,3 +255,43 @@ def test_help_does_not_import_tensorflow():
     assert _started_as_launcher(["python", "-u", "-m", "tf_nestpipe.launch", "--help"])
     assert not _started_as_launcher(["python", "-m", "tf_nestpipe.plan"])
     assert not _started_as_launcher(["python", "train.py", "-m", "x"])
+
+
+@pytest.mark.cluster
+def test_sigterm_to_the_launcher_makes_every_worker_save_its_preemption_checkpoint(tmp_path):
+    """What Docker / Kubernetes do: SIGTERM to the launcher of a real 2-worker NestPipe job with
+    a PreemptionCheckpointHandler: every worker saves the same step and exits 42, the launcher
+    exits 42, and the next launch resumes from that step."""
+    import signal
+    import subprocess
+
+    from conftest import REPO
+    from tf_nestpipe.strategy.checkpoint import latest_step
+
+    worker = os.path.join(REPO, "bench", "fault_worker.py")
+    ckpt, final = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--output", "all", "--",
+         sys.executable, worker, final, ckpt, "40", "--step-seconds", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "resumed at step 0" in line:
+            break
+    time.sleep(2.0)
+    start = time.time()
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=60)
+    log = "".join(lines) + rest
+    assert process.returncode == 42, log[-3000:]
+    assert time.time() - start < 15, log[-3000:]
+    saved = [l for l in log.splitlines() if "tf_nestpipe: preempted; saved step" in l]
+    assert len(saved) == 2 and saved[0].split("step")[-1] == saved[1].split("step")[-1], saved
+    step = int(saved[0].split("saved step ")[1].split()[0])
+    assert 0 < step < 40 and latest_step(ckpt) == step
+    assert "stopped on signal 15; exit 42" in log
+    resumed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--",
+                           sys.executable, worker, final, ckpt, str(step + 2)], timeout=120)
+    assert resumed.returncode == 0 and "resumed at step %d" % step in resumed.stdout, \
+        resumed.stdout[-3000:]
