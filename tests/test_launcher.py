@@ -295,3 +295,25 @@ def test_sigterm_to_the_launcher_makes_every_worker_save_its_preemption_checkpoi
                            sys.executable, worker, final, ckpt, str(step + 2)], timeout=120)
     assert resumed.returncode == 0 and "resumed at step %d" % step in resumed.stdout, \
         resumed.stdout[-3000:]
+
+
+def test_tensorflow_start_up_noise_stays_in_the_log_files(tmp_path):
+    from tf_nestpipe.launch.local_cluster import is_startup_noise
+
+    noise = ["WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+             "I0000 00:00:1796118273.616582   12175 port.cc:153] oneDNN custom operations are on. "
+             "You may see slightly different numerical results",
+             "I0000 00:00:1796118273.616885   12175 cudart_stub.cc:31] Could not find cuda drivers "
+             "on your machine, GPU will not be used."]
+    kept = ["E0000 00:00:1796118277.814994   12175 cuda_platform.cc:52] failed call to cuInit: "
+            "INTERNAL: CUDA error", "epoch 1 loss 0.3 (oneDNN custom operations are on.)",
+            "Could not find cuda drivers on your machine, GPU will not be used."]
+    assert all(is_startup_noise(line) for line in noise)
+    assert not any(is_startup_noise(line) for line in kept)  # errors and user lines are shown
+    script = write(tmp_path, "noisy.py", "print(%r)\nprint('real output')\n" % noise[2])
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1",
+                          "--log-dir", str(tmp_path / "logs"), "--", sys.executable, script],
+                         timeout=60)
+    assert result.returncode == 0 and "[worker:0] real output" in result.stdout
+    assert "cudart_stub" not in result.stdout
+    assert "cudart_stub" in (tmp_path / "logs" / "worker-0.log").read_text()

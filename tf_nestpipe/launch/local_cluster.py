@@ -11,8 +11,9 @@ Quiet by default: every task's output goes to its own log file (`log_dir`), and 
 training task's (the chief's, else worker 0's) also to the console; `output="all"` (or
 `TF_NESTPIPE_LAUNCH_OUTPUT=all`) shows every task's. A failed task's last lines are shown
 whatever the mode, and every attempt ends with one summary line per task (exit code, duration,
-log file). SIGTERM / SIGINT to the launcher is forwarded to the training tasks as SIGTERM (so
-`PreemptionCheckpointHandler` saves); after `grace_period` seconds what still runs is killed, and
+log file). TensorFlow's informational start-up lines, printed before its log level applies,
+stay in the log files only. SIGTERM / SIGINT to the launcher is forwarded to the training tasks
+as SIGTERM (so `PreemptionCheckpointHandler` saves); after `grace_period` seconds what still runs is killed, and
 the launcher exits with the tasks' code (128 + signal if it had to kill them).
 """
 import ctypes
@@ -36,6 +37,19 @@ OUTPUT_ENV = "TF_NESTPIPE_LAUNCH_OUTPUT"
 OUTPUT_MODES = ("first", "all")
 DEFAULT_GRACE_PERIOD = 25.0  # below Kubernetes' default terminationGracePeriodSeconds (30)
 _FAILURE_TAIL_LINES = 30
+# TensorFlow's start-up lines that come before it reads TF_CPP_MIN_LOG_LEVEL (so that setting
+# cannot hide them): informational, printed by every task. Kept in the log files; not shown on
+# the console. Errors (e.g. a failed cuInit on a GPU machine) are always shown.
+_STARTUP_NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
+                  "] oneDNN custom operations are on.",
+                  "] Could not find cuda drivers on your machine, GPU will not be used.")
+
+
+def is_startup_noise(line: str) -> bool:
+    """Whether `line` is one of TensorFlow's informational start-up lines (`_STARTUP_NOISE`)."""
+    if line.startswith("WARNING: All log messages before absl"):
+        return True
+    return line[:1] == "I" and any(marker in line for marker in _STARTUP_NOISE[1:])
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
@@ -180,7 +194,7 @@ class LocalCluster:
             for line in task.process.stdout:
                 log.write(line)
                 log.flush()
-                if task.to_console:
+                if task.to_console and not is_startup_noise(line):
                     with self._lock:
                         self.output.write(prefix + line)
                         self.output.flush()
