@@ -15,6 +15,10 @@ Faults (all traffic on 127.0.0.1):
   (two processes as worker 1 of 3), `absent-leader` (worker 1 alone), `absent-worker` (worker 0
   alone): recovered means every process exited non-zero with a ClusterMismatchError naming the
   cause; seconds: until the last one exited (start-up timeout 10 s).
+- `unequal-shares`: a fit whose second global batch splits 2 + 1 (tests/programs/
+  unequal_shares.py): recovered means refused on both workers at that step, naming
+  drop_remainder=True. `restore-other-size`: tests/programs/restore_sizes.py: every restore
+  into another table size refused on both workers (recovered), into the saved size exact.
 """
 import argparse
 import json
@@ -30,6 +34,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WORKER = os.path.join(HERE, "fault_worker.py")
+PROGRAMS = os.path.join(REPO, "tests", "programs")
 STEPS = 12
 STRATEGY = "import tf_nestpipe as tnp; tnp.NestPipeStrategy(); print('started', flush=True)"
 
@@ -148,8 +153,43 @@ class Faults:
                                   "task": {"type": "worker", "index": 0}}])
 
 
+    def unequal_shares(self):
+        """fit whose second global batch splits 2 + 1: refused on both workers at that step."""
+        out = self._fresh("shares")
+        start = time.time()
+        result = _launch(["--", sys.executable, os.path.join(PROGRAMS, "unequal_shares.py"), out,
+                          "uneven"])
+        took = time.time() - start
+        refused = result.returncode == 0
+        for rank in (0, 1):
+            with open(os.path.join(out, "uneven-%d.json" % rank)) as f:
+                case = json.load(f)
+            refused = refused and case["steps"] == 1 and "drop_remainder=True" in (case["error"] or "")
+        return refused, None, took
+
+    def restore_other_size(self):
+        """A 100-row table restored into 200 / 60 / 101 rows (whole and sharded checkpoints):
+        refused on both workers; into 100 rows: exact."""
+        out = self._fresh("sizes")
+        start = time.time()
+        result = _launch(["--", sys.executable, os.path.join(PROGRAMS, "restore_sizes.py"), out,
+                          "save", "restore"])
+        took = time.time() - start
+        refused = exact = result.returncode == 0
+        for rank in (0, 1):
+            path = os.path.join(out, "results-2-%d.json" % rank)
+            if not os.path.exists(path):
+                return False, False, took
+            with open(path) as f:
+                cases = json.load(f)
+            refused = refused and all(v.startswith("error: cannot restore") for k, v in
+                                      cases.items() if not k.endswith("_into_100"))
+            exact = exact and all(v == "ok" for k, v in cases.items() if k.endswith("_into_100"))
+        return refused, exact, took
+
+
 FAULTS = ["worker-sigkill", "launcher-sigterm", "cluster-mismatch", "duplicate-index",
-          "absent-leader", "absent-worker"]
+          "absent-leader", "absent-worker", "unequal-shares", "restore-other-size"]
 
 
 def main(argv=None):
