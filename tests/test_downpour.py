@@ -73,6 +73,7 @@ def test_fit_refuses_a_downpour_strategy():
         keras_integration._pipelined_strategy(Model())
 
 
+@pytest.mark.cluster
 def test_a_killed_ps_restarts_the_cluster_which_resumes_from_the_checkpoint(tmp_path):
     result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps",
                           "2", "--chief", "--restarts", "1", "--timeout", "150", "--",
@@ -99,3 +100,106 @@ def test_a_ps_failure_is_explained():
     assert "--restarts" in str(explained)
     assert explain_ps_failure(tf.errors.UnavailableError(
         None, None, "GRPC error information from remote target /job:worker/replica:0/task:0")) is None
+
+
+class _FailingCoordinator:
+    """What ClusterCoordinator does after a window failed: schedule and join raise its error."""
+
+    def __init__(self, error):
+        self.error = error
+
+    def schedule(self, fn, args=()):
+        raise self.error
+
+    def join(self):
+        raise self.error
+
+
+def _trainer_with(coordinator):
+    from tf_nestpipe.strategy.downpour import DownpourTrainer
+
+    trainer = DownpourTrainer.__new__(DownpourTrainer)  # only the coordinator is exercised
+    trainer.coordinator, trainer.windows, trainer._window = coordinator, 0, None
+    return trainer
+
+
+def test_schedule_and_join_explain_a_ps_failure_and_pass_other_errors():
+    import tensorflow as tf
+    from tf_nestpipe.strategy.downpour import ParameterServerUnavailableError
+
+    ps_down = tf.errors.UnavailableError(None, None, (
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:0 while calling /tensorflow.WorkerService/RunGraph"))
+    trainer = _trainer_with(_FailingCoordinator(ps_down))
+    for call in (lambda: trainer.schedule(None), trainer.join):
+        with pytest.raises(ParameterServerUnavailableError, match="/job:ps/task:0") as info:
+            call()
+        assert info.value.__cause__ is ps_down
+    assert trainer.windows == 0  # the failed window was not counted as scheduled
+    # Positive control: an error that is not a ps failure reaches the caller unchanged.
+    other = tf.errors.InvalidArgumentError(None, None, "bad input")
+    trainer = _trainer_with(_FailingCoordinator(other))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="bad input"):
+        trainer.schedule(None)
+
+
+SCHEDULE_THROUGH_A_PS_FAILURE = """
+import sys, time
+sys.path.insert(0, sys.argv[1])
+import tensorflow as tf, tf_keras
+import tf_nestpipe as tnp
+from downpour import dataset_fn, loss_fn, make_model
+from ps_mode import kill_task_soon
+strategy = tnp.ParameterServerStrategy(variable_partitioner=tnp.ModShardsPartitioner(),
+                                       update_window=1, local_optimizer=tnp.LocalSGD(0.2))
+coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
+trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
+                              tf_keras.optimizers.SGD(0.1))
+iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
+for _ in range(3):
+    trainer.schedule(iterator)
+trainer.join()
+kill_task_soon("ps", 0, 0.0).join()
+start = time.time()
+try:
+    for _ in range(3000):
+        trainer.schedule(iterator)
+        time.sleep(0.01)
+    print("NO ERROR FROM SCHEDULE", flush=True)
+except Exception as error:
+    print("schedule raised %s after %.1f s: %s" % (type(error).__name__, time.time() - start,
+                                                    str(error)[:400]), flush=True)
+"""
+
+
+@pytest.mark.cluster
+def test_a_ps_killed_while_schedule_runs_is_explained_by_schedule(tmp_path):
+    """A real ps failure (its server SIGKILLed) surfaces in DownpourTrainer.schedule, not only
+    in join, as a ParameterServerUnavailableError naming the task (plain TF_CONFIG processes:
+    the launcher would tear the cluster down first)."""
+    import subprocess
+
+    from tf_nestpipe.launch.local_cluster import free_ports
+
+    ports = free_ports(3)
+    cluster = {"chief": ["127.0.0.1:%d" % ports[0]], "worker": ["127.0.0.1:%d" % ports[1]],
+               "ps": ["127.0.0.1:%d" % ports[2]]}
+
+    def env(role):
+        return dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
+                                                      "task": {"type": role, "index": 0}}))
+
+    servers = [subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], env=env(role),
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               for role in ("worker", "ps")]
+    try:
+        chief = run_command([sys.executable, "-c", SCHEDULE_THROUGH_A_PS_FAILURE, PROGRAMS],
+                            timeout=180, env={"TF_CONFIG": env("chief")["TF_CONFIG"]})
+    finally:
+        for server in servers:
+            if server.poll() is None:
+                server.kill()
+            server.wait()
+    assert "killed ps 0" in chief.stdout, chief.stdout[-3000:]
+    assert "schedule raised ParameterServerUnavailableError" in chief.stdout, chief.stdout[-3000:]
+    assert "parameter server /job:ps/task:0 became unavailable" in chief.stdout

@@ -95,6 +95,7 @@ def test_only_real_split_sizes_travel(horovod_results):
     assert "[worker:1] variable splits ok: sent 5 of 8 slots" in log
 
 
+@pytest.mark.cluster
 def test_cluster_size_mismatch_is_a_clear_error(tmp_path):
     """A TF_CONFIG of 2 workers but no Horovod environment: hvd.size() is 1."""
     _require_horovod()

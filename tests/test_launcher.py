@@ -119,7 +119,8 @@ def test_make_cluster_roles_and_free_ports():
     assert sorted(cluster) == ["chief", "ps", "worker"] and len(cluster["worker"]) == 2
     ports = [a.split(":")[1] for role in cluster.values() for a in role]
     assert len(set(ports)) == 4
-    json.dumps(cluster)
+    assert all(a.startswith("127.0.0.1:") for role in cluster.values() for a in role)
+    assert json.loads(json.dumps(cluster)) == cluster  # what every task's TF_CONFIG carries
     with pytest.raises(ValueError):
         make_cluster(0)
 
@@ -147,3 +148,172 @@ def test_parameter_server_mode_runs_servers_and_the_command_on_the_chief(tmp_pat
     assert "[chief:0] chief saw ['chief', 'ps', 'worker'] {'type': 'chief', 'index': 0}" in result.stdout
     assert "[ps:0] tf_nestpipe.server: ps:0 serving at" in result.stdout
     assert "[worker:0] tf_nestpipe.server: worker:0 serving at" in result.stdout
+
+
+TERM_AWARE = """
+    import json, os, signal, sys, time
+    index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+    mode = sys.argv[2]
+    def on_term(signum, frame):
+        open(os.path.join(sys.argv[1], "term-%d" % index), "w").close()
+        time.sleep(0.5 * index)  # worker 1 "saves" longer: worker 0's exit must not kill it
+        open(os.path.join(sys.argv[1], "saved-%d" % index), "w").close()
+        sys.exit(42)
+    if mode == "save":
+        signal.signal(signal.SIGTERM, on_term)
+    else:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    print("worker %d ready" % index, flush=True)
+    time.sleep(120)
+"""
+
+
+def _launch_then_sigterm(tmp_path, mode, grace):
+    import signal
+    import subprocess
+
+    script = write(tmp_path, "term.py", TERM_AWARE)
+    out = tmp_path / mode
+    out.mkdir()
+    env = dict(os.environ, TF_NESTPIPE_LAUNCH_OUTPUT="all")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--restarts", "1",
+         "--grace-period", str(grace), "--log-dir", str(tmp_path / ("logs-" + mode)), "--",
+         sys.executable, script, str(out), mode],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    lines = []
+    while sum("ready" in line for line in lines) < 2:
+        line = process.stdout.readline()
+        assert line, "".join(lines)
+        lines.append(line)
+    start = time.time()
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=60)
+    return process.returncode, "".join(lines) + rest, time.time() - start, out
+
+
+def test_sigterm_is_forwarded_and_the_tasks_exit_code_returned(tmp_path):
+    code, log, took, out = _launch_then_sigterm(tmp_path, "save", grace=20)
+    # Both tasks handled the SIGTERM to the end (worker 1 after worker 0 had exited), the launcher
+    # returned their code and did not restart the cluster.
+    assert sorted(os.listdir(out)) == ["saved-0", "saved-1", "term-0", "term-1"], log
+    assert code == 42, log
+    assert "restarting" not in log and took < 10, log
+    assert "[launch] worker:1: exit 42 after" in log and "stopped on signal 15; exit 42" in log
+
+
+def test_tasks_that_ignore_sigterm_are_killed_after_the_grace_period(tmp_path):
+    code, log, took, _ = _launch_then_sigterm(tmp_path, "ignore", grace=1)
+    assert code == 143, log
+    assert 1 <= took < 10, log
+    assert "still running 1 s after SIGTERM; killing them" in log
+    assert "[launch] worker:0: killed by the launcher after" in log
+
+
+def test_quiet_by_default_other_tasks_log_to_files_and_a_summary_ends_the_run(tmp_path):
+    script = write(tmp_path, "talk.py", """
+        import json, os, sys
+        index = json.loads(os.environ["TF_CONFIG"])["task"]["index"]
+        print("hello from", index, "level", os.environ.get("TF_CPP_MIN_LOG_LEVEL"))
+        sys.exit(int(sys.argv[1]) if index == 1 else 0)
+    """)
+    logs = tmp_path / "logs"
+    env = {"TF_NESTPIPE_LAUNCH_OUTPUT": ""}
+    ok = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--log-dir",
+                      str(logs), "--", sys.executable, script, "0"], timeout=60, env=env)
+    assert ok.returncode == 0, ok.stdout
+    assert "[worker:0] hello from 0 level 2" in ok.stdout
+    assert "hello from 1" not in ok.stdout  # worker 1's output is only in its file
+    assert "hello from 1 level 2" in (logs / "worker-1.log").read_text()
+    summary = [l for l in ok.stdout.splitlines() if l.startswith("[launch] worker:")]
+    assert len(summary) == 2 and all(" exit 0 after " in l for l in summary), ok.stdout
+    assert str(logs / "worker-1.log") in summary[1]
+    # The user's own log level wins; a failed hidden task's last lines are shown.
+    failed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                          "--log-dir", str(logs), "--", sys.executable, script, "3"],
+                         timeout=60, env=dict(env, TF_CPP_MIN_LOG_LEVEL="0"))
+    assert failed.returncode == 1
+    assert "[worker:1] hello from 1 level 0" in failed.stdout  # the tail of its log
+    assert "[launch] worker:1: exit 3 after" in failed.stdout
+    # --output all shows every task's lines.
+    every = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                         "--output", "all", "--", sys.executable, script, "0"], timeout=60,
+                        env=env)
+    assert "[worker:1] hello from 1" in every.stdout, every.stdout
+
+
+def test_help_does_not_import_tensorflow():
+    from tf_nestpipe import _started_as_launcher
+
+    result = run_command([sys.executable, "-X", "importtime", "-m", "tf_nestpipe.launch",
+                          "--help"], timeout=60)
+    assert result.returncode == 0 and "--grace-period" in result.stdout
+    imported = [l for l in result.stdout.splitlines() if "import time:" in l]
+    assert any("tf_nestpipe.launch.local_cluster" in l for l in imported)  # the log is complete
+    assert not any("tensorflow" in l for l in imported), [l for l in imported if "tensorflow" in l]
+    # ... and the rule recognises only the launcher's entry points.
+    assert _started_as_launcher(["python", "-u", "-m", "tf_nestpipe.launch", "--help"])
+    assert not _started_as_launcher(["python", "-m", "tf_nestpipe.plan"])
+    assert not _started_as_launcher(["python", "train.py", "-m", "x"])
+
+
+@pytest.mark.cluster
+def test_sigterm_to_the_launcher_makes_every_worker_save_its_preemption_checkpoint(tmp_path):
+    """What Docker / Kubernetes do: SIGTERM to the launcher of a real 2-worker NestPipe job with
+    a PreemptionCheckpointHandler: every worker saves the same step and exits 42, the launcher
+    exits 42, and the next launch resumes from that step."""
+    import signal
+    import subprocess
+
+    from conftest import REPO
+    from tf_nestpipe.strategy.checkpoint import latest_step
+
+    worker = os.path.join(REPO, "bench", "fault_worker.py")
+    ckpt, final = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
+    process = subprocess.Popen(
+        [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--output", "all", "--",
+         sys.executable, worker, final, ckpt, "40", "--step-seconds", "0.3"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines = []
+    for line in process.stdout:
+        lines.append(line)
+        if "resumed at step 0" in line:
+            break
+    time.sleep(2.0)
+    start = time.time()
+    process.send_signal(signal.SIGTERM)
+    rest, _ = process.communicate(timeout=60)
+    log = "".join(lines) + rest
+    assert process.returncode == 42, log[-3000:]
+    assert time.time() - start < 15, log[-3000:]
+    saved = [l for l in log.splitlines() if "tf_nestpipe: preempted; saved step" in l]
+    assert len(saved) == 2 and saved[0].split("step")[-1] == saved[1].split("step")[-1], saved
+    step = int(saved[0].split("saved step ")[1].split()[0])
+    assert 0 < step < 40 and latest_step(ckpt) == step
+    assert "stopped on signal 15; exit 42" in log
+    resumed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--",
+                           sys.executable, worker, final, ckpt, str(step + 2)], timeout=120)
+    assert resumed.returncode == 0 and "resumed at step %d" % step in resumed.stdout, \
+        resumed.stdout[-3000:]
+
+
+def test_tensorflow_start_up_noise_stays_in_the_log_files(tmp_path):
+    from tf_nestpipe.launch.local_cluster import is_startup_noise
+
+    noise = ["WARNING: All log messages before absl::InitializeLog() is called are written to STDERR",
+             "I0000 00:00:1796118273.616582   12175 port.cc:153] oneDNN custom operations are on. "
+             "You may see slightly different numerical results",
+             "I0000 00:00:1796118273.616885   12175 cudart_stub.cc:31] Could not find cuda drivers "
+             "on your machine, GPU will not be used."]
+    kept = ["E0000 00:00:1796118277.814994   12175 cuda_platform.cc:52] failed call to cuInit: "
+            "INTERNAL: CUDA error", "epoch 1 loss 0.3 (oneDNN custom operations are on.)",
+            "Could not find cuda drivers on your machine, GPU will not be used."]
+    assert all(is_startup_noise(line) for line in noise)
+    assert not any(is_startup_noise(line) for line in kept)  # errors and user lines are shown
+    script = write(tmp_path, "noisy.py", "print(%r)\nprint('real output')\n" % noise[2])
+    result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1",
+                          "--log-dir", str(tmp_path / "logs"), "--", sys.executable, script],
+                         timeout=60)
+    assert result.returncode == 0 and "[worker:0] real output" in result.stdout
+    assert "cudart_stub" not in result.stdout
+    assert "cudart_stub" in (tmp_path / "logs" / "worker-0.log").read_text()

@@ -27,6 +27,7 @@ def _one_worker_env(host):
          "task": {"type": "worker", "index": 0}}))
 
 
+@pytest.mark.cluster
 def test_launched_servers_listen_only_on_their_tf_config_address():
     result = launch(1, [PROGRAM, "--server"])
     assert result.returncode == 0, result.stdout[-4000:]
@@ -35,6 +36,7 @@ def test_launched_servers_listen_only_on_their_tf_config_address():
     assert found[0] and set(found[0]) <= LOOPBACK, found[0]
 
 
+@pytest.mark.cluster
 def test_a_task_started_by_another_tool_listens_only_on_its_address(tmp_path):
     env = _one_worker_env("localhost")
     narrowed = run_command([sys.executable, "-m", "tf_nestpipe.launch.task", "--",
@@ -57,6 +59,7 @@ def test_listen_only_env_errors(monkeypatch):
         listen.listen_only_env("localhost:2222")
 
 
+@pytest.mark.cluster
 def test_a_tf_config_host_of_another_machine_falls_back_with_a_warning():
     """A relay / NAT / service address is not local: the server still starts, on every
     interface, and says so (instead of failing to start)."""

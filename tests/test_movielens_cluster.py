@@ -1,8 +1,11 @@
 """MovieLens-100K end to end on a 2-worker cluster: fetched and converted on first use (every
-worker at once, under a file lock), read from TFRecord shards with AutoShard FILE, trained with
+worker at once, under a file lock), read from TFRecord shards (training: full global batches,
+AutoShard DATA; held-out: AutoShard FILE), trained with
 tf_keras fit; the held-out AUC shows the model learned."""
 import os
 import re
+
+import pytest
 
 from conftest import fetch_movielens_or_skip, launch
 
@@ -10,6 +13,7 @@ EXAMPLE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
                        "dlrm.py")
 
 
+@pytest.mark.cluster
 def test_dlrm_learns_movielens_100k_on_two_workers():
     fetch_movielens_or_skip("movielens-100k")
     result = launch(2, [EXAMPLE, "--data", "movielens-100k", "--epochs", "2"], timeout=600)
@@ -18,6 +22,6 @@ def test_dlrm_learns_movielens_100k_on_two_workers():
     match = re.search(r"train: (\d+) steps, .* held-out: loss [\d.]+ auc ([\d.]+)", result.stdout)
     assert match, result.stdout[-3000:]
     steps, auc = int(match.group(1)), float(match.group(2))
-    # 2 epochs of 90,000 ratings in global batches of 512 (the last partial batch per worker).
-    assert 350 <= steps <= 354
+    # 2 epochs of 90,000 ratings in full global batches of 512 (drop_remainder: equal shares).
+    assert steps == 350, steps
     assert auc > 0.68, "held-out AUC %.3f: the model did not learn" % auc

@@ -50,6 +50,7 @@ def test_training_moved_every_parameter(exactness_results):
     assert np.abs(ref["table_b"] - init_b).max() > 1e-2
 
 
+@pytest.mark.cluster
 def test_chief_plus_worker_cluster_matches_single_process(exactness_results, tmp_path):
     """A chief counts as a synchronous worker (the first), as in MultiWorkerMirroredStrategy."""
     result = launch(1, [os.path.join(PROGRAMS, "exactness.py"), str(tmp_path / "chief"),

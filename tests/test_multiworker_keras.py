@@ -36,6 +36,7 @@ def test_fit_and_evaluate_auc_is_global_not_summed(tfrs_results):
     assert single["train_auc"][1] != single["train_auc"][0]  # the model trained
 
 
+@pytest.mark.cluster
 def test_out_of_range_id_on_one_worker_fails_the_cluster_with_a_clear_error(tmp_path):
     start = time.time()
     result = launch(2, [os.path.join(PROGRAMS, "exactness.py"), str(tmp_path / "bad"), "3",

@@ -55,13 +55,20 @@ def test_row_init_never_draws_the_full_table(monkeypatch, make_initializer, in_f
             return _original(*args, **kwargs)
 
         monkeypatch.setattr(kernels, name, spy)
+    # Positive control: the spy sees the full-shape draw of the unsharded initializer (so it
+    # hooks the kernels these initializers really use, eagerly and in a function).
+    full = tf.function(lambda: make_initializer()((VOCAB, DIM))) if in_function else (
+        lambda: make_initializer()((VOCAB, DIM)))
+    full()
+    assert (VOCAB, DIM) in shapes, shapes
+    shapes.clear()
     layout = ShardLayout(VOCAB, DIM, 4, 1)
     initializer = RowShardInitializer(make_initializer(), layout)
     build = tf.function(lambda: initializer((layout.local_rows, DIM))) if in_function else (
         lambda: initializer((layout.local_rows, DIM)))
     values = build().numpy()
     assert values.shape == (layout.local_rows, DIM)
-    assert (VOCAB, DIM) not in shapes  # the full-shape kernel never ran
+    assert (VOCAB, DIM) not in shapes, shapes  # the full-shape kernel never ran (rows: our op)
     np.testing.assert_array_equal(values, make_initializer()((VOCAB, DIM)).numpy()[layout.global_ids()])
 
 

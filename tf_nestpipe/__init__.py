@@ -4,27 +4,42 @@ Embedding tables are row-sharded across workers (model parallel), dense weights 
 parallel), with exact synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`).
 """
 import os
+import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
-from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
-from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
-                                  ShardLayout)
-from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
-                                  LocalAdagrad, LocalSGD, NestPipeStrategy,
-                                  ParameterServerStrategy)
-from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
-from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
-from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
-from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
-from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
-                                               MaxSizePartitioner, MinSizePartitioner,
-                                               ModShardsPartitioner)
+# Entry points that never need TensorFlow: the launcher (`python -m tf_nestpipe.launch`, also its
+# `--help`) and `python -m tf_nestpipe.launch.task`. Python imports this package first when they
+# start, and importing TensorFlow there would cost seconds and print its start-up noise.
+_NO_TENSORFLOW_ENTRY_POINTS = ("tf_nestpipe.launch", "tf_nestpipe.launch.task")
 
-from tf_nestpipe.pipeline import TrainPipeline  # noqa: E402
-from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa: E402
 
-_keras_integration.install()
+def _started_as_launcher(argv=None):
+    """Whether this process is `python [options] -m tf_nestpipe.launch[.task] ...`."""
+    argv = list(getattr(sys, "orig_argv", []) if argv is None else argv)
+    return any(flag == "-m" and module in _NO_TENSORFLOW_ENTRY_POINTS
+               for flag, module in zip(argv, argv[1:]))
+
+
+if not _started_as_launcher():
+    from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
+    from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
+                                      ShardLayout)
+    from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
+                                      LocalAdagrad, LocalSGD, NestPipeStrategy,
+                                      ParameterServerStrategy)
+    from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
+    from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
+    from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
+    from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
+    from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
+                                                   MaxSizePartitioner, MinSizePartitioner,
+                                                   ModShardsPartitioner)
+
+    from tf_nestpipe.pipeline import TrainPipeline  # noqa: E402
+    from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa: E402
+
+    _keras_integration.install()
 
 __version__ = "0.1.0"
 

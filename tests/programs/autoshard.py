@@ -89,7 +89,13 @@ def counted_training(strategy, pattern, policy):
     with strategy.scope():
         model = tf_keras.Sequential([tnp.ShardedEmbedding(64, 2), tf_keras.layers.Dense(1)])
         model.compile("sgd", "mse", metrics=[IdTotals()])
-    history = model.fit(dataset, epochs=1, verbose=0)
+    # The workers' shards differ in length, so the last steps split unevenly, which training
+    # refuses by default (tests/test_unequal_shares.py); this case counts the records consumed.
+    strategy.check_equal_shares = False
+    try:
+        history = model.fit(dataset, epochs=1, verbose=0)
+    finally:
+        strategy.check_equal_shares = True
     totals = history.history["id_totals"][-1]
     return {"global_sum": int(round(totals[0])), "global_count": int(round(totals[1]))}
 

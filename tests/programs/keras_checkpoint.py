@@ -1,17 +1,23 @@
 """tf_keras ModelCheckpoint / BackupAndRestore and plain tf.train.Checkpoint under NestPipeStrategy.
 
-usage: keras_checkpoint.py OUT_DIR fit | load
+usage: keras_checkpoint.py OUT_DIR fit | load | killed
   fit  (any number of workers): OUT_DIR/uninterrupted.npz: a 4-epoch fit with ModelCheckpoint
        (weights of every epoch in OUT_DIR/weights); OUT_DIR/resumed.npz: the same fit with
        BackupAndRestore, interrupted after epoch 2 and fitted again by a fresh model (which
-       resumes at epoch 3); OUT_DIR/tf_checkpoint: tf.train.Checkpoint(model, optimizer) of the
+       resumes at epoch 3); OUT_DIR/resumed_lazy.npz: the same with a resumed model that fit
+       builds (the backup restored before its variables exist); OUT_DIR/tf_checkpoint: tf.train.Checkpoint(model, optimizer) of the
        uninterrupted model, written by the chief (the others write to a scratch directory).
   load (any number of workers): OUT_DIR/loaded_W.npz: the epoch-4 weights read by load_weights,
        and the tf.train.Checkpoint read into a fresh model and optimizer.
+  killed (under the launcher's --restarts 1): OUT_DIR/killed_reference.npz, an uninterrupted
+       fit of a model fit builds; OUT_DIR/killed_resumed.npz, the same fit with
+       BackupAndRestore after worker 1 was SIGKILLed at the end of epoch 2 and the cluster
+       restarted.
 Every .npz holds the whole tables, dense weights by position and the tables' Adagrad slots.
 """
 import os
 import shutil
+import signal
 import sys
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -82,12 +88,59 @@ def save(strategy, path, values):
         np.savez(path, **values)
 
 
+class KillWorker1(tf_keras.callbacks.Callback):
+    """SIGKILLs worker 1 after epoch `epoch` (0-based), once: `marker` remembers it."""
+
+    def __init__(self, strategy, epoch, marker):
+        super().__init__()
+        self.strategy, self.epoch, self.marker = strategy, epoch, marker
+
+    def on_epoch_end(self, epoch, logs=None):
+        if epoch == self.epoch and self.strategy.worker_index == 1 and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            print("worker 1 dies after epoch %d" % (epoch + 1), flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def lazy_model(strategy):
+    """A compiled TinyRanker that fit builds (tables and slots created in the first step)."""
+    with strategy.scope():
+        model = ex.TinyRanker()
+        model.compile(optimizer=ex.make_optimizer("adagrad"),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+    assert not model.built
+    return model
+
+
+def killed(strategy, out, data):
+    """Under `--restarts 1`: an uninterrupted fit of a model fit builds (first attempt only),
+    then the same fit with BackupAndRestore, worker 1 SIGKILLed after epoch 2; the restarted
+    attempt resumes it from the backup."""
+    reference = os.path.join(out, "killed_reference.npz")
+    if not os.path.exists(os.path.join(out, "killed.marker")):
+        tf_keras.utils.set_random_seed(5)
+        model = lazy_model(strategy)
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0)
+        save(strategy, reference, state(strategy, model))
+    tf_keras.utils.set_random_seed(5)
+    model = lazy_model(strategy)
+    epochs_run = []
+    model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0, callbacks=[
+        tnp.BackupAndRestore(os.path.join(out, "backup_killed")),
+        KillWorker1(strategy, 1, os.path.join(out, "killed.marker")),
+        tf_keras.callbacks.LambdaCallback(on_epoch_begin=lambda e, logs: epochs_run.append(e))])
+    print("killed run trained epochs", epochs_run, flush=True)
+    save(strategy, os.path.join(out, "killed_resumed.npz"), state(strategy, model))
+
+
 def main():
     out, phase = sys.argv[1], sys.argv[2]
     strategy = tnp.NestPipeStrategy()
     chief = strategy.worker_index == 0
     data, batches = dataset(strategy)
-    if phase == "fit":
+    if phase == "killed":
+        killed(strategy, out, data)
+    elif phase == "fit":
         tf_keras.utils.set_random_seed(1)
         model = new_model(strategy, batches)
         weights = tf_keras.callbacks.ModelCheckpoint(os.path.join(out, "weights", "w-{epoch}"),
@@ -119,6 +172,28 @@ def main():
         print("resumed run trained epochs", epochs_run, flush=True)
         assert epochs_run == [2, 3], epochs_run
         save(strategy, os.path.join(out, "resumed.npz"), state(strategy, second))
+
+        # The usual Keras way: the resumed model is built lazily by fit, so the backup is
+        # restored before its tables and slots exist (restored when they are created).
+        lazy_backup = tnp.BackupAndRestore(os.path.join(out, "backup_lazy"))
+        tf_keras.utils.set_random_seed(1)
+        try:
+            new_model(strategy, batches).fit(
+                data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                callbacks=[lazy_backup, Interrupt(1)])
+            raise AssertionError("the run was not interrupted")
+        except RuntimeError as error:
+            if "interrupted after epoch" not in str(error):
+                raise
+        tf_keras.utils.set_random_seed(2)
+        with strategy.scope():
+            lazy = ex.TinyRanker()
+            lazy.compile(optimizer=ex.make_optimizer("adagrad"),
+                         loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        assert not lazy.built
+        lazy.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                 callbacks=[lazy_backup])
+        save(strategy, os.path.join(out, "resumed_lazy.npz"), state(strategy, lazy))
     else:
         tf_keras.utils.set_random_seed(3)
         model = new_model(strategy, batches)

@@ -1,9 +1,13 @@
-"""`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] [--horovod] -- COMMAND ...`"""
+"""`python -m tf_nestpipe.launch --workers N [--ps K] [--chief] [--horovod] -- COMMAND ...`
+
+This process never imports TensorFlow (see `tf_nestpipe._started_as_launcher`).
+"""
 import argparse
 import json
 import sys
 
-from tf_nestpipe.launch.local_cluster import LocalCluster
+from tf_nestpipe.launch.local_cluster import (DEFAULT_GRACE_PERIOD, OUTPUT_ENV, OUTPUT_MODES,
+                                              LocalCluster)
 
 
 def main(argv=None):
@@ -42,6 +46,19 @@ def main(argv=None):
     parser.add_argument("--task-prefix", default="", metavar="TEMPLATE",
                         help="run each task under this command, {role} and {index} filled in "
                              "(e.g. 'ip netns exec ns_{role}{index}')")
+    parser.add_argument("--output", choices=OUTPUT_MODES, default=None,
+                        help="whose output the console shows: 'first' (default: the chief's, "
+                             "else worker 0's) or 'all' (every task's, prefixed); every task's "
+                             "output also goes to its log file in --log-dir (default $%s, else "
+                             "first)" % OUTPUT_ENV)
+    parser.add_argument("--log-dir", default=None, metavar="DIR",
+                        help="where each task's log file is written (default: a new "
+                             "temporary directory, named in the summary lines)")
+    parser.add_argument("--grace-period", type=float, default=DEFAULT_GRACE_PERIOD,
+                        metavar="SECONDS",
+                        help="on SIGTERM / SIGINT the launcher forwards SIGTERM to the tasks "
+                             "(a PreemptionCheckpointHandler then saves) and kills what still "
+                             "runs after this many seconds (default %(default)s)")
     args = parser.parse_args(flags)
     if not command:
         parser.error("no command: add `-- python script.py ARGS`")
@@ -71,7 +88,9 @@ def main(argv=None):
         cluster = LocalCluster(command, args.workers, args.ps, args.chief, env=env, cluster=spec,
                                task_prefix=args.task_prefix, horovod=args.horovod,
                                horovod_address=args.horovod_address,
-                               horovod_interface=args.horovod_interface)
+                               horovod_interface=args.horovod_interface,
+                               output_mode=args.output, log_dir=args.log_dir,
+                               grace_period=args.grace_period)
     except ValueError as e:
         parser.error(str(e))
     if args.restarts < 0:

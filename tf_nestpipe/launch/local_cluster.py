@@ -6,6 +6,15 @@ exits non-zero, every other task is killed and the launcher exits non-zero. Chil
 own process groups and die with the launcher (PR_SET_PDEATHSIG), so no orphan survives. With
 `horovod=True` the launcher also runs Horovod's Gloo rendezvous and gives every training task its
 `HOROVOD_*` environment (see `horovod_rendezvous`).
+
+Quiet by default: every task's output goes to its own log file (`log_dir`), and only the first
+training task's (the chief's, else worker 0's) also to the console; `output="all"` (or
+`TF_NESTPIPE_LAUNCH_OUTPUT=all`) shows every task's. A failed task's last lines are shown
+whatever the mode, and every attempt ends with one summary line per task (exit code, duration,
+log file). TensorFlow's informational start-up lines, printed before its log level applies,
+stay in the log files only. SIGTERM / SIGINT to the launcher is forwarded to the training tasks
+as SIGTERM (so `PreemptionCheckpointHandler` saves); after `grace_period` seconds what still runs is killed, and
+the launcher exits with the tasks' code (128 + signal if it had to kill them).
 """
 import ctypes
 import dataclasses
@@ -16,6 +25,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Dict, List, Optional, Sequence
@@ -23,6 +33,23 @@ from typing import Dict, List, Optional, Sequence
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 
 _PR_SET_PDEATHSIG = 1
+OUTPUT_ENV = "TF_NESTPIPE_LAUNCH_OUTPUT"
+OUTPUT_MODES = ("first", "all")
+DEFAULT_GRACE_PERIOD = 25.0  # below Kubernetes' default terminationGracePeriodSeconds (30)
+_FAILURE_TAIL_LINES = 30
+# TensorFlow's start-up lines that come before it reads TF_CPP_MIN_LOG_LEVEL (so that setting
+# cannot hide them): informational, printed by every task. Kept in the log files; not shown on
+# the console. Errors (e.g. a failed cuInit on a GPU machine) are always shown.
+_STARTUP_NOISE = ("WARNING: All log messages before absl::InitializeLog() is called",
+                  "] oneDNN custom operations are on.",
+                  "] Could not find cuda drivers on your machine, GPU will not be used.")
+
+
+def is_startup_noise(line: str) -> bool:
+    """Whether `line` is one of TensorFlow's informational start-up lines (`_STARTUP_NOISE`)."""
+    if line.startswith("WARNING: All log messages before absl"):
+        return True
+    return line[:1] == "I" and any(marker in line for marker in _STARTUP_NOISE[1:])
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> List[int]:
@@ -69,6 +96,11 @@ class _Task:
     process: subprocess.Popen
     runs_command: bool
     pump: Optional[threading.Thread] = None
+    log_path: Optional[str] = None
+    to_console: bool = True
+    started: float = 0.0
+    ended: Optional[float] = None
+    killed: bool = False
 
 
 class LocalCluster:
@@ -80,14 +112,30 @@ class LocalCluster:
                  chief: bool = False, env: Optional[Dict[str, str]] = None,
                  output=None, cluster: Optional[Dict[str, List[str]]] = None,
                  task_prefix: str = "", horovod: bool = False,
-                 horovod_address: Optional[str] = None, horovod_interface: Optional[str] = None):
+                 horovod_address: Optional[str] = None, horovod_interface: Optional[str] = None,
+                 output_mode: Optional[str] = None, log_dir: Optional[str] = None,
+                 grace_period: float = DEFAULT_GRACE_PERIOD):
         """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
         namespaces); `task_prefix` is a command template put before each task's command, with
         `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`). `horovod`
         starts a Gloo rendezvous and sets each chief / worker task's `HOROVOD_*` variables
         (rank = position among chief + workers, chief first); the tasks reach the rendezvous at
         `horovod_address` and Gloo uses `horovod_interface` (default: loopback), which tasks
-        with their own `cluster` addresses or `task_prefix` (namespaces) must name."""
+        with their own `cluster` addresses or `task_prefix` (namespaces) must name.
+        `output_mode` "first" (default, or `$TF_NESTPIPE_LAUNCH_OUTPUT`) shows only the first
+        training task's output on the console, "all" every task's; each task's output is also
+        written to `log_dir` (default: a new temporary directory). `grace_period`: seconds the
+        tasks get to exit after the launcher forwarded them a SIGTERM."""
+        output_mode = output_mode or os.environ.get(OUTPUT_ENV) or "first"
+        if output_mode not in OUTPUT_MODES:
+            raise ValueError("output mode must be one of %s, got %r" % (OUTPUT_MODES, output_mode))
+        if grace_period < 0:
+            raise ValueError("the grace period must be >= 0 seconds, got %r" % (grace_period,))
+        self.output_mode = output_mode
+        self.log_dir = log_dir
+        self.grace_period = float(grace_period)
+        self._attempt = 0
+        self._signal = None  # the signal that asked the launcher to stop
         if not command:
             raise ValueError("no command given: use `-- python script.py ARGS`")
         if horovod and num_ps:
@@ -125,12 +173,48 @@ class LocalCluster:
             return [sys.executable, "-u", "-m", "tf_nestpipe.server"], False
         return self.command, True
 
+    def _say(self, text: str):
+        with self._lock:
+            self.output.write("[launch] %s\n" % text)
+            self.output.flush()
+
+    def _first_command_role(self) -> str:
+        return "chief:0" if self.cluster.get("chief") else "worker:0"
+
+    def _log_path(self, role: str, index: int) -> str:
+        if self.log_dir is None:
+            self.log_dir = tempfile.mkdtemp(prefix="tf_nestpipe-launch-")
+        os.makedirs(self.log_dir, exist_ok=True)
+        suffix = ".restart%d" % self._attempt if self._attempt else ""
+        return os.path.join(self.log_dir, "%s-%d%s.log" % (role, index, suffix))
+
     def _pump(self, task: _Task):
         prefix = "[%s] " % task.role
-        for line in task.process.stdout:
-            with self._lock:
-                self.output.write(prefix + line)
-                self.output.flush()
+        with open(task.log_path, "a") as log:
+            for line in task.process.stdout:
+                log.write(line)
+                log.flush()
+                if task.to_console and not is_startup_noise(line):
+                    with self._lock:
+                        self.output.write(prefix + line)
+                        self.output.flush()
+
+    def _show_tail(self, task: _Task):
+        """Shows the last lines of a failed task's log when its output was not on the console."""
+        if task.to_console or task.log_path is None:
+            return
+        if task.pump is not None:
+            task.pump.join(timeout=5)
+        try:
+            with open(task.log_path, errors="replace") as log:
+                lines = log.readlines()[-_FAILURE_TAIL_LINES:]
+        except OSError:
+            return
+        with self._lock:
+            self.output.write("[launch] last lines of %s (%s):\n" % (task.role, task.log_path))
+            for line in lines:
+                self.output.write("[%s] %s" % (task.role, line))
+            self.output.flush()
 
     def _spawn(self, role: str, index: int) -> _Task:
         env = dict(os.environ)
@@ -152,10 +236,14 @@ class LocalCluster:
         argv, runs_command = self._task_command(role)
         if self.task_prefix:
             argv = shlex.split(self.task_prefix.format(role=role, index=index)) + argv
+        log_path = self._log_path(role, index)
         process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True,
                                    errors="replace", preexec_fn=_die_with_parent)
-        task = _Task("%s:%d" % (role, index), process, runs_command)
+        name = "%s:%d" % (role, index)
+        task = _Task(name, process, runs_command, log_path=log_path,
+                     to_console=self.output_mode == "all" or name == self._first_command_role(),
+                     started=time.time())
         task.pump = threading.Thread(target=self._pump, args=(task,), daemon=True)
         task.pump.start()
         return task
@@ -204,30 +292,90 @@ class LocalCluster:
         """Kills every task's process group and reaps it (and stops the Horovod rendezvous)."""
         for task in self.tasks:
             if task.process.poll() is None:
+                task.killed = True
                 try:
                     os.killpg(task.process.pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
         for task in self.tasks:
             task.process.wait()
+            if task.ended is None:
+                task.ended = time.time()
             if task.pump is not None:
                 task.pump.join(timeout=5)
         self._stop_rendezvous()
 
+    def _note_exits(self):
+        for task in self.tasks:
+            if task.ended is None and task.process.poll() is not None:
+                task.ended = time.time()
+
+    def summary(self) -> List[str]:
+        """One line per task of the last attempt: its exit code, how long it ran, its log."""
+        lines = []
+        for task in self.tasks:
+            code = task.process.returncode
+            if task.killed:
+                status = "killed by the launcher"
+            elif code is not None and code < 0:
+                status = "killed by signal %d" % -code
+            else:
+                status = "exit %s" % code
+            duration = (task.ended or time.time()) - task.started
+            lines.append("%s: %s after %.1f s, log %s" % (task.role, status, duration, task.log_path))
+        return lines
+
+    def forward_signal(self, signum: int):
+        """Asks every training task to stop (SIGTERM to its process group) on behalf of signal
+        `signum` to the launcher; `wait` then gives them `grace_period` seconds to exit."""
+        self._signal = signum
+        for task in self.tasks:
+            if task.runs_command and task.process.poll() is None:
+                try:
+                    os.killpg(task.process.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+
+    @staticmethod
+    def _exit_code(code: Optional[int]) -> int:
+        return 128 - code if code is not None and code < 0 else int(code or 0)
+
+    def _wait_after_signal(self) -> int:
+        """The tasks got SIGTERM: waits up to the grace period for every training task to exit
+        (no fail-fast: the others may still be writing their preemption checkpoint), then kills
+        what runs. Returns the first non-zero exit code of a training task (0 if all succeeded),
+        or 128 + the signal when one had to be killed."""
+        deadline = time.time() + self.grace_period
+        commands = [t for t in self.tasks if t.runs_command]
+        while any(t.process.poll() is None for t in commands) and time.time() < deadline:
+            time.sleep(0.1)
+        self._note_exits()
+        running = [t.role for t in commands if t.process.poll() is None]
+        if running:
+            self._say("%s still running %.0f s after SIGTERM; killing them"
+                      % (", ".join(running), self.grace_period))
+            return 128 + self._signal
+        codes = [self._exit_code(t.process.returncode) for t in commands]
+        return next((c for c in codes if c), 0)
+
     def wait(self, timeout: Optional[float] = None) -> int:
         """Waits until every command task succeeded (0) or one failed / timed out (non-zero)."""
         deadline = None if timeout is None else time.time() + timeout
-        failed = None
+        failed, failed_task, signalled = None, None, None
         try:
             while True:
+                if self._signal is not None:
+                    signalled = self._wait_after_signal()
+                    break
                 pending = False
                 for position, task in enumerate(self.tasks):
                     code = task.process.poll()
                     if code is None:
                         pending = pending or task.runs_command
                     elif code != 0 and not self._restart_if_worker_server(position, code):
-                        failed = (task.role, code)
+                        failed, failed_task = (task.role, code), task
                         break
+                self._note_exits()
                 if failed or not pending:
                     break
                 if deadline is not None and time.time() > deadline:
@@ -236,12 +384,16 @@ class LocalCluster:
                 time.sleep(0.1)
         finally:
             self.kill_all()
+        if failed_task is not None:
+            self._show_tail(failed_task)
         if failed:
-            with self._lock:
-                self.output.write("[launch] task %s failed (%s); the cluster was torn down\n" % failed)
-                self.output.flush()
-            return 1
-        return 0
+            self._say("task %s failed (%s); the cluster was torn down" % failed)
+        for line in self.summary():
+            self._say(line)
+        if signalled is not None:
+            self._say("stopped on signal %d; exit %d" % (self._signal, signalled))
+            return signalled
+        return 1 if failed else 0
 
     def run(self, timeout: Optional[float] = None, restarts: int = 0) -> int:
         """Starts the cluster and waits for it; returns the launcher's exit code. After a failed
@@ -251,14 +403,19 @@ class LocalCluster:
         previous = {}
 
         def _terminate(signum, _frame):
-            self.kill_all()
-            sys.exit(128 + signum)
+            if self._signal is not None:  # a second signal: stop waiting
+                self.kill_all()
+                sys.exit(128 + signum)
+            self.forward_signal(signum)
 
         if threading.current_thread() is threading.main_thread():
             for sig in (signal.SIGTERM, signal.SIGINT):
                 previous[sig] = signal.signal(sig, _terminate)
         try:
             for attempt in range(int(restarts) + 1):
+                if self._signal is not None:  # no restart after the launcher was asked to stop
+                    return 128 + self._signal
+                self._attempt = attempt
                 if attempt:
                     with self._lock:
                         self.output.write("[launch] restarting the cluster (restart %d of %d)\n"
@@ -269,9 +426,11 @@ class LocalCluster:
                     if self._generated_addresses:
                         self.cluster = make_cluster(self._num_workers, self._num_ps, self._chief)
                 self.start()
+                if self._signal is not None:  # the signal came while the tasks were starting
+                    self.forward_signal(self._signal)
                 code = self.wait(timeout)
-                if code == 0:
-                    return 0
+                if code == 0 or self._signal is not None:
+                    return code
             return code
         finally:
             for sig, handler in previous.items():

@@ -38,7 +38,7 @@ def parse_tf_config(text: Optional[str] = None) -> Optional[ClusterConfig]:
     """Parses `text` (default: the `TF_CONFIG` environment variable); None if it is unset/empty.
 
     Raises `TFConfigError` naming the field for bad JSON, a missing or malformed `cluster` or
-    `task`, an unknown role, or a task index out of range.
+    `task`, an unknown role, an address listed twice, or a task index out of range.
     """
     if text is None:
         text = os.environ.get("TF_CONFIG", "")
@@ -75,6 +75,15 @@ def parse_tf_config(text: Optional[str] = None) -> Optional[ClusterConfig]:
                 _fail("cluster.%s[%d]" % (role, i), "%r is not a \"host:port\" string" % (address,),
                       "Write each address as host:port.")
         cluster[role] = list(addresses)
+    seen = {}
+    for role, addresses in cluster.items():
+        for i, address in enumerate(addresses):
+            field = "cluster.%s[%d]" % (role, i)
+            if address in seen:
+                _fail(field, "%r is also %s: two tasks cannot share an address" % (address,
+                                                                                   seen[address]),
+                      "Give every task its own host:port.")
+            seen[address] = field
     if "chief" in cluster and len(cluster["chief"]) != 1:
         _fail("cluster.chief", "has %d tasks" % len(cluster["chief"]), "A cluster has at most one chief.")
     task = config.get("task")
@@ -98,3 +107,21 @@ def parse_tf_config(text: Optional[str] = None) -> Optional[ClusterConfig]:
               % (index, task_type, len(cluster[task_type])),
               "Use an index in [0, %d)." % len(cluster[task_type]))
     return ClusterConfig(cluster=cluster, task_type=task_type, task_index=index)
+
+
+SYNCHRONOUS_ROLES = ("chief", "worker")
+
+
+def check_synchronous_roles(config: ClusterConfig, strategy: str = "NestPipeStrategy"):
+    """Refuses a task (e.g. `evaluator`, `ps`) that a synchronous strategy cannot run, naming
+    the fix, instead of failing inside TensorFlow."""
+    if config.task_type in SYNCHRONOUS_ROLES:
+        return
+    if config.task_type == "evaluator":
+        fix = ("Evaluate in a separate process without TF_CONFIG (or in the chief / worker 0 "
+               "after fit); a side-car evaluator is a ParameterServerStrategy feature.")
+    else:
+        fix = ("Run the %s task with `python -m tf_nestpipe.server` (parameter-server mode, "
+               "tnp.ParameterServerStrategy), or remove it." % config.task_type)
+    _fail("task.type", "%s does not support the role %r (it runs only chief and worker tasks)"
+          % (strategy, config.task_type), fix)

@@ -97,15 +97,17 @@ class ShardedCheckpoint:
         if not tf.io.gfile.exists(manifest_path):
             raise FileNotFoundError("checkpoint step %d in %s is incomplete (no %s): a worker did "
                                     "not finish writing it" % (step, directory, MANIFEST))
-        with tf.io.gfile.GFile(manifest_path) as f:
-            saved_workers = json.loads(f.read())["num_workers"]
+        saved_workers = read_manifest(manifest_path)["num_workers"]
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
+        readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
+                   for k in range(saved_workers)]
+        # Every worker checks every table against all files before reading any: a table of
+        # another size is refused on all of them (never restored wrongly on some).
+        _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)
         if saved_workers == workers:
             with local_shard_serialization():
                 self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
-        readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
-                   for k in range(saved_workers)]
         available = set(readers[0].get_variable_to_shape_map())
         missing = []
         for variable, key in _variable_keys(self.checkpoint):
@@ -122,6 +124,47 @@ class ShardedCheckpoint:
             raise ValueError("variables %s are not in checkpoint step %d of %s (a model or "
                              "optimizer of another shape?)" % (missing, step, directory))
         return step
+
+
+def read_manifest(path):
+    """The manifest of a step (`{"step", "num_workers", "format"}`); a damaged one is refused
+    with its path and what to do."""
+    with tf.io.gfile.GFile(path) as f:
+        text = f.read()
+    try:
+        manifest = json.loads(text)
+    except ValueError as error:
+        manifest, problem = None, "is not valid JSON (%s)" % error
+    else:
+        problem = "has no integer num_workers"
+    if not isinstance(manifest, dict) or not isinstance(manifest.get("num_workers"), int) \
+            or manifest["num_workers"] < 1:
+        raise ValueError(
+            "checkpoint manifest %s %s: the step was not written completely or the file was "
+            "damaged. Restore another step (ShardedCheckpoint.restore(directory, step=N)) or "
+            "delete that step's directory so that the latest complete step is used."
+            % (path, problem))
+    return manifest
+
+
+def _check_table_sizes(variables, readers, step, directory):
+    """Refuses to restore a row-shard variable (table or slot) from a checkpoint of a table of
+    another size: the old table's rows are the sum of its per-worker shards' rows."""
+    shapes = [reader.get_variable_to_shape_map() for reader in readers]
+    for variable, key in variables:
+        layout = row_shard_layout(variable)
+        if layout is None or any(key not in shape for shape in shapes):
+            continue  # missing keys are reported by the restore itself
+        old_rows = sum(int(shape[key][0]) if shape[key] else 0 for shape in shapes)
+        old_tail = list(shapes[0][key][1:])
+        new_tail = variable.shape.as_list()[1:]
+        if old_rows != layout.vocab_size or old_tail != new_tail:
+            raise ValueError(
+                "cannot restore %s from checkpoint step %d of %s: it was written for a table of "
+                "%d rows x %s, this model's table has %d rows x %s. Build the model with the "
+                "table size the checkpoint was written with." % (
+                    variable.name, step, directory, old_rows, old_tail, layout.vocab_size,
+                    new_tail))
 
 
 def _reshard_rows(old_shards, layout):

@@ -255,6 +255,19 @@ def explain_ps_failure(error):
         "DownpourTrainer.restore(directory). Original error: %s" % (named, message[:500]))
 
 
+@contextlib.contextmanager
+def _explaining_ps_failures():
+    """Re-raises a ps failure (as `ClusterCoordinator.schedule` / `join` report it) as a
+    `ParameterServerUnavailableError`; other errors pass unchanged."""
+    try:
+        yield
+    except Exception as error:  # pylint: disable=broad-except
+        explained = explain_ps_failure(error)
+        if explained is None:
+            raise
+        raise explained from error
+
+
 class DownpourTrainer:
     """DOWNPOUR over `strategy` (a `tnp.ParameterServerStrategy`; its `update_window` and
     `local_optimizer` set T and the local optimizer). `model_fn()` builds the model: once in the
@@ -373,14 +386,9 @@ class DownpourTrainer:
 
     def join(self):
         """`coordinator.join()`; a ps failure is raised as a `ParameterServerUnavailableError`
-        that names the failed task and says how to resume."""
-        try:
+        that names the failed task and says how to resume (as `schedule` does)."""
+        with _explaining_ps_failures():
             self.coordinator.join()
-        except Exception as error:  # pylint: disable=broad-except
-            explained = explain_ps_failure(error)
-            if explained is None:
-                raise
-            raise explained from error
 
     def _manager(self, directory, max_to_keep=3):
         if directory not in self._managers:
@@ -408,6 +416,9 @@ class DownpourTrainer:
 
     def schedule(self, iterator):
         """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
-        pushed, values pulled)."""
+        pushed, values pulled). A ps failure of an earlier window (which `ClusterCoordinator`
+        raises here) is raised as a `ParameterServerUnavailableError`, as in `join`."""
+        with _explaining_ps_failures():  # schedule raises the error of an earlier window
+            remote = self.coordinator.schedule(self._window, args=(iterator,))
         self.windows += 1
-        return self.coordinator.schedule(self._window, args=(iterator,))
+        return remote

@@ -16,12 +16,14 @@ from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resol
 from tensorflow.python.trackable import base as _trackable_base
 
 from tf_nestpipe.data.autoshard import check_auto_shard
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.launch import cluster_check
+from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import is_row_shard, row_shard_being_created, row_shard_layout
-from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
+from tf_nestpipe.strategy import equal_shares
+from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
@@ -29,12 +31,34 @@ from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init
 COLLECTIVES = ("tf", "horovod")
 
 
+# --- start-up checks (issue 17) -------------------------------------------------------------
+_checked_clusters = set()
+
+
+def check_cluster_at_startup(config, collectives, timeout=None):
+    """Before TensorFlow starts its server: refuses roles we do not run (e.g. evaluator) and
+    checks with every other task that all were given the same cluster (once per process; see
+    `tf_nestpipe.launch.cluster_check`)."""
+    if config is None:
+        return
+    check_synchronous_roles(config)
+    key = (cluster_check.fingerprint(config.cluster), config.task_type, config.task_index)
+    if collectives != "tf" or key in _checked_clusters:
+        return  # Horovod checks its own rendezvous; a second strategy reuses the server
+    cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
+                                   timeout=timeout)
+    _checked_clusters.add(key)
+# --- end of start-up checks ------------------------------------------------------------------
+
+
 class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 collective_timeout_seconds=0, collectives="tf"):
+                 collective_timeout_seconds=0, collectives="tf", check_equal_shares=True):
         self._nestpipe_backend = collectives
+        self._nestpipe_check_shares = bool(check_equal_shares)
+        self._nestpipe_share_size = None
         if collectives == "horovod":
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
@@ -62,6 +86,31 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_collectives.worker_index = self._collective_rank()
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
+
+    # --- equal shares of the global batch (issue 17) ---------------------------------------
+    def _call_for_each_replica(self, fn, args, kwargs):
+        """Runs `fn`, noting the size of this worker's share of the step's batch (its first
+        argument) when it is not static, for `_equal_shares_check` (see `equal_shares`)."""
+        if self._num_workers == 1 or not args or not self._nestpipe_check_shares:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        previous = self._nestpipe_share_size
+        self._nestpipe_share_size = equal_shares.leading_size(
+            distribute_utils.select_replica(0, tuple(args[:1])))
+        try:
+            return super()._call_for_each_replica(fn, args, kwargs)
+        finally:
+            self._nestpipe_share_size = previous
+
+    def _equal_shares_check(self, pairs):
+        """Before a step's gradients are aggregated (the values reduced into trainable
+        variables), checks once that every worker's share had the same size; returns the
+        check (None when there is nothing to check: static shapes, evaluate / predict)."""
+        size = self._nestpipe_share_size
+        if size is None or not any(getattr(d, "trainable", False) for _, d in pairs):
+            return None
+        self._nestpipe_share_size = None  # once per step
+        return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
+    # --- end of equal shares -----------------------------------------------------------------
 
     # --- one replica per worker -----------------------------------------------------------
     def _initialize_local_devices(self, cluster_resolver, worker_device):
@@ -131,6 +180,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             return super()._create_variable(next_creator, **kwargs)
         kwargs.pop("colocate_with", None)
         kwargs.pop("distribute_strategy", None)
+        if "initial_value" in kwargs:  # a whole table restored on creation -> this shard's rows
+            kwargs["initial_value"] = restore_on_create_rows(
+                kwargs["initial_value"], layout, kwargs.get("name") or "a table")
         with tf.device(self.worker_devices[0]):
             variable = next_creator(**kwargs)
         # Its checkpoints hold the whole table, so tf.train.Checkpoint and tf_keras callbacks
@@ -184,6 +236,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- gradient aggregation --------------------------------------------------------------
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = list(value_destination_pairs)
+        check = self._equal_shares_check(pairs)  # issue 17: no update from unequal shares
+        pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
         if dense and self._nestpipe_backend == "horovod":
@@ -272,6 +326,14 @@ class NestPipeStrategy(distribute_lib.Strategy):
     embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
     `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
     `python -m tf_nestpipe.launch --horovod`, which also checks it against `TF_CONFIG`).
+    Before starting TensorFlow's server, the tasks of a `TF_CONFIG` cluster check that all were
+    given the same cluster (see `tf_nestpipe.launch.cluster_check`): a disagreement, a duplicate
+    task or a task that never starts fails every task within `startup_timeout_seconds`
+    (default `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s) with the field or address to fix.
+    A step whose workers got shares of different sizes of the global batch (the last batch of a
+    dataset batched without `drop_remainder=True`) is refused on every worker before it runs
+    (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
+    differ from one process's.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -280,7 +342,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2):
+                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2,
+                 startup_timeout_seconds=None, check_equal_shares=True):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -302,13 +365,26 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
         load_op_library()
         if cluster_resolver is None:
-            parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG
+            # A clear TFConfigError for a malformed TF_CONFIG; a ClusterMismatchError within
+            # `startup_timeout_seconds` (default 30 s) when the tasks disagree or cannot meet.
+            check_cluster_at_startup(parse_tf_config(), collectives, startup_timeout_seconds)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions(
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
-                                          collective_timeout_seconds, collectives))
+                                          collective_timeout_seconds, collectives,
+                                          check_equal_shares))
+
+    @property
+    def check_equal_shares(self):
+        """Whether a training step whose workers got shares of different sizes is refused
+        (default True; settable, read at every step)."""
+        return self.extended._nestpipe_check_shares  # pylint: disable=protected-access
+
+    @check_equal_shares.setter
+    def check_equal_shares(self, value):
+        self.extended._nestpipe_check_shares = bool(value)  # pylint: disable=protected-access
 
     @property
     def collectives_backend(self):

@@ -62,16 +62,52 @@ class _RowShardSaving:
         layout = row_shard_layout(self)
         value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
         rows = value.shape[0] if value.shape.rank else None
-        if not _saving_local_rows() and layout.num_shards > 1 and rows in (layout.vocab_size, None):
+        check_restored_rows(self.name, rows, layout, local=_saving_local_rows())
+        if not _saving_local_rows() and layout.num_shards > 1:
             with tf.device(self.device):
                 value = tf.gather(value, tf.constant(layout.global_ids()))
-        elif rows is not None and rows != layout.local_rows:
-            raise ValueError(
-                "checkpoint value of %s has %d rows; this worker's shard has %d and the whole "
-                "table %d. Was it written for another table size? (ShardedCheckpoint files "
-                "restore through ShardedCheckpoint.restore.)"
-                % (self.name, rows, layout.local_rows, layout.vocab_size))
         return super()._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: value})
+
+
+def check_restored_rows(name, rows, layout, local):
+    """Refuses a checkpoint value of `rows` rows for the row shard `layout` of table `name`:
+    a whole-table checkpoint must hold exactly `vocab_size` rows (a value the size of this
+    worker's shard is not a whole table: a table of another size), a per-worker one
+    (`local`, `ShardedCheckpoint`) exactly this shard's rows."""
+    expected = layout.local_rows if local else layout.vocab_size
+    if rows is None or rows == expected:
+        return
+    if local:
+        raise ValueError(
+            "cannot restore %s: its per-worker checkpoint holds %d rows, this worker's shard "
+            "has %d (a table of %d rows on %d workers). Restore with a model of the table size "
+            "it was written with." % (name, rows, layout.local_rows, layout.vocab_size,
+                                      layout.num_shards))
+    raise ValueError(
+        "cannot restore %s: the checkpoint holds a table of %d rows, this model's table has %d "
+        "rows. Build the model with the vocabulary size the checkpoint was written with (%d), "
+        "or copy the rows into the new table yourself. (ShardedCheckpoint files restore "
+        "through ShardedCheckpoint.restore.)" % (name, rows, layout.vocab_size, rows))
+
+
+def restore_on_create_rows(initial_value, layout, name):
+    """`initial_value` for the row shard `layout` of table `name`, where a value restored on
+    creation (TensorFlow's deferred restoration: a `tf.train.Checkpoint` / tf_keras
+    `BackupAndRestore` restored before `fit` built the model) is a whole table: it is checked
+    (exactly `vocab_size` rows) and cut to this worker's rows, instead of becoming a variable of
+    the whole table's shape or the first rows of it."""
+    def rows_of_this_worker():
+        value = initial_value() if callable(initial_value) else initial_value
+        if not isinstance(value, trackable.CheckpointInitialValue):
+            return value
+        whole = value.wrapped_value
+        check_restored_rows(name, whole.shape[0] if whole.shape.rank else None, layout,
+                            local=False)
+        if layout.num_shards == 1:
+            return whole
+        return tf.gather(whole, tf.constant(layout.global_ids()))
+
+    return rows_of_this_worker
 
 
 def make_checkpointable(variable, layout, collectives):

@@ -1,0 +1,206 @@
+"""Start-up agreement of a cluster's tasks: a disagreement, a duplicate task, a task that never
+starts or a leader nobody listens at fails every task within the timeout, naming the field or
+address; roles and addresses we cannot run are refused at once."""
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+
+from tf_nestpipe.launch import cluster_check
+from tf_nestpipe.launch.cluster_check import ClusterMismatchError, agree_on_cluster
+from tf_nestpipe.launch.local_cluster import free_ports
+from tf_nestpipe.launch.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
+
+
+def _cluster(workers, ports=None):
+    ports = ports or free_ports(workers)
+    return {"worker": ["127.0.0.1:%d" % p for p in ports[:workers]]}
+
+
+def _run_tasks(tasks, timeout=5.0):
+    """Runs agree_on_cluster for every (cluster, index) in threads; returns each one's
+    (error message or "ok", seconds)."""
+    results = [None] * len(tasks)
+
+    def one(position, cluster, index):
+        start = time.time()
+        try:
+            agree_on_cluster(cluster, "worker", index, timeout=timeout)
+            results[position] = ("ok", time.time() - start)
+        except ClusterMismatchError as error:
+            results[position] = (str(error), time.time() - start)
+
+    threads = [threading.Thread(target=one, args=(i,) + task) for i, task in enumerate(tasks)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout + 20)
+    return results
+
+
+def test_tasks_given_the_same_cluster_agree():  # the positive control of every case below
+    cluster = _cluster(3)
+    results = _run_tasks([(cluster, 2), (cluster, 1), (cluster, 0)])
+    assert [r[0] for r in results] == ["ok"] * 3 and all(r[1] < 5 for r in results)
+
+
+def test_a_disagreeing_worker_list_fails_every_task_naming_the_field():
+    three = _cluster(3)
+    two = {"worker": three["worker"][:2]}
+    results = _run_tasks([(three, 0), (two, 1)])
+    for message, took in results:
+        assert "cluster.worker: worker:0 (the leader) lists 3 address(es)" in message, message
+        assert "worker:1 lists 2" in message and took < 5
+    assert results[1][0].startswith("worker:1: the tasks were given different clusters")
+
+
+def test_a_different_address_is_named_with_its_index():
+    cluster = _cluster(2)
+    other = {"worker": [cluster["worker"][0], "127.0.0.1:1"]}
+    message = _run_tasks([(cluster, 0), (other, 1)])[1][0]
+    assert "cluster.worker[1]: worker:0 (the leader) has %r, worker:1 has '127.0.0.1:1'" % (
+        cluster["worker"][1]) in message
+
+
+def test_two_processes_with_the_same_index_fail_every_task():
+    cluster = _cluster(3)  # worker 2 never starts: the leader is still waiting
+    results = _run_tasks([(cluster, 0), (cluster, 1), (cluster, 1)])
+    for message, took in results:
+        assert "two processes were started as worker:1" in message and took < 5, message
+
+
+def test_a_second_leader_cannot_take_the_address():
+    cluster = _cluster(2)
+    results = _run_tasks([(cluster, 0), (cluster, 0), (cluster, 1)])
+    messages = sorted(r[0] for r in results)
+    assert messages[:2] == ["ok", "ok"], messages
+    assert "worker:0 cannot listen at its address %s" % cluster["worker"][0] in messages[2]
+    assert "same task index" in messages[2]
+
+
+def test_a_task_that_never_starts_is_named_with_its_address():
+    cluster = _cluster(3)
+    (message, took), = _run_tasks([(cluster, 0)], timeout=1.5)
+    assert "timed out after 2 s waiting at %s for worker:1, worker:2" % cluster["worker"][0] in message
+    assert "worker:2 at %s" % cluster["worker"][2] in message and 1.5 <= took < 5
+
+
+def test_a_leader_nobody_listens_at_is_named_with_its_address():
+    cluster = _cluster(2)
+    (message, took), = _run_tasks([(cluster, 1)], timeout=1.5)
+    assert ("worker:1 timed out after 2 s joining the cluster: nobody answered at the leader "
+            "worker:0's address %s" % cluster["worker"][0]) in message, message
+    assert 1.5 <= took < 5
+
+
+def test_a_port_held_by_another_program_is_reported(tmp_path):
+    import socket
+
+    cluster = _cluster(2)
+    host, port = cluster["worker"][0].split(":")
+    squatter = socket.socket()
+    squatter.bind((host, int(port)))
+    squatter.listen(1)
+    accepted = []
+    threading.Thread(target=lambda: accepted.append(squatter.accept()[0].close()),
+                     daemon=True).start()
+    try:
+        (message, _), = _run_tasks([(cluster, 1)], timeout=3)
+    finally:
+        squatter.close()
+    assert "did not answer the start-up check" in message, message
+
+
+def test_fingerprint_and_difference():
+    a = {"worker": ["h:1", "h:2"], "chief": ["h:0"]}
+    assert cluster_check.fingerprint(a) == cluster_check.fingerprint(dict(reversed(list(a.items()))))
+    assert cluster_check.fingerprint(a) != cluster_check.fingerprint({"worker": ["h:1", "h:2"]})
+    assert cluster_check.describe_difference(a, "A", a, "B") is None
+    assert cluster_check.describe_difference(a, "A", {"worker": a["worker"]}, "B") == (
+        "cluster.chief: A lists 1 chief task(s) ['h:0'], B lists none")
+    assert cluster_check.leader_of(a) == ("chief", 0)
+    assert cluster_check.leader_of({"worker": ["h:1"]}) == ("worker", 0)
+
+
+@pytest.mark.parametrize("task,message", [
+    ({"type": "evaluator", "index": 0}, "does not support the role 'evaluator'"),
+    ({"type": "ps", "index": 0}, "python -m tf_nestpipe.server"),
+])
+def test_roles_a_synchronous_cluster_cannot_run_are_refused(task, message):
+    config = parse_tf_config(json.dumps({"cluster": {"worker": ["h:1"], "ps": ["h:2"]},
+                                         "task": task}))
+    with pytest.raises(TFConfigError, match=message):
+        check_synchronous_roles(config)
+    check_synchronous_roles(parse_tf_config(json.dumps(  # positive control
+        {"cluster": {"worker": ["h:1"]}, "task": {"type": "worker", "index": 0}})))
+
+
+def test_an_address_listed_twice_is_refused():
+    with pytest.raises(TFConfigError, match=r"cluster.worker\[1\]: 'h:1' is also cluster.chief\[0\]"):
+        parse_tf_config(json.dumps({"cluster": {"chief": ["h:1"], "worker": ["h:2", "h:1"]},
+                                    "task": {"type": "worker", "index": 0}}))
+
+
+def test_timeout_setting_is_validated(monkeypatch):
+    monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "abc")
+    with pytest.raises(ClusterMismatchError, match="not a number"):
+        cluster_check.startup_timeout()
+    monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "7")
+    assert cluster_check.startup_timeout() == 7.0 and cluster_check.startup_timeout(2) == 2.0
+
+
+STRATEGY = textwrap.dedent("""
+    import tf_nestpipe as tnp
+    strategy = tnp.NestPipeStrategy()
+    print("started", strategy.num_workers, strategy.worker_index, flush=True)
+""")
+
+
+@pytest.mark.cluster
+def test_strategies_given_different_clusters_fail_fast_on_every_task():
+    """Two real processes whose TF_CONFIGs disagree (3 workers vs 2) used to hang silently,
+    ignoring SIGTERM; now both exit within the timeout, naming the field."""
+    three = _cluster(3)
+    configs = [{"cluster": three, "task": {"type": "worker", "index": 0}},
+               {"cluster": {"worker": three["worker"][:2]}, "task": {"type": "worker", "index": 1}}]
+    start = time.time()
+    processes = [subprocess.Popen(
+        [sys.executable, "-c", STRATEGY], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True, env=dict(os.environ, TF_CONFIG=json.dumps(c), TF_NESTPIPE_STARTUP_TIMEOUT="20"))
+        for c in configs]
+    outputs = [p.communicate(timeout=90)[0] for p in processes]
+    took = time.time() - start
+    for process, output in zip(processes, outputs):
+        assert process.returncode != 0, output[-3000:]
+        assert "ClusterMismatchError" in output and "cluster.worker: worker:0 (the leader) lists 3" \
+            in output, output[-3000:]
+        assert "started" not in output
+    assert took < 30, took
+
+
+def test_a_leader_that_gives_no_verdict_in_time_is_reported(monkeypatch):
+    monkeypatch.setattr(cluster_check, "_VERDICT_GRACE", 0.5)
+    cluster = _cluster(3)  # worker 2 never starts; the leader waits longer than worker 1
+    results = [None, None]
+
+    def leader():
+        try:
+            agree_on_cluster(cluster, "worker", 0, timeout=4)
+        except ClusterMismatchError as error:
+            results[0] = str(error)
+
+    thread = threading.Thread(target=leader)
+    thread.start()
+    time.sleep(0.1)
+    start = time.time()
+    with pytest.raises(ClusterMismatchError, match="took the report but gave no verdict within 2 s"):
+        agree_on_cluster(cluster, "worker", 1, timeout=1.5)
+    assert time.time() - start < 3
+    thread.join(15)
+    assert "waiting at %s for worker:2 to report" % cluster["worker"][0] in results[0]

@@ -1,0 +1,54 @@
+"""A step whose workers got shares of different sizes of the global batch (the last batch of a
+dataset batched without drop_remainder: 3 samples as 2 + 1 on 2 workers) is refused on every
+worker at that step, naming the fix, with every pipeline and in eager custom loops; steps with
+equal shares train, evaluate (exact for any shares) is not refused, and static shapes pay no
+check."""
+import json
+import os
+
+import pytest
+
+from conftest import PROGRAMS, launch
+
+CASES = ["uneven", "even", "static", "repeated", "loop", "evaluate", "uneven:dbp",
+         "uneven:fwp", "uneven:nested"]
+
+
+@pytest.fixture(scope="session")
+def share_results(tmp_path_factory):
+    out = tmp_path_factory.mktemp("unequal_shares")
+    result = launch(2, [os.path.join(PROGRAMS, "unequal_shares.py"), str(out)] + CASES,
+                    timeout=300)
+    assert result.returncode == 0, result.stdout[-5000:]
+    results = {}
+    for case in CASES:
+        for rank in (0, 1):
+            with open(out / ("%s-%d.json" % (case.replace(":", "."), rank))) as f:
+                results[case, rank] = json.load(f)
+    return results
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", ["uneven", "loop", "uneven:dbp", "uneven:fwp", "uneven:nested"])
+def test_unequal_shares_are_refused_at_that_step_on_every_worker(share_results, case):
+    for rank in (0, 1):
+        result = share_results[case, rank]
+        assert result["steps"] == 1, result  # the first (equal) step trained, the second refused
+        assert "shares of this global batch differ in size" in result["error"], result
+        assert "drop_remainder=True" in result["error"]
+        assert ("2 + 1 samples" if case == "loop" else "[2 1]") in result["error"]
+
+
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", ["even", "static", "repeated", "evaluate"])
+def test_equal_shares_train(share_results, case):  # the positive controls
+    for rank in (0, 1):
+        assert share_results[case, rank]["error"] is None, share_results[case, rank]
+        assert share_results[case, rank]["steps"] == 2
+
+
+@pytest.mark.cluster
+def test_only_dynamic_batch_dimensions_pay_the_check(share_results):
+    assert share_results["repeated", 0]["checks"] == 0  # static shapes: no collective traced
+    assert share_results["static", 0]["checks"] > 0  # finite: TF relaxes the batch dimension
+    assert share_results["evaluate", 0]["checks"] == 0  # no gradients: sums and counts

@@ -1,0 +1,306 @@
+"""Start-up check that every task of a synchronous cluster was given the same cluster.
+
+Before TensorFlow starts its gRPC server (whose start-up waits without bound for peers, ignoring
+SIGTERM), every chief / worker task reports to the *leader* (the chief, else worker 0) over a
+plain TCP connection to the leader's own TF_CONFIG address: its role, index and the cluster its
+TF_CONFIG describes. The leader binds that address itself for the check (and releases it before
+TensorFlow binds it), waits for every task of its cluster and answers each one: ok, or the
+problem. Within `timeout` seconds every task either passes or fails with a
+`ClusterMismatchError` naming the cause:
+
+- the first field in which a task's cluster differs from the leader's (e.g. `cluster.worker`:
+  3 addresses on worker:0, 2 on worker:1), on every task that reached the leader;
+- two processes claiming the same role and index (or the leader's address already taken);
+- a task that never reported (named with its address), or a leader nobody listens at (named
+  with its address).
+
+This module imports no TensorFlow; `tf_nestpipe.strategy` calls `agree_on_cluster` once per
+process before starting TensorFlow's server.
+"""
+import hashlib
+import json
+import os
+import socket
+import time
+from typing import Dict, List, Optional, Tuple
+
+STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
+DEFAULT_STARTUP_TIMEOUT = 30.0
+TRAINING_ROLES = ("chief", "worker")
+_LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
+_VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
+_MAX_MESSAGE = 1 << 20
+
+
+class ClusterMismatchError(RuntimeError):
+    """The tasks of a cluster disagree about it, or one of them cannot be reached; the message
+    names the field or the address and what to fix."""
+
+
+def startup_timeout(value: Optional[float] = None) -> float:
+    """`value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s."""
+    if value is None:
+        text = os.environ.get(STARTUP_TIMEOUT_ENV, "")
+        try:
+            value = float(text) if text.strip() else DEFAULT_STARTUP_TIMEOUT
+        except ValueError:
+            raise ClusterMismatchError("%s=%r is not a number of seconds"
+                                       % (STARTUP_TIMEOUT_ENV, text)) from None
+    if value <= 0:
+        raise ClusterMismatchError("the start-up timeout must be > 0 seconds, got %r" % (value,))
+    return float(value)
+
+
+def fingerprint(cluster: Dict[str, List[str]]) -> str:
+    """A short hash of `cluster` (roles and their addresses in order)."""
+    text = json.dumps({role: list(cluster[role]) for role in sorted(cluster)}, sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def leader_of(cluster: Dict[str, List[str]]) -> Tuple[str, int]:
+    """The task every other one reports to: the chief, else worker 0."""
+    return ("chief", 0) if cluster.get("chief") else ("worker", 0)
+
+
+def training_tasks(cluster: Dict[str, List[str]]) -> List[Tuple[str, int]]:
+    """Every chief and worker task of `cluster`."""
+    return [(role, i) for role in TRAINING_ROLES for i in range(len(cluster.get(role, [])))]
+
+
+def describe_difference(mine: Dict[str, List[str]], mine_name: str,
+                        theirs: Dict[str, List[str]], their_name: str) -> Optional[str]:
+    """The first field in which two cluster descriptions differ, in words (None if equal)."""
+    for role in sorted(set(mine) | set(theirs)):
+        a, b = mine.get(role), theirs.get(role)
+        if a == b:
+            continue
+        if a is None or b is None:
+            has, lacks = (mine_name, their_name) if b is None else (their_name, mine_name)
+            listed = a if b is None else b
+            return ("cluster.%s: %s lists %d %s task(s) %s, %s lists none"
+                    % (role, has, len(listed), role, listed, lacks))
+        if len(a) != len(b):
+            return ("cluster.%s: %s lists %d address(es) %s, %s lists %d %s"
+                    % (role, mine_name, len(a), a, their_name, len(b), b))
+        for i, (x, y) in enumerate(zip(a, b)):
+            if x != y:
+                return "cluster.%s[%d]: %s has %r, %s has %r" % (role, i, mine_name, x,
+                                                                 their_name, y)
+    return None
+
+
+def _name(task: Tuple[str, int]) -> str:
+    return "%s:%d" % task
+
+
+def _split_address(address: str) -> Tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _send(conn: socket.socket, message: dict):
+    conn.sendall((json.dumps(message) + "\n").encode())
+
+
+_TIMED_OUT = {"timed_out": True}
+
+
+def _receive(conn: socket.socket, deadline: float) -> Optional[dict]:
+    """One JSON line from `conn` before `deadline`; None if the peer closed or sent no JSON,
+    `_TIMED_OUT` if nothing complete arrived in time."""
+    data = b""
+    while b"\n" not in data and len(data) < _MAX_MESSAGE:
+        conn.settimeout(max(0.05, deadline - time.time()))
+        try:
+            chunk = conn.recv(65536)
+        except socket.timeout:
+            return _TIMED_OUT
+        except OSError:
+            return None
+        if not chunk:
+            break
+        data += chunk
+    try:
+        message = json.loads(data.split(b"\n", 1)[0].decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return message if isinstance(message, dict) else None
+
+
+def _listen(address: str, task: Tuple[str, int]) -> socket.socket:
+    host, port = _split_address(address)
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    except socket.gaierror as error:
+        raise ClusterMismatchError("cannot resolve the host of %s's address %s (%s); fix "
+                                   "TF_CONFIG's cluster" % (_name(task), address, error)) from None
+    server = socket.socket(family, socket.SOCK_STREAM)
+    server.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        try:
+            server.bind((host, port))
+        except OSError as error:
+            if error.errno != 99:  # EADDRNOTAVAIL: a service / NAT address; bind the port only
+                raise
+            server.bind(("", port))
+    except OSError as error:
+        server.close()
+        raise ClusterMismatchError(
+            "%s cannot listen at its address %s (%s): another process holds it, e.g. two "
+            "processes were started as %s (same task index), or the port is taken. Give every "
+            "task its own index and a free port." % (_name(task), address, error.strerror,
+                                                     _name(task))) from None
+    server.listen(64)
+    return server
+
+
+def _lead(cluster, me, timeout):
+    """The leader's side: collect every task's report, answer them, raise on a problem."""
+    server = _listen(cluster[me[0]][me[1]], me)
+    deadline = time.time() + timeout
+    expected = [t for t in training_tasks(cluster) if t != me]
+    reported: Dict[Tuple[str, int], Tuple[socket.socket, dict]] = {}
+    others: List[socket.socket] = []
+    problem = None
+    try:
+        while problem is None and len(reported) < len(expected):
+            remaining = deadline - time.time()
+            if remaining <= 0:
+                missing = [t for t in expected if t not in reported]
+                problem = ("timed out after %.0f s waiting at %s for %s to report: %s. Start "
+                           "every task of the cluster, check that each one's TF_CONFIG names "
+                           "the leader %s at %s, or raise $%s." % (
+                               timeout, cluster[me[0]][me[1]],
+                               ", ".join(_name(t) for t in missing),
+                               ", ".join("%s at %s" % (_name(t), cluster[t[0]][t[1]])
+                                         for t in missing),
+                               _name(me), cluster[me[0]][me[1]], STARTUP_TIMEOUT_ENV))
+                break
+            server.settimeout(remaining)
+            try:
+                conn, _ = server.accept()
+            except socket.timeout:
+                continue
+            hello = _receive(conn, time.time() + 5.0)
+            if hello is None or hello is _TIMED_OUT:
+                conn.close()
+                continue
+            try:
+                task = (str(hello.get("role")), int(hello.get("index", -1)))
+            except (TypeError, ValueError):
+                conn.close()
+                continue
+            theirs = hello.get("cluster") or {}
+            difference = describe_difference(cluster, "%s (the leader)" % _name(me), theirs,
+                                             _name(task))
+            if difference is not None:
+                problem = ("the tasks were given different clusters: %s. Give every task the "
+                           "same TF_CONFIG cluster (only task differs)." % difference)
+            elif task not in expected:
+                problem = ("a process reported as %s, which is not a task of the cluster (or is "
+                           "the leader itself): two processes with the same task?" % _name(task))
+            elif task in reported:
+                problem = ("two processes were started as %s (pids %s and %s): give every task "
+                           "its own task index." % (_name(task), reported[task][1].get("pid"),
+                                                    hello.get("pid")))
+            if problem is None:
+                reported[task] = (conn, hello)
+            else:
+                others.append(conn)  # it gets the verdict too
+        verdict = {"ok": problem is None, "error": problem}
+        connections = [conn for conn, _ in reported.values()] + others
+        for conn in connections:
+            try:
+                _send(conn, verdict)
+            except OSError:
+                pass
+        # Let the tasks close first (no TIME_WAIT left on the port TensorFlow binds next).
+        for conn in connections:
+            _receive(conn, time.time() + 2.0)
+            conn.close()
+        if problem is not None:
+            _linger(server, problem)
+            raise ClusterMismatchError(problem)
+    finally:
+        server.close()
+
+
+def _linger(server, problem):
+    """Answers tasks that report shortly after the leader found a problem with that problem."""
+    end = time.time() + _LINGER_SECONDS
+    while time.time() < end:
+        server.settimeout(max(0.05, end - time.time()))
+        try:
+            conn, _ = server.accept()
+        except (socket.timeout, OSError):
+            continue
+        if _receive(conn, time.time() + 1.0) not in (None, _TIMED_OUT):
+            try:
+                _send(conn, {"ok": False, "error": problem})
+            except OSError:
+                pass
+        conn.close()
+
+
+def _report(cluster, me, timeout):
+    """A non-leader's side: report to the leader until it answers or the timeout passes."""
+    leader = leader_of(cluster)
+    address = cluster[leader[0]][leader[1]]
+    host, port = _split_address(address)
+    deadline = time.time() + timeout
+    hello = {"role": me[0], "index": me[1], "cluster": cluster, "pid": os.getpid(),
+             "fingerprint": fingerprint(cluster)}
+    last_error = None
+    while True:
+        remaining = deadline - time.time()
+        if remaining <= 0:
+            raise ClusterMismatchError(
+                "%s timed out after %.0f s joining the cluster: nobody answered at the leader "
+                "%s's address %s (%s). Start the leader, fix that address in TF_CONFIG, or raise "
+                "$%s." % (_name(me), timeout, _name(leader), address, last_error,
+                          STARTUP_TIMEOUT_ENV))
+        try:
+            conn = socket.create_connection((host, port), timeout=min(2.0, remaining))
+        except OSError as error:
+            last_error = error.strerror or str(error)
+            time.sleep(0.2)
+            continue
+        try:
+            _send(conn, hello)
+            # The leader answers once every task reported (or it timed out itself).
+            answer = _receive(conn, deadline + _VERDICT_GRACE)
+        except OSError as error:
+            answer, last_error = None, str(error)
+        finally:
+            conn.close()
+        if answer is _TIMED_OUT:
+            raise ClusterMismatchError(
+                "%s: the leader %s at %s took the report but gave no verdict within %.0f s (it "
+                "is still waiting for other tasks, or it started much later than this task). "
+                "Start every task, or raise $%s." % (_name(me), _name(leader), address,
+                                                   timeout + _VERDICT_GRACE,
+                                                   STARTUP_TIMEOUT_ENV))
+        if answer is None:
+            raise ClusterMismatchError(
+                "%s: the process at the leader %s's address %s did not answer the start-up "
+                "check: it is not a tf_nestpipe task starting up (it started already, so this "
+                "process may duplicate a running task, or another program holds the port)."
+                % (_name(me), _name(leader), address))
+        if not answer.get("ok"):
+            raise ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
+        return
+
+
+def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: int,
+                     timeout: Optional[float] = None):
+    """Checks with every other chief / worker task that all were given `cluster` (see the
+    module docstring); returns when they agree, raises `ClusterMismatchError` otherwise. A
+    no-op for a cluster of one training task."""
+    me = (task_type, int(task_index))
+    if len(training_tasks(cluster)) < 2 or me not in training_tasks(cluster):
+        return
+    timeout = startup_timeout(timeout)
+    if me == leader_of(cluster):
+        _lead(cluster, me, timeout)
+    else:
+        _report(cluster, me, timeout)

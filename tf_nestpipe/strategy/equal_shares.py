@@ -1,0 +1,80 @@
+"""Refuses steps whose per-worker shares of the global batch differ in size.
+
+Every worker averages its loss over its own share and the dense all-reduce sums the workers'
+gradients divided by the number of workers: that is the global-batch mean only when every share
+has the same size. The last batch of a dataset whose length is not a multiple of the global
+batch (without `drop_remainder=True`) splits unevenly, e.g. 3 samples as 2 + 1 on 2 workers,
+and would silently train another model than one process does. So before such a step every
+worker all-gathers its share's size (one tiny collective per training step, only when the
+batch dimension is not static) and the step fails on every worker, naming the sizes and the
+fix, before its gradients are aggregated, i.e. before any variable is updated. Only training
+steps are checked (`strategy.run` calls whose function aggregates gradients into trainable
+variables): evaluate and predict reduce sums and counts, exact for any shares.
+In multi-worker mode TensorFlow relaxes the batch dimension of finite datasets (its partial-batch
+handling), so in practice every step of a finite dataset is checked; a repeated (infinite)
+dataset batched with drop_remainder=True keeps static shapes and pays nothing. Eager
+`strategy.run` calls are always checked. Not caught: per-worker datasets whose batch sizes are
+static but different on each worker (each traces its own static shape).
+"""
+import tensorflow as tf
+
+TAG = "nestpipe/equal_shares"
+
+
+class UnequalSharesError(ValueError):
+    """Workers got shares of different sizes of one global batch (see the module docstring)."""
+
+
+def _message(sizes):
+    return ("the workers' shares of this global batch differ in size (%s): each worker "
+            "averages over its own share, so the update would differ from one process on the "
+            "global batch. Batch the dataset with drop_remainder=True (e.g. "
+            "dataset.batch(global_batch, drop_remainder=True), or "
+            "input_context.get_per_replica_batch_size(...) with drop_remainder=True in a "
+            "dataset_fn) so that every step's global batch is full. Pass "
+            "check_equal_shares=False to NestPipeStrategy (or set strategy.check_equal_shares = "
+            "False) to train anyway." % (sizes,))
+
+
+def leading_size(args):
+    """The batch size of the first batched tensor of `args` (the step's first argument, e.g.
+    the features) as a scalar tensor; None when there is none, or when the size is static in a
+    traced function (the same on every worker: the same program traced the same dataset).
+    Eagerly every tensor's shape is known but may differ between workers: always checked."""
+    eager = tf.executing_eagerly()
+    for value in tf.nest.flatten(args, expand_composites=False):
+        if isinstance(value, tf.RaggedTensor):
+            size = value.nrows()
+        elif isinstance(value, tf.SparseTensor):
+            size = value.dense_shape[0]
+        elif isinstance(value, (tf.Tensor, tf.Variable)) and value.shape.rank:
+            size = tf.shape(value, out_type=tf.int64)[0]
+        else:
+            continue  # a scalar or a Python value: not a batch
+        if value.shape[0] is not None and not eager:
+            return None
+        return tf.cast(size, tf.int32)
+    return None
+
+
+def check_equal_shares(size, collectives):
+    """All-gathers every worker's share `size`; raises (eagerly) or returns an op that fails
+    (in a function) with `UnequalSharesError`'s message when they differ."""
+    sizes = collectives.all_gather(tf.reshape(size, [1]), TAG)
+    if tf.executing_eagerly():
+        values = sizes.numpy().tolist()
+        if len(set(values)) > 1:
+            raise UnequalSharesError(_message(" + ".join(str(v) for v in values) + " samples"))
+        return None
+
+    return tf.debugging.Assert(
+        tf.reduce_all(tf.equal(sizes, sizes[0])),
+        [_message("samples per worker at the end of this message"), sizes], name="nestpipe_equal_shares")
+
+
+def after(check, value):
+    """`value` (tensors, IndexedSlices, per-replica values), computed only after `check`."""
+    if check is None:
+        return value
+    with tf.control_dependencies([check]):
+        return tf.nest.map_structure(tf.identity, value, expand_composites=True)
