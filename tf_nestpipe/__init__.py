@@ -26,6 +26,10 @@ from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa
 
 _keras_integration.install()
 
+from tf_nestpipe import keras_hooks as _keras_hooks  # noqa: E402
+
+_keras_hooks.install()  # after keras_integration: wraps its make_train_function
+
 __version__ = "0.1.0"
 
 __all__ = [

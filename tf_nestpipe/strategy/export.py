@@ -3,7 +3,13 @@
 Every `ShardedEmbedding` table is assembled in full (a collective: every worker calls this) and
 stored in the SavedModel as an ordinary variable; while the serving function is traced, the
 layers look rows up in it with `tf.gather` only, so the SavedModel uses no tf_nestpipe op and
-loads in a process that never imports tf_nestpipe. Worker 0 writes it.
+loads in a process that never imports tf_nestpipe. Worker 0 writes it. Without an
+`input_signature` the signature is the model's own inputs (`model.inputs` of a functional model,
+or the inputs a subclassed model was called or fitted on).
+
+`tf_keras` `model.save(dir)` traces its functions inside `serving_trace()`: every layer then
+gathers rows straight from its own table variable, which the SavedModel records (and restores)
+as the whole table (see `row_shard_saving`), so that SavedModel too serves without tf_nestpipe.
 """
 import contextlib
 import threading
@@ -15,7 +21,23 @@ _local = threading.local()
 
 def export_table(layer):
     """The full-table variable a layer reads while a serving function is traced, or None."""
-    return getattr(_local, "tables", {}).get(id(layer))
+    table = getattr(_local, "tables", {}).get(id(layer))
+    if table is None and getattr(_local, "own_tables", False) and \
+            getattr(layer, "_ps_row_order", None) is None:
+        table = layer.embeddings  # a SavedModel restores it as the whole table
+    return table
+
+
+@contextlib.contextmanager
+def serving_trace():
+    """Within this context, functions traced for a SavedModel look rows up with `tf.gather` in
+    each layer's own table variable (recorded in the SavedModel as the whole table)."""
+    previous = getattr(_local, "own_tables", False)
+    _local.own_tables = True
+    try:
+        yield
+    finally:
+        _local.own_tables = previous
 
 
 @contextlib.contextmanager
@@ -47,7 +69,7 @@ def _flat_signature(input_signature):
     return flat
 
 
-def _serving_module(model, tables_by_layer, input_signature):
+def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs: inputs):
     """A tf.Module tracking the model's dense variables and the full tables (not the Keras
     model itself: saving it would trace its distributed call), with a `serve` function."""
     module = tf.Module()
@@ -67,25 +89,62 @@ def _serving_module(model, tables_by_layer, input_signature):
                 inputs[name] = flat[position]
                 position += 1
         with _serving_tables(tables_by_layer):
-            outputs = model(inputs, training=False)
+            outputs = model(pack(inputs), training=False)
         return {"outputs": outputs}
 
     module.serve = tf.function(serve, input_signature=_flat_signature(input_signature))
     return module
 
 
-def export_saved_model(model, path, input_signature, strategy=None):
+def infer_input_signature(model):
+    """`(signature, pack)`: the model's inputs as {name: spec} and the function that turns such a
+    dict back into the structure the model is called with. Refused with the fix when the model
+    has no known inputs."""
+    structure = None
+    if getattr(model, "_is_graph_network", False) and model.inputs:
+        structure = tf.nest.map_structure(
+            lambda t: t.type_spec, model._nested_inputs)  # pylint: disable=protected-access
+    else:
+        spec = model.save_spec(dynamic_batch=True) if hasattr(model, "save_spec") else None
+        if spec is not None:
+            args, kwargs = spec
+            if args and not kwargs:
+                structure = args[0]
+    if structure is None:
+        raise TypeError(
+            "export_saved_model: %s has no known inputs to infer the serving signature from "
+            "(a subclassed model that was never called or fitted). Call the model on a batch "
+            "first, or pass input_signature={name: tf.TensorSpec(...)}" % type(model).__name__)
+    if isinstance(structure, dict):
+        return dict(structure), lambda inputs: inputs
+    flat = tf.nest.flatten(structure, expand_composites=False)
+    names = []
+    for i, spec in enumerate(flat):
+        name = getattr(spec, "name", None) or "input_%d" % i
+        names.append(name if name not in names else "%s_%d" % (name, i))
+    signature = dict(zip(names, flat))
+    return signature, lambda inputs: tf.nest.pack_sequence_as(
+        structure, [inputs[n] for n in names], expand_composites=False)
+
+
+def export_saved_model(model, path, input_signature=None, strategy=None):
     """Writes `model` as a SavedModel at `path` with a `serving_default` signature taking the
     features of `input_signature` (name -> `tf.TensorSpec`, or `tf.RaggedTensorSpec` passed as
-    `<name>_values` and `<name>_row_splits`) and returning {"outputs": ...}. Call on every worker
-    (the tables are gathered); worker 0 writes. Returns `path`."""
+    `<name>_values` and `<name>_row_splits`; by default the model's own inputs, see
+    `infer_input_signature`) and returning {"outputs": ...}. Call on every worker (the tables
+    are gathered); worker 0 writes (`strategy` defaults to the model's). Returns `path`."""
+    pack = lambda inputs: inputs  # noqa: E731
+    if input_signature is None:
+        input_signature, pack = infer_input_signature(model)
     layers = _sharded_layers(model)
     full = [layer.full_table() for layer in layers]  # collectives, in the same order everywhere
-    worker = strategy.worker_index if strategy is not None else 0
+    if strategy is None:
+        strategy = getattr(model, "distribute_strategy", None)
+    worker = getattr(strategy, "worker_index", 0)
     if worker != 0:
         return path
     tables = {id(layer): tf.Variable(table, trainable=False, name=layer.name + "_full_table")
               for layer, table in zip(layers, full)}
-    module = _serving_module(model, tables, input_signature)
+    module = _serving_module(model, tables, input_signature, pack)
     tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
     return path

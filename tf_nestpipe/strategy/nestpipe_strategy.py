@@ -7,6 +7,7 @@ worker-local too, and their gradients bypass the dense all-reduce because the lo
 all-to-all already delivered each owner the summed gradient of its rows.
 """
 import contextlib
+import sys
 import threading
 
 import tensorflow as tf
@@ -21,6 +22,7 @@ from tensorflow.python.trackable import base as _trackable_base
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
@@ -144,6 +146,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
+        check_keras3_variable(sys._getframe(1))  # pylint: disable=protected-access
         layout = getattr(_creation_state, "layout", None)
         colocate_with = kwargs.get("colocate_with")
         if layout is None and colocate_with is not None and is_row_shard(colocate_with):
@@ -305,6 +308,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
             raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
         if int(micro_batches) < 1:
             raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
+        check_keras_environment()
         self.pipeline = pipeline
         self.micro_batches = int(micro_batches)
         self.cluster_samples = bool(cluster_samples)
@@ -319,6 +323,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
                                           collective_timeout_seconds, collectives))
+
+    def scope(self):
+        """`tf.distribute.Strategy.scope`, after the Keras checks (Keras 3 and mixed_float16 are
+        refused with the fix, see `keras_checks`)."""
+        check_keras_environment()
+        return super().scope()
 
     @property
     def collectives_backend(self):

@@ -1,0 +1,118 @@
+"""The tf_keras hooks behind the Keras surface of `NestPipeStrategy` (installed at import).
+
+This is the one module that touches tf_keras internals for it (`tf_keras.src...`); the logic
+lives in modules of one job each:
+- step outputs and predictions: `pipeline.keras_outputs` (raw values a step returns are summed
+  over the workers, `predict` returns every worker's rows in input order);
+- saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
+  load on any worker count; `model.save(dir)` writes a SavedModel that serves without
+  tf_nestpipe);
+- checks: `strategy.keras_checks` (the tf_keras `Embedding` warning).
+"""
+import contextlib
+import functools
+import threading
+
+import tf_keras
+from tf_keras.src.engine import training as keras_training
+from tf_keras.src.layers.core import embedding as keras_embedding
+from tf_keras.src.saving import saving_api
+
+from tf_nestpipe.pipeline import keras_outputs
+from tf_nestpipe.strategy import keras_checks, keras_saving
+
+_HOOKED = "_nestpipe_hooked"
+_state = threading.local()
+_original_reduce_per_replica = keras_training.reduce_per_replica
+
+
+def _is_nestpipe(strategy):
+    from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+
+    return isinstance(strategy, NestPipeStrategy)
+
+
+@contextlib.contextmanager
+def _tracing_model(model):
+    """While a model's train / test function runs (and is traced), `reduce_per_replica` knows
+    the model (its metric names tell metric results from raw values)."""
+    previous = getattr(_state, "model", None)
+    _state.model = model
+    try:
+        yield
+    finally:
+        _state.model = previous
+
+
+def reduce_per_replica(values, strategy, reduction):
+    """tf_keras' `reduce_per_replica`; under a multi-worker `NestPipeStrategy`, raw step values
+    are summed over the workers and predictions concatenated over them (see keras_outputs)."""
+    if _is_nestpipe(strategy) and strategy.num_workers > 1:
+        if reduction == "concat":
+            return _nest_map(functools.partial(keras_outputs.concat_predictions, strategy), values)
+        model = getattr(_state, "model", None)
+        if model is not None:
+            values = keras_outputs.reduce_step_outputs(model, strategy, values, reduction)
+    return _original_reduce_per_replica(values, strategy, reduction)
+
+
+def _nest_map(fn, values):
+    import tensorflow as tf
+
+    return tf.nest.map_structure(fn, values, expand_composites=False)
+
+
+def _with_model_context(make_function):
+    """Wraps `Model.make_train_function` / `make_test_function`: the function it returns runs
+    (and is traced) with the model known to `reduce_per_replica`."""
+    @functools.wraps(make_function)
+    def make(self, force=False):
+        function = make_function(self, force)
+        if function is None or getattr(function, _HOOKED, False):
+            return function
+
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            with _tracing_model(self):
+                return function(*args, **kwargs)
+
+        setattr(run, _HOOKED, True)
+        run.__wrapped__ = function
+        return run
+
+    setattr(make, _HOOKED, True)
+    return make
+
+
+def _wrap_saving(name, method):
+    serving = name in ("save", "save_model")  # may write a SavedModel
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        with keras_saving.keras_saving_context(serving):
+            return method(*args, **kwargs)
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
+def install():
+    """Installs the hooks (idempotent). Call after `keras_integration.install()`."""
+    if getattr(keras_training.reduce_per_replica, _HOOKED, False):
+        return
+    setattr(reduce_per_replica, _HOOKED, True)
+    keras_training.reduce_per_replica = reduce_per_replica
+    model = keras_training.Model
+    for name in ("make_train_function", "make_test_function"):
+        original = getattr(model, name)
+        if not getattr(original, _HOOKED, False):
+            setattr(model, name, _with_model_context(original))
+    # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
+    for name in ("save", "save_weights", "load_weights"):
+        setattr(model, name, _wrap_saving(name, getattr(model, name)))
+    for owner in (saving_api, tf_keras.models, tf_keras.saving):
+        for name in ("load_model", "save_model"):
+            if hasattr(owner, name) and not getattr(getattr(owner, name), _HOOKED, False):
+                setattr(owner, name, _wrap_saving(name, getattr(owner, name)))
+    keras_embedding.Embedding.build = keras_checks.warn_replicated_embedding(
+        keras_embedding.Embedding.build)
