@@ -218,3 +218,30 @@ def test_keras3_is_refused_naming_tf_use_legacy_keras_and_tf_keras():
     for line in lines[1:]:
         assert line.startswith("refused:") and "TF_USE_LEGACY_KERAS=1" in line, line
         assert "tf_keras" in line
+
+
+def _retrieval_keys(run, negatives):
+    keys = [k for k in run.files if k.startswith("retrieval_%s/" % negatives)]
+    assert len(keys) == 4, keys  # two tables, the item tower's kernel and bias
+    return keys
+
+
+def test_tfrs_retrieval_with_global_in_batch_negatives_equals_one_process(surface):
+    ref = surface["ref"]
+    for rank in (0, 1):
+        for key in _retrieval_keys(surface[rank], "global"):
+            np.testing.assert_allclose(surface[rank][key], ref[key], atol=1e-6, err_msg=key)
+        assert list(surface[rank]["retrieval_global_warnings"]) == [""]  # no warning
+
+
+def test_tfrs_retrieval_with_local_negatives_differs_and_warns(surface):
+    """The positive control of the test above, and the warning."""
+    ref = surface["ref"]
+    for rank in (0, 1):
+        differences = [np.abs(surface[rank][k] - ref[k.replace("local", "global")]).max()
+                       for k in _retrieval_keys(surface[rank], "local")]
+        assert max(differences) > 1e-3, differences
+        warned = [w for w in surface[rank]["retrieval_local_warnings"] if w]
+        assert len(warned) == 1 and "tnp.global_in_batch_candidates" in warned[0], warned
+        assert "on 2 workers" in warned[0]
+    assert list(ref["retrieval_local_warnings"]) == [""]  # one process: nothing to warn about

@@ -13,12 +13,16 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - tfrs/<key>, tfrs_lr, tfrs_eval/<key>: a TFRS model's history (loss, regularization_loss,
   total_loss, auc), ReduceLROnPlateau's learning rate per epoch and evaluate's dict;
   tfrs_first/<key>: the same history with distribute_reduction_method="first" (per-worker
-  values, the positive control).
+  values, the positive control);
+- retrieval_global/*, retrieval_local/*: a TFRS two-tower retrieval model after a fit with the
+  global batch's in-batch negatives (tnp.global_in_batch_candidates) and with this worker's
+  only; retrieval_*_warnings: the Retrieval warnings each fit raised.
 Files: OUT_DIR/w<r>.h5, m<r>.keras, saved<r>/ (model.save(dir)), export/ (export_saved_model
 with the inferred signature, written by worker 0), x_predict.npy.
 """
 import os
 import sys
+import warnings
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 
@@ -110,6 +114,47 @@ class DCNRanker(tfrs.Model):
         return self.task(labels=labels, predictions=self(features)) / GLOBAL_BATCH
 
 
+class TwoTower(tfrs.Model):
+    """TFRS retrieval with in-batch negatives: this worker's candidates, or with `global_negatives`
+    every worker's (tnp.global_in_batch_candidates)."""
+
+    def __init__(self, global_negatives):
+        super().__init__()
+        init = tf_keras.initializers.RandomUniform(-0.3, 0.3, seed=8)
+        self.users = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="users")
+        self.items = tnp.ShardedEmbedding(VOCAB_B, DIM, embeddings_initializer=init, name="items")
+        self.item_tower = tf_keras.layers.Dense(
+            DIM, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=9), name="item_tower")
+        self.global_negatives = global_negatives
+        self.task = tfrs.tasks.Retrieval()  # loss: softmax cross-entropy, SUM reduction
+
+    def compute_loss(self, inputs, training=False):
+        features, _ = inputs
+        query = self.users(features["a"])
+        candidates = self.item_tower(self.items(features["b"]))
+        if self.global_negatives:
+            candidates = tnp.global_in_batch_candidates(candidates)
+        return self.task(query, candidates, compute_metrics=False) / GLOBAL_BATCH
+
+
+def retrieval_run(strategy, x, y, global_negatives):
+    """Fits TwoTower for STEPS steps; returns its whole tables and dense weights, and the
+    warnings the fit raised."""
+    tf_keras.utils.set_random_seed(9)
+    with strategy.scope():
+        model = TwoTower(global_negatives)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(per_worker_dataset(strategy, x, y, True), epochs=1, steps_per_epoch=STEPS,
+                  verbose=0)
+    out = {"users": model.users.full_table(), "items": model.items.full_table()}
+    for i, w in enumerate(model.item_tower.get_weights()):
+        out["item_tower/%d" % i] = w
+    messages = [str(w.message) for w in caught if "Retrieval" in str(w.message)]
+    return out, messages
+
+
 def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     tf_keras.utils.set_random_seed(7)
     with strategy.scope():
@@ -190,6 +235,11 @@ def main():
         history, _, _ = tfrs_run(strategy, x, y, test_x, test_y, reduction="first")
         for key, values in history.items():
             results["tfrs_first/" + key] = np.array(values)
+    for negatives in ("global", "local"):
+        values, messages = retrieval_run(strategy, x, y, negatives == "global")
+        for key, value in values.items():
+            results["retrieval_%s/%s" % (negatives, key)] = value
+        results["retrieval_%s_warnings" % negatives] = np.array(messages + [""])
     np.savez(os.path.join(out, "rank%d.npz" % rank), **results)
     print("rank", rank, "of", strategy.num_workers, "done", flush=True)
 

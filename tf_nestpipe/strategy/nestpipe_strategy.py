@@ -22,6 +22,7 @@ from tensorflow.python.trackable import base as _trackable_base
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.strategy.communication import (CommunicationImplementation, Collectives,
@@ -309,6 +310,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if int(micro_batches) < 1:
             raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
         check_keras_environment()
+        hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
         self.pipeline = pipeline
         self.micro_batches = int(micro_batches)
         self.cluster_samples = bool(cluster_samples)
@@ -328,6 +330,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         """`tf.distribute.Strategy.scope`, after the Keras checks (Keras 3 and mixed_float16 are
         refused with the fix, see `keras_checks`)."""
         check_keras_environment()
+        hook_tfrs()
         return super().scope()
 
     @property
