@@ -57,6 +57,12 @@ def test_h5_file_holds_whole_tables(surface):
         np.testing.assert_array_equal(saved, trained["trained/" + table])
 
 
+def test_every_worker_saves_to_one_path_and_only_the_chiefs_copy_lands_there(surface):
+    # Worker 0 lists after its own saves; worker 1's copies went to scratch paths, removed.
+    assert list(surface[0]["files"]) == ["export", "m0.keras", "saved0", "tf_saved", "w0.h5",
+                                         "x_predict.npz"]
+
+
 @pytest.mark.parametrize("prefix", ["h5_own/", "keras_own/"])
 def test_h5_and_keras_files_load_back_on_two_workers(surface, prefix):
     for rank in (0, 1):
@@ -118,7 +124,7 @@ def test_per_worker_values_positive_control(surface):
     assert not np.array_equal(surface[0]["tfrs_first/lr"], surface[1]["tfrs_first/lr"])
 
 
-@pytest.mark.parametrize("key", ["saved_model/predict", "export/predict"])
+@pytest.mark.parametrize("key", ["saved_model/predict", "export/predict", "tf_saved/predict"])
 def test_saved_model_and_export_serve_without_tf_nestpipe(surface, key):
     np.testing.assert_allclose(surface["loaded"][key], surface[0]["predict"], atol=1e-5)
 

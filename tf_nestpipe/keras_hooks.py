@@ -11,6 +11,9 @@ lives in modules of one job each:
 """
 import contextlib
 import functools
+import os
+import shutil
+import tempfile
 import threading
 
 import tf_keras
@@ -84,13 +87,44 @@ def _with_model_context(make_function):
     return make
 
 
+def _non_chief_target(model, filepath):
+    """A scratch path for a non-chief worker's copy of a file (None: write `filepath`). Every
+    worker reads the whole tables (a collective), so every worker saves; only the chief's
+    copy is kept, and a script written for one process may save to one path on every worker."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if (not _is_nestpipe(strategy) or strategy.num_workers == 1 or strategy.worker_index == 0
+            or not isinstance(filepath, (str, os.PathLike))):
+        return None
+    scratch = tempfile.mkdtemp(prefix="nestpipe_worker%d_" % strategy.worker_index)
+    return scratch, os.path.join(scratch, os.path.basename(os.path.normpath(os.fspath(filepath))))
+
+
 def _wrap_saving(name, method):
     serving = name in ("save", "save_model")  # may write a SavedModel
+    writes = name in ("save", "save_model", "save_weights")
 
     @functools.wraps(method)
     def wrapped(*args, **kwargs):
-        with keras_saving.keras_saving_context(serving):
+        if getattr(_state, "saving", False):  # Model.save calls saving_api.save_model
             return method(*args, **kwargs)
+        scratch = None
+        if writes and args:  # (model, filepath, ...)
+            filepath = args[1] if len(args) > 1 else kwargs.get("filepath")
+            target = _non_chief_target(args[0], filepath)
+            if target is not None:
+                scratch, path = target
+                if len(args) > 1:
+                    args = (args[0], path) + tuple(args[2:])
+                else:
+                    kwargs["filepath"] = path
+        _state.saving = True
+        try:
+            with keras_saving.keras_saving_context(serving):
+                return method(*args, **kwargs)
+        finally:
+            _state.saving = False
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
 
     setattr(wrapped, _HOOKED, True)
     return wrapped

@@ -5,8 +5,9 @@ usage: keras_surface.py OUT_DIR [REFERENCE_DIR]
 Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - trained/*: whole tables and dense weights of a functional ranker after a 2-epoch fit;
 - predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
-- h5_own/*, keras_own/*: a fresh model after load_weights(<rank 0's .h5>) and after
-  tf_keras.models.load_model(<rank 0's .keras>) (whole tables, dense weights, predictions);
+- files: the files in OUT_DIR after the saves;
+- h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>) and after
+  tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions);
 - h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
   (written by another worker count);
 - wrong_size_error: the error loading an .h5 of a table of another size;
@@ -17,10 +18,12 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - retrieval_global/*, retrieval_local/*: a TFRS two-tower retrieval model after a fit with the
   global batch's in-batch negatives (tnp.global_in_batch_candidates) and with this worker's
   only; retrieval_*_warnings: the Retrieval warnings each fit raised.
-Files: OUT_DIR/w<r>.h5, m<r>.keras, saved<r>/ (model.save(dir)), export/ (export_saved_model
-with the inferred signature, written by worker 0), x_predict.npy.
+Files (every worker saves to the same path; only worker 0's copy lands there): OUT_DIR/w0.h5,
+m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
+(export_saved_model with the inferred signature), x_predict.npy.
 """
 import os
+import shutil
 import sys
 import warnings
 
@@ -195,11 +198,18 @@ def main():
     if rank == 0:
         np.savez(os.path.join(out, "x_predict.npz"), **px)
 
-    # .h5 and .keras files: every worker saves (a collective) to its own path.
-    model.save_weights(os.path.join(out, "w%d.h5" % rank))
-    model.save(os.path.join(out, "m%d.keras" % rank))
-    model.save(os.path.join(out, "saved%d" % rank))  # SavedModel (tf format)
+    # Every worker saves (the tables are gathered, a collective) to the same path, as a script
+    # written for one process does: the chief's file is written there, the others' to scratch.
+    model.save_weights(os.path.join(out, "w0.h5"))
+    model.save(os.path.join(out, "m0.keras"))
+    model.save(os.path.join(out, "saved0"))  # SavedModel (tf format)
+    # TensorFlow's own save (not redirected): per-worker paths, as with MultiWorkerMirrored.
+    tf.saved_model.save(model, os.path.join(out, "tf_saved") if rank == 0 else
+                        os.path.join(out, "scratch%d" % rank, "tf_saved"))
+    if rank != 0:
+        shutil.rmtree(os.path.join(out, "scratch%d" % rank))
     tnp.export_saved_model(model, os.path.join(out, "export"))
+    results["files"] = np.array(sorted(os.listdir(out)))
 
     tf_keras.utils.set_random_seed(2)
     with strategy.scope():

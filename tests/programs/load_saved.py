@@ -2,7 +2,8 @@
 
 usage: load_saved.py RUN_DIR OUT.npz
 Writes OUT.npz: saved_model/predict (tf_keras.models.load_model of RUN_DIR/saved0, predicting
-RUN_DIR/x_predict.npz), export/predict (serving_default of RUN_DIR/export), h5/<dataset> (every
+RUN_DIR/x_predict.npz), export/predict and tf_saved/predict (serving_default of RUN_DIR/export
+and of RUN_DIR/tf_saved), h5/<dataset> (every
 dataset of RUN_DIR/w0.h5, read with h5py). Fails if tf_nestpipe got imported.
 """
 import os
@@ -24,6 +25,10 @@ def main():
     out["saved_model/predict"] = model.predict(x, batch_size=16, verbose=0)
     served = tf.saved_model.load(os.path.join(run, "export")).signatures["serving_default"]
     out["export/predict"] = served(**{k: tf.constant(v) for k, v in x.items()})["outputs"].numpy()
+    served = tf.saved_model.load(os.path.join(run, "tf_saved")).signatures["serving_default"]
+    outputs = served(**{k: tf.constant(v) for k, v in x.items()})
+    assert len(outputs) == 1, list(outputs)
+    out["tf_saved/predict"] = list(outputs.values())[0].numpy()
     with h5py.File(os.path.join(run, "w0.h5"), "r") as f:
         f.visititems(lambda name, obj: out.__setitem__("h5/" + name, obj[()])
                      if isinstance(obj, h5py.Dataset) else None)

@@ -7,14 +7,16 @@ loads in a process that never imports tf_nestpipe. Worker 0 writes it. Without a
 `input_signature` the signature is the model's own inputs (`model.inputs` of a functional model,
 or the inputs a subclassed model was called or fitted on).
 
-`tf_keras` `model.save(dir)` traces its functions inside `serving_trace()`: every layer then
-gathers rows straight from its own table variable, which the SavedModel records (and restores)
+`tf_keras` `model.save(dir)` traces its functions inside `serving_trace()`, and so does
+`tf.saved_model.save(model, dir)` (TensorFlow's save context): every layer then gathers rows
+straight from its own table variable, which the SavedModel records (and restores)
 as the whole table (see `row_shard_saving`), so that SavedModel too serves without tf_nestpipe.
 """
 import contextlib
 import threading
 
 import tensorflow as tf
+from tensorflow.python.saved_model import save_context
 
 _local = threading.local()
 
@@ -22,8 +24,8 @@ _local = threading.local()
 def export_table(layer):
     """The full-table variable a layer reads while a serving function is traced, or None."""
     table = getattr(_local, "tables", {}).get(id(layer))
-    if table is None and getattr(_local, "own_tables", False) and \
-            getattr(layer, "_ps_row_order", None) is None:
+    tracing_saved_model = getattr(_local, "own_tables", False) or save_context.in_save_context()
+    if table is None and tracing_saved_model and getattr(layer, "_ps_row_order", None) is None:
         table = layer.embeddings  # a SavedModel restores it as the whole table
     return table
 
