@@ -251,3 +251,20 @@ def test_tfrs_retrieval_with_local_negatives_differs_and_warns(surface):
         assert len(warned) == 1 and "tnp.global_in_batch_candidates" in warned[0], warned
         assert "on 2 workers" in warned[0]
     assert list(ref["retrieval_local_warnings"]) == [""]  # one process: nothing to warn about
+
+
+def test_check_exactness_reports_dbp_equal_to_the_reference(surface):
+    for rank in (0, 1):
+        assert float(surface[rank]["exactness_dbp"]) <= 1e-6
+        assert str(surface[rank]["exactness_dbp_pipeline_after"]) == "dbp"  # setting restored
+
+
+def test_check_exactness_catches_stale_buffers_positive_control(surface):
+    for rank in (0, 1):
+        assert float(surface[rank]["exactness_dbp_nosync"]) > 1e-5
+
+
+def test_check_exactness_refuses_other_strategies():
+    with pytest.raises(ValueError, match="needs a tnp.NestPipeStrategy"):
+        tnp.check_exactness(lambda: None, lambda context: None, steps=1,
+                            strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))

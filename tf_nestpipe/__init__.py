@@ -16,6 +16,7 @@ from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer, 
 from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
 from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
 from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
+from tf_nestpipe.strategy.exactness_check import ExactnessReport, check_exactness  # noqa: E402
 from tf_nestpipe.strategy.global_candidates import global_in_batch_candidates  # noqa: E402
 from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
 from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
     "DownpourTrainer",
+    "ExactnessReport",
     "FixedShardsPartitioner",
     "LocalAdagrad",
     "LocalSGD",
@@ -53,6 +55,7 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "TFConfigError",
     "TrainPipeline",
+    "check_exactness",
     "export_saved_model",
     "global_in_batch_candidates",
     "parse_tf_config",

@@ -17,7 +17,9 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
   values, the positive control);
 - retrieval_global/*, retrieval_local/*: a TFRS two-tower retrieval model after a fit with the
   global batch's in-batch negatives (tnp.global_in_batch_candidates) and with this worker's
-  only; retrieval_*_warnings: the Retrieval warnings each fit raised.
+  only; retrieval_*_warnings: the Retrieval warnings each fit raised;
+- exactness_dbp, exactness_dbp_nosync: tnp.check_exactness's largest difference for
+  pipeline="dbp", and with the buffer sync skipped (stale rows: the positive control).
 Files (every worker saves to the same path; only worker 0's copy lands there): OUT_DIR/w0.h5,
 m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
 (export_saved_model with the inferred signature), x_predict.npy.
@@ -250,6 +252,14 @@ def main():
         for key, value in values.items():
             results["retrieval_%s/%s" % (negatives, key)] = value
         results["retrieval_%s_warnings" % negatives] = np.array(messages + [""])
+    for name, nosync in (("exactness_dbp", False), ("exactness_dbp_nosync", True)):
+        strategy.pipeline, strategy.unsafe_skip_buffer_sync = "dbp", nosync
+        report = tnp.check_exactness(ranker, per_worker_dataset(strategy, x, y, False),
+                                     steps=STEPS, strategy=strategy)
+        print(name, report, flush=True)
+        results[name] = report.max_difference
+        results[name + "_pipeline_after"] = strategy.pipeline
+    strategy.pipeline, strategy.unsafe_skip_buffer_sync = "none", False
     np.savez(os.path.join(out, "rank%d.npz" % rank), **results)
     print("rank", rank, "of", strategy.num_workers, "done", flush=True)
 
