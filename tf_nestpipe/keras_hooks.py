@@ -7,7 +7,9 @@ lives in modules of one job each:
 - saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
-- checks: `strategy.keras_checks` (the tf_keras `Embedding` warning).
+- checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
+- `fit` over a DOWNPOUR `tnp.ParameterServerStrategy(update_window=T)`: one window per step
+  (`strategy.downpour_fit`).
 """
 import contextlib
 import functools
@@ -22,7 +24,7 @@ from tf_keras.src.layers.core import embedding as keras_embedding
 from tf_keras.src.saving import saving_api
 
 from tf_nestpipe.pipeline import keras_outputs
-from tf_nestpipe.strategy import keras_checks, keras_saving
+from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
 
 _HOOKED = "_nestpipe_hooked"
 _state = threading.local()
@@ -70,6 +72,12 @@ def _with_model_context(make_function):
     (and is traced) with the model known to `reduce_per_replica`."""
     @functools.wraps(make_function)
     def make(self, force=False):
+        if (make_function.__name__ == "make_train_function"
+                and getattr(self.distribute_strategy, "update_window", 1) > 1):
+            # DOWNPOUR windows through fit (strategy.downpour_fit).
+            if self.train_function is None or force:
+                self.train_function = downpour_fit.downpour_train_function(self)
+            return self.train_function
         function = make_function(self, force)
         if function is None or getattr(function, _HOOKED, False):
             return function
