@@ -1,7 +1,7 @@
 """The tf_keras hooks behind the Keras surface of `NestPipeStrategy` (installed at import).
 
-This is the one module that touches tf_keras internals for it (`tf_keras.src...`); the logic
-lives in modules of one job each:
+The tf_keras internals it patches come from `strategy.keras_private`; the logic lives in modules
+of one job each:
 - step outputs and predictions: `pipeline.keras_outputs` (raw values a step returns are summed
   over the workers, `predict` returns every worker's rows in input order);
 - saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
@@ -18,13 +18,14 @@ import shutil
 import tempfile
 import threading
 
+import tensorflow as tf
 import tf_keras
-from tf_keras.src.engine import training as keras_training
-from tf_keras.src.layers.core import embedding as keras_embedding
-from tf_keras.src.saving import saving_api
 
 from tf_nestpipe.pipeline import keras_outputs
 from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
+from tf_nestpipe.strategy.keras_private import embedding as keras_embedding
+from tf_nestpipe.strategy.keras_private import saving_api
+from tf_nestpipe.strategy.keras_private import training as keras_training
 
 _HOOKED = "_nestpipe_hooked"
 _state = threading.local()
@@ -54,17 +55,12 @@ def reduce_per_replica(values, strategy, reduction):
     are summed over the workers and predictions concatenated over them (see keras_outputs)."""
     if _is_nestpipe(strategy) and strategy.num_workers > 1:
         if reduction == "concat":
-            return _nest_map(functools.partial(keras_outputs.concat_predictions, strategy), values)
+            return tf.nest.map_structure(
+                functools.partial(keras_outputs.concat_predictions, strategy), values)
         model = getattr(_state, "model", None)
         if model is not None:
             values = keras_outputs.reduce_step_outputs(model, strategy, values, reduction)
     return _original_reduce_per_replica(values, strategy, reduction)
-
-
-def _nest_map(fn, values):
-    import tensorflow as tf
-
-    return tf.nest.map_structure(fn, values, expand_composites=False)
 
 
 def _with_model_context(make_function):

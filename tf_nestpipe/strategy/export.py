@@ -16,7 +16,8 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.saved_model import save_context
+
+from tf_nestpipe.strategy import keras_private
 
 _local = threading.local()
 
@@ -24,7 +25,7 @@ _local = threading.local()
 def export_table(layer):
     """The full-table variable a layer reads while a serving function is traced, or None."""
     table = getattr(_local, "tables", {}).get(id(layer))
-    tracing_saved_model = getattr(_local, "own_tables", False) or save_context.in_save_context()
+    tracing_saved_model = getattr(_local, "own_tables", False) or keras_private.in_saved_model_trace()
     if table is None and tracing_saved_model and getattr(layer, "_ps_row_order", None) is None:
         table = layer.embeddings  # a SavedModel restores it as the whole table
     return table
@@ -103,9 +104,9 @@ def infer_input_signature(model):
     dict back into the structure the model is called with. Refused with the fix when the model
     has no known inputs."""
     structure = None
-    if getattr(model, "_is_graph_network", False) and model.inputs:
-        structure = tf.nest.map_structure(
-            lambda t: t.type_spec, model._nested_inputs)  # pylint: disable=protected-access
+    if keras_private.is_graph_network(model) and model.inputs:
+        structure = tf.nest.map_structure(lambda t: t.type_spec,
+                                          keras_private.nested_inputs(model))
     else:
         spec = model.save_spec(dynamic_batch=True) if hasattr(model, "save_spec") else None
         if spec is not None:
