@@ -43,7 +43,8 @@ def surface(tmp_path_factory):
 
 
 def _state_keys(run, prefix):
-    keys = [k for k in run.files if k.startswith(prefix) and not k.endswith("predict")]
+    keys = [k for k in run.files if k.startswith(prefix) and not k.endswith("predict")
+            and "/slot/" not in k]
     assert len(keys) == 6, keys  # two tables, two dense layers' kernel and bias
     return keys
 
@@ -70,6 +71,15 @@ def test_h5_and_keras_files_load_back_on_two_workers(surface, prefix):
         for key in _state_keys(run, prefix):
             np.testing.assert_array_equal(run[key], run["trained/" + key[len(prefix):]], key)
         np.testing.assert_allclose(run[prefix + "predict"], run["predict"], atol=1e-6)
+
+
+def test_keras_file_restores_the_tables_optimizer_slots_whole(surface):
+    for rank in (0, 1):
+        run = surface[rank]
+        for i in (0, 1):
+            trained = run["trained/slot/%d" % i]
+            assert trained.shape[0] in (VOCAB_A, VOCAB_B) and np.std(trained) > 0
+            np.testing.assert_array_equal(run["keras_own/slot/%d" % i], trained)
 
 
 def test_h5_written_by_one_process_loads_on_two_workers(surface):
@@ -101,6 +111,8 @@ def test_values_a_tfrs_step_returns_are_global_on_every_worker(surface, key):
     ref = surface["ref"]
     for rank in (0, 1):
         np.testing.assert_allclose(surface[rank]["tfrs/" + key], ref["tfrs/" + key], atol=1e-5)
+        np.testing.assert_allclose(surface[rank]["tfrs/val_" + key], ref["tfrs/val_" + key],
+                                   atol=1e-5)
         np.testing.assert_allclose(surface[rank]["tfrs_eval/" + key], ref["tfrs_eval/" + key],
                                    atol=1e-5)
     np.testing.assert_array_equal(surface[0]["tfrs/" + key], surface[1]["tfrs/" + key])

@@ -7,12 +7,13 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
 - files: the files in OUT_DIR after the saves;
 - h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>) and after
-  tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions);
+  tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions; and for
+  the .keras the tables' Adagrad slots, keras_own/slot/*, against trained/slot/*);
 - h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
   (written by another worker count);
 - wrong_size_error: the error loading an .h5 of a table of another size;
 - tfrs/<key>, tfrs_lr, tfrs_eval/<key>: a TFRS model's history (loss, regularization_loss,
-  total_loss, auc), ReduceLROnPlateau's learning rate per epoch and evaluate's dict;
+  total_loss, auc, and their val_ values from validation_data), ReduceLROnPlateau's learning rate per epoch and evaluate's dict;
   tfrs_first/<key>: the same history with distribute_reduction_method="first" (per-worker
   values, the positive control);
 - retrieval_global/*, retrieval_local/*: a TFRS two-tower retrieval model after a fit with the
@@ -82,6 +83,20 @@ def per_worker_dataset(strategy, x, y, repeat):
         return ds.repeat() if repeat else ds
 
     return strategy.distribute_datasets_from_function(fn)
+
+
+def table_slots(model, prefix):
+    """The optimizer's slots of the row-sharded tables, whole (a collective), by position."""
+    from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+    from tf_nestpipe.strategy.row_shard_saving import gather_full_rows
+
+    strategy = model.distribute_strategy
+    slots = [v for v in model.optimizer.variables if row_shard_layout(v) is not None]
+    assert len(slots) == 2, [v.name for v in model.optimizer.variables]
+    return {"%sslot/%d" % (prefix, i): gather_full_rows(v, row_shard_layout(v),
+                                                       strategy.extended.collectives,
+                                                       "test/slot%d" % i).numpy()
+            for i, v in enumerate(slots)}
 
 
 def state(model, prefix):
@@ -173,7 +188,9 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     plateau = tf_keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
                                                    min_delta=0.02, verbose=0)
     history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=TFRS_EPOCHS,
-                        steps_per_epoch=STEPS, callbacks=[plateau, record], verbose=0)
+                        steps_per_epoch=STEPS, callbacks=[plateau, record], verbose=0,
+                        validation_data=per_worker_dataset(strategy, test_x, test_y, False),
+                        validation_steps=2)
     evaluation = model.evaluate(per_worker_dataset(strategy, test_x, test_y, False),
                                 steps=2, return_dict=True, verbose=0)
     return history.history, lrs, evaluation
@@ -228,6 +245,8 @@ def main():
         loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"),
                                             custom_objects={"ShardedEmbedding": tnp.ShardedEmbedding})
     results.update(state(loaded, "keras_own/"))
+    results.update(table_slots(model, "trained/"))
+    results.update(table_slots(loaded, "keras_own/"))
     results["keras_own/predict"] = loaded.predict(predict_ds, verbose=0)
     with strategy.scope():
         wrong = ranker(vocab_a=VOCAB_A + 4, seed=30)
