@@ -61,10 +61,10 @@ def test_h5_file_holds_whole_tables(surface):
 def test_every_worker_saves_to_one_path_and_only_the_chiefs_copy_lands_there(surface):
     # Worker 0 lists after its own saves; worker 1's copies went to scratch paths, removed.
     assert list(surface[0]["files"]) == ["export", "m0.keras", "saved0", "tf_saved", "w0.h5",
-                                         "x_predict.npz"]
+                                         "w0.weights.h5", "x_predict.npz"]
 
 
-@pytest.mark.parametrize("prefix", ["h5_own/", "keras_own/"])
+@pytest.mark.parametrize("prefix", ["h5_own/", "weights_h5_own/", "keras_own/"])
 def test_h5_and_keras_files_load_back_on_two_workers(surface, prefix):
     for rank in (0, 1):
         run = surface[rank]
@@ -274,6 +274,29 @@ def test_check_exactness_reports_dbp_equal_to_the_reference(surface):
 def test_check_exactness_catches_stale_buffers_positive_control(surface):
     for rank in (0, 1):
         assert float(surface[rank]["exactness_dbp_nosync"]) > 1e-5
+
+
+class _Subclassed(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.table = tnp.ShardedEmbedding(11, 3, name="ids")
+        self.out = tf_keras.layers.Dense(1)
+
+    def call(self, features):
+        return self.out(tf.concat([self.table(features["ids"]), features["x"]], axis=1))
+
+
+def test_export_infers_the_signature_of_a_subclassed_model_from_its_calls(tmp_path):
+    strategy = tnp.NestPipeStrategy()
+    with strategy.scope():
+        model = _Subclassed()
+    with pytest.raises(TypeError, match="no known inputs.*Call the model on a batch first"):
+        tnp.export_saved_model(model, str(tmp_path / "never_called"))
+    batch = {"ids": tf.constant([1, 5, 10], tf.int64), "x": tf.ones([3, 2])}
+    expected = model(batch).numpy()
+    tnp.export_saved_model(model, str(tmp_path / "export"))
+    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    np.testing.assert_allclose(served(**batch)["outputs"].numpy(), expected, atol=1e-6)
 
 
 def test_check_exactness_refuses_other_strategies():

@@ -6,7 +6,8 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - trained/*: whole tables and dense weights of a functional ranker after a 2-epoch fit;
 - predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
 - files: the files in OUT_DIR after the saves;
-- h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>) and after
+- h5_own/*, weights_h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>),
+  load_weights(<the .weights.h5>) and after
   tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions; and for
   the .keras the tables' Adagrad slots, keras_own/slot/*, against trained/slot/*);
 - h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
@@ -22,7 +23,7 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - exactness_dbp, exactness_dbp_nosync: tnp.check_exactness's largest difference for
   pipeline="dbp", and with the buffer sync skipped (stale rows: the positive control).
 Files (every worker saves to the same path; only worker 0's copy lands there): OUT_DIR/w0.h5,
-m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
+w0.weights.h5, m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
 (export_saved_model with the inferred signature), x_predict.npy.
 """
 import os
@@ -220,6 +221,7 @@ def main():
     # Every worker saves (the tables are gathered, a collective) to the same path, as a script
     # written for one process does: the chief's file is written there, the others' to scratch.
     model.save_weights(os.path.join(out, "w0.h5"))
+    model.save_weights(os.path.join(out, "w0.weights.h5"))  # tf_keras' newer weights format
     model.save(os.path.join(out, "m0.keras"))
     model.save(os.path.join(out, "saved0"))  # SavedModel (tf format)
     # TensorFlow's own save (not redirected): per-worker paths, as with MultiWorkerMirrored.
@@ -236,6 +238,11 @@ def main():
     fresh.load_weights(os.path.join(out, "w0.h5"))
     results.update(state(fresh, "h5_own/"))
     results["h5_own/predict"] = fresh.predict(predict_ds, verbose=0)
+    with strategy.scope():
+        fresh = ranker(seed=40)
+    fresh.load_weights(os.path.join(out, "w0.weights.h5"))
+    results.update(state(fresh, "weights_h5_own/"))
+    results["weights_h5_own/predict"] = fresh.predict(predict_ds, verbose=0)
     if reference is not None:
         with strategy.scope():
             other = ranker(seed=20)
