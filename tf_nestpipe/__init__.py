@@ -31,6 +31,8 @@ if not _started_as_launcher():
     from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
     from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
     from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
+    from tf_nestpipe.strategy.exactness_check import ExactnessReport, check_exactness  # noqa: E402
+    from tf_nestpipe.strategy.global_candidates import global_in_batch_candidates  # noqa: E402
     from tf_nestpipe.strategy.preemption import PreemptionCheckpointHandler  # noqa: E402
     from tf_nestpipe.sharding.partitioners import (FixedShardsPartitioner,  # noqa: E402
                                                    MaxSizePartitioner, MinSizePartitioner,
@@ -41,6 +43,10 @@ if not _started_as_launcher():
 
     _keras_integration.install()
 
+    from tf_nestpipe import keras_hooks as _keras_hooks  # noqa: E402
+
+    _keras_hooks.install()  # after keras_integration: wraps its make_train_function
+
 __version__ = "0.1.0"
 
 __all__ = [
@@ -48,6 +54,7 @@ __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
     "DownpourTrainer",
+    "ExactnessReport",
     "FixedShardsPartitioner",
     "LocalAdagrad",
     "LocalSGD",
@@ -63,6 +70,8 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "TFConfigError",
     "TrainPipeline",
+    "check_exactness",
     "export_saved_model",
+    "global_in_batch_candidates",
     "parse_tf_config",
 ]

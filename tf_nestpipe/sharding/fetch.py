@@ -30,12 +30,26 @@ class DirectFetcher(RowFetcher):
 
 
 _DIRECT = DirectFetcher()
+_fallbacks = []
+
+
+def set_fallback(choose):
+    """Registers `choose()`: asked for a fetcher when none is installed (e.g. one that reads
+    whole tables while TensorFlow's save context traces a SavedModel); None means direct."""
+    _fallbacks.append(choose)
 
 
 def current_fetcher():
-    """The fetcher installed in this thread (innermost), else the `DirectFetcher`."""
+    """The fetcher installed in this thread (innermost), else a registered fallback's, else the
+    `DirectFetcher`."""
     stack = getattr(_local, "stack", None)
-    return stack[-1] if stack else _DIRECT
+    if stack:
+        return stack[-1]
+    for choose in _fallbacks:
+        fetcher = choose()
+        if fetcher is not None:
+            return fetcher
+    return _DIRECT
 
 
 @contextlib.contextmanager

@@ -274,19 +274,22 @@ class DownpourTrainer:
     strategy scope (the global model on the ps tasks, `self.model`) and once more in per-worker
     variables (`self.local_model`: every worker's own copy). `loss_fn(labels, outputs)`
     returns a scalar; `optimizer` is the global optimizer
-    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient. `schedule` runs
+    (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient (`model`: use this
+    global model, built in the scope, instead of building one). `schedule` runs
     one window; `join` waits (explaining ps failures); `save` / `restore` checkpoint the global
     state for a restart after a ps failure."""
 
-    def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer):
+    def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer, model=None):
         self.strategy = strategy
         self.coordinator = coordinator
         self.update_window = strategy.update_window
         self.local_optimizer = local_optimizer_from(strategy.local_optimizer)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
-        with strategy.scope():
-            self.model = model_fn()
+        if model is None:  # `model`: a global model built in the scope already (tf_keras fit)
+            with strategy.scope():
+                model = model_fn()
+        self.model = model
         self._groups = _groups(self.model)
         with worker_local_variables(strategy):
             self.local_model = model_fn()
@@ -309,9 +312,17 @@ class DownpourTrainer:
         self._managers = {}
 
     def _window_fn(self, iterator):
-        def replica_fn():
+        return self._window_body(iterator, read_outside=False)
+
+    def _distributed_window_fn(self, iterator):
+        """`_window_fn` for a distributed iterator (tf_keras fit), read outside replica_fn."""
+        return self._window_body(iterator, read_outside=True)
+
+    def _window_body(self, iterator, read_outside):
+        def replica_fn(batches=None):
             variables = self.local_model.trainable_variables
-            batches = [next(iterator) for _ in range(self.update_window)]
+            if batches is None:
+                batches = [next(iterator) for _ in range(self.update_window)]
             # Which rows each step reads: a route pass per batch records every table lookup's
             # ids (its dense ops have no consumer and are pruned from the function).
             step_ids = []
@@ -369,6 +380,9 @@ class DownpourTrainer:
                 self.optimizer.apply_gradients(zip(shard_gradients, shard_variables))
             return tf.reduce_mean(tf.stack(losses)), tf.add_n(pushed), tf.add_n(pulled)
 
+        if read_outside:
+            return self.strategy.run(
+                replica_fn, args=([next(iterator) for _ in range(self.update_window)],))
         return self.strategy.run(replica_fn)
 
     def _ids_by_variable(self, route):

@@ -3,23 +3,64 @@
 Every `ShardedEmbedding` table is assembled in full (a collective: every worker calls this) and
 stored in the SavedModel as an ordinary variable; while the serving function is traced, the
 layers look rows up in it with `tf.gather` only, so the SavedModel uses no tf_nestpipe op and
-loads in a process that never imports tf_nestpipe. Worker 0 writes it.
+loads in a process that never imports tf_nestpipe. Worker 0 writes it. Without an
+`input_signature` the signature is the model's own inputs (`model.inputs` of a functional model,
+or the inputs a subclassed model was called or fitted on).
+
+`tf_keras` `model.save(dir)` traces its functions inside `serving_trace()`, and so does
+`tf.saved_model.save(model, dir)` (TensorFlow's save context): every layer then gathers rows
+straight from its own table variable, which the SavedModel records (and restores)
+as the whole table (see `row_shard_saving`), so that SavedModel too serves without tf_nestpipe.
 """
+import contextlib
+
 import tensorflow as tf
 
+from tf_nestpipe.sharding import fetch
 from tf_nestpipe.sharding.embedding import ShardedEmbedding
-from tf_nestpipe.sharding.fetch import RowFetcher, installed
+from tf_nestpipe.strategy import keras_private
 
 
-class _FullTableFetcher(RowFetcher):
-    """While a serving function is traced: every lookup is a `tf.gather` from the layer's full
-    table (core ops only)."""
+class _FullTableFetcher(fetch.RowFetcher):
+    """While `export_saved_model`'s serving function is traced: every lookup is a `tf.gather`
+    from the layer's gathered full table (core ops only)."""
 
     def __init__(self, tables_by_layer):
         self._tables = tables_by_layer
 
     def lookup(self, layer, flat_ids):
         return tf.gather(self._tables[id(layer)], flat_ids)
+
+
+class _OwnTableFetcher(fetch.RowFetcher):
+    """While a SavedModel of the model itself is traced (`model.save(dir)`,
+    `tf.saved_model.save`): a `tf.gather` from each layer's own table variable, which the
+    SavedModel records (and restores) as the whole table; ps tables keep their own lookup."""
+
+    def lookup(self, layer, flat_ids):
+        if getattr(layer, "_ps_row_order", None) is not None:
+            return layer.direct_lookup(flat_ids)
+        return tf.gather(layer.embeddings, flat_ids)
+
+
+_OWN_TABLES = _OwnTableFetcher()
+
+
+@contextlib.contextmanager
+def serving_trace():
+    """Within this context, functions traced for a SavedModel look rows up with `tf.gather` in
+    each layer's own table variable (recorded in the SavedModel as the whole table)."""
+    with fetch.installed(_OWN_TABLES):
+        yield
+
+
+def _fetcher_in_save_context():
+    """TensorFlow's save context (tf.saved_model.save traces the model itself): no collective
+    may be traced, so lookups read the layer's own (whole-table) variable."""
+    return _OWN_TABLES if keras_private.in_saved_model_trace() else None
+
+
+fetch.set_fallback(_fetcher_in_save_context)
 
 
 def _sharded_layers(model):
@@ -39,7 +80,7 @@ def _flat_signature(input_signature):
     return flat
 
 
-def _serving_module(model, tables_by_layer, input_signature):
+def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs: inputs):
     """A tf.Module tracking the model's dense variables and the full tables (not the Keras
     model itself: saving it would trace its distributed call), with a `serve` function."""
     module = tf.Module()
@@ -58,26 +99,63 @@ def _serving_module(model, tables_by_layer, input_signature):
             else:
                 inputs[name] = flat[position]
                 position += 1
-        with installed(_FullTableFetcher(tables_by_layer)):
-            outputs = model(inputs, training=False)
+        with fetch.installed(_FullTableFetcher(tables_by_layer)):
+            outputs = model(pack(inputs), training=False)
         return {"outputs": outputs}
 
     module.serve = tf.function(serve, input_signature=_flat_signature(input_signature))
     return module
 
 
-def export_saved_model(model, path, input_signature, strategy=None):
+def infer_input_signature(model):
+    """`(signature, pack)`: the model's inputs as {name: spec} and the function that turns such a
+    dict back into the structure the model is called with. Refused with the fix when the model
+    has no known inputs."""
+    structure = None
+    if keras_private.is_graph_network(model) and model.inputs:
+        structure = tf.nest.map_structure(lambda t: t.type_spec,
+                                          keras_private.nested_inputs(model))
+    else:
+        spec = model.save_spec(dynamic_batch=True) if hasattr(model, "save_spec") else None
+        if spec is not None:
+            args, kwargs = spec
+            if args and not kwargs:
+                structure = args[0]
+    if structure is None:
+        raise TypeError(
+            "export_saved_model: %s has no known inputs to infer the serving signature from "
+            "(a subclassed model that was never called or fitted). Call the model on a batch "
+            "first, or pass input_signature={name: tf.TensorSpec(...)}" % type(model).__name__)
+    if isinstance(structure, dict):
+        return dict(structure), lambda inputs: inputs
+    flat = tf.nest.flatten(structure, expand_composites=False)
+    names = []
+    for i, spec in enumerate(flat):
+        name = getattr(spec, "name", None) or "input_%d" % i
+        names.append(name if name not in names else "%s_%d" % (name, i))
+    signature = dict(zip(names, flat))
+    return signature, lambda inputs: tf.nest.pack_sequence_as(
+        structure, [inputs[n] for n in names], expand_composites=False)
+
+
+def export_saved_model(model, path, input_signature=None, strategy=None):
     """Writes `model` as a SavedModel at `path` with a `serving_default` signature taking the
     features of `input_signature` (name -> `tf.TensorSpec`, or `tf.RaggedTensorSpec` passed as
-    `<name>_values` and `<name>_row_splits`) and returning {"outputs": ...}. Call on every worker
-    (the tables are gathered); worker 0 writes. Returns `path`."""
+    `<name>_values` and `<name>_row_splits`; by default the model's own inputs, see
+    `infer_input_signature`) and returning {"outputs": ...}. Call on every worker (the tables
+    are gathered); worker 0 writes (`strategy` defaults to the model's). Returns `path`."""
+    pack = lambda inputs: inputs  # noqa: E731
+    if input_signature is None:
+        input_signature, pack = infer_input_signature(model)
     layers = _sharded_layers(model)
     full = [layer.full_table() for layer in layers]  # collectives, in the same order everywhere
-    worker = strategy.worker_index if strategy is not None else 0
+    if strategy is None:
+        strategy = getattr(model, "distribute_strategy", None)
+    worker = getattr(strategy, "worker_index", 0)
     if worker != 0:
         return path
     tables = {id(layer): tf.Variable(table, trainable=False, name=layer.name + "_full_table")
               for layer, table in zip(layers, full)}
-    module = _serving_module(model, tables, input_signature)
+    module = _serving_module(model, tables, input_signature, pack)
     tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
     return path

@@ -6,6 +6,8 @@ worker-local variables holding only the rows this worker owns; their optimizer s
 worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
 all-to-all already delivered each owner the summed gradient of its rows.
 """
+import sys
+
 import tensorflow as tf
 from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
 from tensorflow.python.distribute import distribute_lib, distribute_utils
@@ -23,6 +25,8 @@ from tf_nestpipe.pipeline.modes import PIPELINES
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import is_row_shard, row_shard_being_created, row_shard_layout
 from tf_nestpipe.strategy import equal_shares
+from tf_nestpipe.strategy.global_candidates import hook_tfrs
+from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
@@ -172,6 +176,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
+        check_keras3_variable(sys._getframe(1))  # pylint: disable=protected-access
         layout = row_shard_being_created()
         colocate_with = kwargs.get("colocate_with")
         if layout is None and colocate_with is not None and is_row_shard(colocate_with):
@@ -356,6 +361,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1:
             raise ValueError("auto_warmup_steps must be >= 0 and auto_timed_steps >= 1, got %r "
                              "and %r" % (auto_warmup_steps, auto_timed_steps))
+        check_keras_environment()
+        hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
         self.auto_timed_steps = int(auto_timed_steps)
@@ -385,6 +392,13 @@ class NestPipeStrategy(distribute_lib.Strategy):
     @check_equal_shares.setter
     def check_equal_shares(self, value):
         self.extended._nestpipe_check_shares = bool(value)  # pylint: disable=protected-access
+
+    def scope(self):
+        """`tf.distribute.Strategy.scope`, after the Keras checks (Keras 3 and mixed_float16 are
+        refused with the fix, see `keras_checks`)."""
+        check_keras_environment()
+        hook_tfrs()
+        return super().scope()
 
     @property
     def collectives_backend(self):

@@ -19,8 +19,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     tasks is bound here). `update_window=T` and `local_optimizer` ("sgd", "adagrad",
     `tnp.LocalSGD(lr)`, `tnp.LocalAdagrad(lr)`) configure DOWNPOUR training with
     `tnp.DownpourTrainer`: T local steps per worker between a pull and a push of the summed
-    gradient; T=1 pushes every step (Hogwild-style). tf_keras `fit` pushes every step and
-    refuses a strategy with `update_window > 1`.
+    gradient; T=1 pushes every step (Hogwild-style). tf_keras `fit` runs one window per step
+    (see `downpour_fit`).
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, update_window=1,

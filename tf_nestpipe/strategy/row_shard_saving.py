@@ -9,6 +9,12 @@ id order (a collective: every worker saves at the same point, as tf_keras and Mu
 already require). Restoring takes this worker's rows out of the whole table, so a checkpoint
 written on W workers (or by one process) restores on any number of workers.
 
+tf_keras' own file formats (`.h5`, `.weights.h5`, `.keras`) read a variable with `numpy()` and
+write it with `assign()`; inside `whole_table_values()` a row shard's `numpy()` is the whole table
+(a collective) and `assign()` of a whole table keeps this worker's rows, so those files hold whole
+tables too and load on any number of workers. A SavedModel records each row shard with the whole
+table's shape, matching the whole value its checkpoint holds.
+
 `ShardedCheckpoint` keeps per-worker files instead (no worker ever holds a whole table); it saves
 inside `local_shard_serialization()`, where row shards write and read only their own rows.
 """
@@ -41,6 +47,24 @@ def _saving_local_rows():
     return getattr(_state, "local", False)
 
 
+@contextlib.contextmanager
+def whole_table_values():
+    """Within this context (eager), a row shard's `numpy()` returns the whole table (every
+    worker must read it at the same point) and `assign()` of a whole table takes this worker's
+    rows: what tf_keras' `.h5` / `.keras` saving and loading use (see module)."""
+    previous = getattr(_state, "whole", False)
+    _state.whole = True
+    try:
+        yield
+    finally:
+        _state.whole = previous
+
+
+def _whole_values(variable):
+    return (getattr(_state, "whole", False) and not _saving_local_rows()
+            and row_shard_layout(variable).num_shards > 1 and tf.executing_eagerly())
+
+
 class _RowShardSaving:
     """Mixed into a row-shard variable's class: checkpoints hold the whole table (see module)."""
 
@@ -67,6 +91,41 @@ class _RowShardSaving:
             with tf.device(self.device):
                 value = tf.gather(value, tf.constant(layout.global_ids()))
         return super()._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: value})
+
+    def numpy(self):
+        if not _whole_values(self):
+            return super().numpy()
+        return gather_full_rows(self.read_value(), row_shard_layout(self),
+                                self._nestpipe_collectives,  # pylint: disable=no-member
+                                "nestpipe/keras_file/" + self._shared_name).numpy()  # pylint: disable=no-member
+
+    def assign(self, value, use_locking=None, name=None, read_value=True):
+        if _whole_values(self):
+            value = self._own_rows(value)
+        return super().assign(value, use_locking=use_locking, name=name, read_value=read_value)
+
+    def _own_rows(self, value):
+        """This worker's rows of `value`, a whole table (other row counts are refused)."""
+        layout = row_shard_layout(self)
+        value = tf.convert_to_tensor(value, dtype=self.dtype)
+        rows = value.shape[0] if value.shape.rank else None
+        if rows != layout.vocab_size:
+            raise ValueError(
+                "the saved value of %s has %s rows, but the whole table has %d (this worker's "
+                "shard %d): a file written by tf_keras under NestPipeStrategy holds whole "
+                "tables; was it written for another table size, or by a tf_nestpipe older than "
+                "whole-table Keras files (which kept worker 0's rows only)?"
+                % (self.name, rows, layout.vocab_size, layout.local_rows))
+        with tf.device(self.device):
+            return tf.gather(value, tf.constant(layout.global_ids()))
+
+    def _write_object_proto(self, proto, options):
+        super()._write_object_proto(proto, options)
+        layout = row_shard_layout(self)
+        if layout.num_shards > 1 and not _saving_local_rows():
+            # The checkpoint holds the whole table: so does the variable a SavedModel restores.
+            whole = tf.TensorShape([layout.vocab_size]).concatenate(self.shape[1:])
+            proto.variable.shape.CopyFrom(whole.as_proto())
 
 
 def check_restored_rows(name, rows, layout, local):

@@ -1,0 +1,294 @@
+"""The tf_keras / TFRS surface under NestPipeStrategy, on any number of workers (tests compare a
+2-worker run with a one-process run of this program).
+
+usage: keras_surface.py OUT_DIR [REFERENCE_DIR]
+Writes OUT_DIR/rank<r>.npz on every worker r, holding:
+- trained/*: whole tables and dense weights of a functional ranker after a 2-epoch fit;
+- predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
+- files: the files in OUT_DIR after the saves;
+- h5_own/*, weights_h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>),
+  load_weights(<the .weights.h5>) and after
+  tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions; and for
+  the .keras the tables' Adagrad slots, keras_own/slot/*, against trained/slot/*);
+- h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
+  (written by another worker count);
+- wrong_size_error: the error loading an .h5 of a table of another size;
+- tfrs/<key>, tfrs_lr, tfrs_eval/<key>: a TFRS model's history (loss, regularization_loss,
+  total_loss, auc, and their val_ values from validation_data), ReduceLROnPlateau's learning rate per epoch and evaluate's dict;
+  tfrs_first/<key>: the same history with distribute_reduction_method="first" (per-worker
+  values, the positive control);
+- retrieval_global/*, retrieval_local/*: a TFRS two-tower retrieval model after a fit with the
+  global batch's in-batch negatives (tnp.global_in_batch_candidates) and with this worker's
+  only; retrieval_*_warnings: the Retrieval warnings each fit raised;
+- exactness_dbp, exactness_dbp_nosync: tnp.check_exactness's largest difference for
+  pipeline="dbp", and with the buffer sync skipped (stale rows: the positive control).
+Files (every worker saves to the same path; only worker 0's copy lands there): OUT_DIR/w0.h5,
+w0.weights.h5, m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
+(export_saved_model with the inferred signature), x_predict.npy.
+"""
+import os
+import shutil
+import sys
+import warnings
+
+os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import tensorflow_recommenders as tfrs  # noqa: E402
+import tf_keras  # noqa: E402
+
+import tf_nestpipe as tnp  # noqa: E402
+
+VOCAB_A, VOCAB_B, DIM, NUM_DENSE = 37, 23, 4, 3
+GLOBAL_BATCH, STEPS, EPOCHS = 16, 4, 2
+TFRS_EPOCHS = 5
+
+
+def make_data(n, seed):
+    rng = np.random.default_rng(seed)
+    x = {"a": rng.integers(0, VOCAB_A, n).astype(np.int64),
+         "b": rng.integers(0, VOCAB_B, n).astype(np.int64),
+         "dense": rng.normal(size=(n, NUM_DENSE)).astype(np.float32)}
+    y = ((x["a"] % 2 == 0) ^ (x["dense"][:, 0] > 0.2)).astype(np.float32)[:, None]
+    return x, y
+
+
+def ranker(vocab_a=VOCAB_A, seed=0):
+    """A functional model: two ShardedEmbedding tables and dense features -> one logit."""
+    a = tf_keras.Input(shape=(), dtype=tf.int64, name="a")
+    b = tf_keras.Input(shape=(), dtype=tf.int64, name="b")
+    dense = tf_keras.Input(shape=(NUM_DENSE,), name="dense")
+    init = tf_keras.initializers.RandomUniform(-0.2, 0.2, seed=seed)
+    ea = tnp.ShardedEmbedding(vocab_a, DIM, embeddings_initializer=init, name="table_a")(a)
+    eb = tnp.ShardedEmbedding(VOCAB_B, DIM, embeddings_initializer=init, name="table_b")(b)
+    h = tf_keras.layers.Concatenate()([ea, eb, dense])
+    h = tf_keras.layers.Dense(8, activation="relu", name="hidden",
+                              kernel_initializer=tf_keras.initializers.GlorotUniform(seed + 1))(h)
+    out = tf_keras.layers.Dense(1, name="logit",
+                                kernel_initializer=tf_keras.initializers.GlorotUniform(seed + 2))(h)
+    model = tf_keras.Model({"a": a, "b": b, "dense": dense}, out)
+    model.compile(optimizer=tf_keras.optimizers.Adagrad(0.1),
+                  loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                  metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+    return model
+
+
+def per_worker_dataset(strategy, x, y, repeat):
+    """Each worker's contiguous slice of every global batch."""
+    def fn(context):
+        per = GLOBAL_BATCH // context.num_input_pipelines
+        lo = context.input_pipeline_id * per
+        ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+        ds = ds.map(lambda f, l: tf.nest.map_structure(lambda t: t[lo:lo + per], (f, l)))
+        return ds.repeat() if repeat else ds
+
+    return strategy.distribute_datasets_from_function(fn)
+
+
+def table_slots(model, prefix):
+    """The optimizer's slots of the row-sharded tables, whole (a collective), by position."""
+    from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+    from tf_nestpipe.strategy.row_shard_saving import gather_full_rows
+
+    strategy = model.distribute_strategy
+    slots = [v for v in model.optimizer.variables if row_shard_layout(v) is not None]
+    assert len(slots) == 2, [v.name for v in model.optimizer.variables]
+    return {"%sslot/%d" % (prefix, i): gather_full_rows(v, row_shard_layout(v),
+                                                       strategy.extended.collectives,
+                                                       "test/slot%d" % i).numpy()
+            for i, v in enumerate(slots)}
+
+
+def state(model, prefix):
+    out = {prefix + "table_a": model.get_layer("table_a").full_table(),
+           prefix + "table_b": model.get_layer("table_b").full_table()}
+    for layer in ("hidden", "logit"):
+        for i, w in enumerate(model.get_layer(layer).get_weights()):
+            out["%s%s/%d" % (prefix, layer, i)] = w
+    return out
+
+
+class DCNRanker(tfrs.Model):
+    """TFRS ranking model with a SUM-reduced task (scaled by the global batch) and an L2
+    regularizer: its train step returns raw loss, regularization_loss and total_loss."""
+
+    def __init__(self, num_workers):
+        super().__init__()
+        init = tf_keras.initializers.RandomUniform(-0.1, 0.1, seed=5)
+        self.table = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="t")
+        self.deep = tf_keras.layers.Dense(
+            1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=6),
+            # TFRS adds self.losses unscaled on every worker (as under MultiWorkerMirrored): a
+            # regularizer scaled by 1/W sums to one process's over the workers.
+            kernel_regularizer=tf_keras.regularizers.L2(0.01 / num_workers))
+        self.task = tfrs.tasks.Ranking(
+            loss=tf_keras.losses.BinaryCrossentropy(
+                from_logits=True, reduction=tf_keras.losses.Reduction.SUM),
+            metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+
+    def call(self, features):
+        return self.deep(tf.concat([self.table(features["a"]), features["dense"]], axis=1))
+
+    def compute_loss(self, inputs, training=False):
+        features, labels = inputs
+        return self.task(labels=labels, predictions=self(features)) / GLOBAL_BATCH
+
+
+class TwoTower(tfrs.Model):
+    """TFRS retrieval with in-batch negatives: this worker's candidates, or with `global_negatives`
+    every worker's (tnp.global_in_batch_candidates)."""
+
+    def __init__(self, global_negatives):
+        super().__init__()
+        init = tf_keras.initializers.RandomUniform(-0.3, 0.3, seed=8)
+        self.users = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="users")
+        self.items = tnp.ShardedEmbedding(VOCAB_B, DIM, embeddings_initializer=init, name="items")
+        self.item_tower = tf_keras.layers.Dense(
+            DIM, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=9), name="item_tower")
+        self.global_negatives = global_negatives
+        self.task = tfrs.tasks.Retrieval()  # loss: softmax cross-entropy, SUM reduction
+
+    def compute_loss(self, inputs, training=False):
+        features, _ = inputs
+        query = self.users(features["a"])
+        candidates = self.item_tower(self.items(features["b"]))
+        if self.global_negatives:
+            candidates = tnp.global_in_batch_candidates(candidates)
+        return self.task(query, candidates, compute_metrics=False) / GLOBAL_BATCH
+
+
+def retrieval_run(strategy, x, y, global_negatives):
+    """Fits TwoTower for STEPS steps; returns its whole tables and dense weights, and the
+    warnings the fit raised."""
+    tf_keras.utils.set_random_seed(9)
+    with strategy.scope():
+        model = TwoTower(global_negatives)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model.fit(per_worker_dataset(strategy, x, y, True), epochs=1, steps_per_epoch=STEPS,
+                  verbose=0)
+    out = {"users": model.users.full_table(), "items": model.items.full_table()}
+    for i, w in enumerate(model.item_tower.get_weights()):
+        out["item_tower/%d" % i] = w
+    messages = [str(w.message) for w in caught if "Retrieval" in str(w.message)]
+    return out, messages
+
+
+def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
+    tf_keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = DCNRanker(strategy.num_workers)
+        model.compile(optimizer=tf_keras.optimizers.SGD(0.5))
+    if reduction is not None:
+        model.distribute_reduction_method = reduction
+    lrs = []
+    record = tf_keras.callbacks.LambdaCallback(
+        on_epoch_end=lambda epoch, logs: lrs.append(float(model.optimizer.learning_rate.numpy())))
+    plateau = tf_keras.callbacks.ReduceLROnPlateau(monitor="loss", factor=0.5, patience=0,
+                                                   min_delta=0.02, verbose=0)
+    history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=TFRS_EPOCHS,
+                        steps_per_epoch=STEPS, callbacks=[plateau, record], verbose=0,
+                        validation_data=per_worker_dataset(strategy, test_x, test_y, False),
+                        validation_steps=2)
+    evaluation = model.evaluate(per_worker_dataset(strategy, test_x, test_y, False),
+                                steps=2, return_dict=True, verbose=0)
+    return history.history, lrs, evaluation
+
+
+def main():
+    out = sys.argv[1]
+    reference = sys.argv[2] if len(sys.argv) > 2 else None
+    strategy = tnp.NestPipeStrategy()
+    rank = strategy.worker_index
+    x, y = make_data(GLOBAL_BATCH * STEPS, 0)
+    test_x, test_y = make_data(GLOBAL_BATCH * 2, 1)
+    px, _ = make_data(100, 2)
+    results = {}
+
+    tf_keras.utils.set_random_seed(1)
+    with strategy.scope():
+        model = ranker()
+    model.fit(per_worker_dataset(strategy, x, y, True), epochs=EPOCHS, steps_per_epoch=STEPS,
+              verbose=0)
+    results.update(state(model, "trained/"))
+    predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
+    results["predict"] = model.predict(predict_ds, verbose=0)
+    if rank == 0:
+        np.savez(os.path.join(out, "x_predict.npz"), **px)
+
+    # Every worker saves (the tables are gathered, a collective) to the same path, as a script
+    # written for one process does: the chief's file is written there, the others' to scratch.
+    model.save_weights(os.path.join(out, "w0.h5"))
+    model.save_weights(os.path.join(out, "w0.weights.h5"))  # tf_keras' newer weights format
+    model.save(os.path.join(out, "m0.keras"))
+    model.save(os.path.join(out, "saved0"))  # SavedModel (tf format)
+    # TensorFlow's own save (not redirected): per-worker paths, as with MultiWorkerMirrored.
+    tf.saved_model.save(model, os.path.join(out, "tf_saved") if rank == 0 else
+                        os.path.join(out, "scratch%d" % rank, "tf_saved"))
+    if rank != 0:
+        shutil.rmtree(os.path.join(out, "scratch%d" % rank))
+    tnp.export_saved_model(model, os.path.join(out, "export"))
+    results["files"] = np.array(sorted(os.listdir(out)))
+
+    tf_keras.utils.set_random_seed(2)
+    with strategy.scope():
+        fresh = ranker(seed=10)
+    fresh.load_weights(os.path.join(out, "w0.h5"))
+    results.update(state(fresh, "h5_own/"))
+    results["h5_own/predict"] = fresh.predict(predict_ds, verbose=0)
+    with strategy.scope():
+        fresh = ranker(seed=40)
+    fresh.load_weights(os.path.join(out, "w0.weights.h5"))
+    results.update(state(fresh, "weights_h5_own/"))
+    results["weights_h5_own/predict"] = fresh.predict(predict_ds, verbose=0)
+    if reference is not None:
+        with strategy.scope():
+            other = ranker(seed=20)
+        other.load_weights(os.path.join(reference, "w0.h5"))
+        results.update(state(other, "h5_ref/"))
+    with strategy.scope():
+        loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"),
+                                            custom_objects={"ShardedEmbedding": tnp.ShardedEmbedding})
+    results.update(state(loaded, "keras_own/"))
+    results.update(table_slots(model, "trained/"))
+    results.update(table_slots(loaded, "keras_own/"))
+    results["keras_own/predict"] = loaded.predict(predict_ds, verbose=0)
+    with strategy.scope():
+        wrong = ranker(vocab_a=VOCAB_A + 4, seed=30)
+    try:
+        wrong.load_weights(os.path.join(out, "w0.h5"))
+        results["wrong_size_error"] = "no error" if strategy.num_workers > 1 else "single"
+    except (ValueError, tf.errors.InvalidArgumentError) as error:
+        results["wrong_size_error"] = str(error)
+
+    history, lrs, evaluation = tfrs_run(strategy, x, y, test_x, test_y)
+    for key, values in history.items():
+        results["tfrs/" + key] = np.array(values)
+    results["tfrs_lr"] = np.array(lrs)
+    for key, value in evaluation.items():
+        results["tfrs_eval/" + key] = np.array(value)
+    if strategy.num_workers > 1:
+        history, _, _ = tfrs_run(strategy, x, y, test_x, test_y, reduction="first")
+        for key, values in history.items():
+            results["tfrs_first/" + key] = np.array(values)
+    for negatives in ("global", "local"):
+        values, messages = retrieval_run(strategy, x, y, negatives == "global")
+        for key, value in values.items():
+            results["retrieval_%s/%s" % (negatives, key)] = value
+        results["retrieval_%s_warnings" % negatives] = np.array(messages + [""])
+    for name, nosync in (("exactness_dbp", False), ("exactness_dbp_nosync", True)):
+        strategy.pipeline, strategy.unsafe_skip_buffer_sync = "dbp", nosync
+        report = tnp.check_exactness(ranker, per_worker_dataset(strategy, x, y, False),
+                                     steps=STEPS, strategy=strategy)
+        print(name, report, flush=True)
+        results[name] = report.max_difference
+        results[name + "_pipeline_after"] = strategy.pipeline
+    strategy.pipeline, strategy.unsafe_skip_buffer_sync = "none", False
+    np.savez(os.path.join(out, "rank%d.npz" % rank), **results)
+    print("rank", rank, "of", strategy.num_workers, "done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

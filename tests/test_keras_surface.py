@@ -1,0 +1,305 @@
+"""The tf_keras / TFRS surface: Keras files, predict, returned values, SavedModels, refusals.
+
+One one-process run and one 2-worker launch of tests/programs/keras_surface.py (the 2-worker
+run also loads the one-process run's .h5), then tests/programs/load_saved.py loads the 2-worker
+run's SavedModels and .h5 in a process that never imports tf_nestpipe.
+"""
+import os
+import subprocess
+import sys
+import warnings
+
+import numpy as np
+import pytest
+import tensorflow as tf
+import tf_keras
+
+import tf_nestpipe as tnp
+from conftest import PROGRAMS, launch, run_command
+from tf_nestpipe.pipeline import keras_outputs
+from tf_nestpipe.strategy.keras_checks import ReplicatedEmbeddingWarning
+
+VOCAB_A, VOCAB_B, DIM = 37, 23, 4
+
+
+@pytest.fixture(scope="session")
+def surface(tmp_path_factory):
+    out = tmp_path_factory.mktemp("keras_surface")
+    ref, two = out / "ref", out / "two"
+    ref.mkdir()
+    two.mkdir()
+    program = os.path.join(PROGRAMS, "keras_surface.py")
+    single = run_command([sys.executable, program, str(ref)])
+    assert single.returncode == 0, single.stdout[-4000:]
+    cluster = launch(2, [program, str(two), str(ref)], timeout=400)
+    assert cluster.returncode == 0, cluster.stdout[-6000:]
+    # A fresh process without tf_nestpipe on its path loads the 2-worker run's files.
+    env = {"PYTHONPATH": ""}
+    loader = run_command([sys.executable, os.path.join(PROGRAMS, "load_saved.py"), str(two),
+                          str(out / "loaded.npz")], env=env, cwd=str(out))
+    assert loader.returncode == 0, loader.stdout[-4000:]
+    return {"ref": np.load(ref / "rank0.npz"), 0: np.load(two / "rank0.npz"),
+            1: np.load(two / "rank1.npz"), "loaded": np.load(out / "loaded.npz")}
+
+
+def _state_keys(run, prefix):
+    keys = [k for k in run.files if k.startswith(prefix) and not k.endswith("predict")
+            and "/slot/" not in k]
+    assert len(keys) == 6, keys  # two tables, two dense layers' kernel and bias
+    return keys
+
+
+def test_h5_file_holds_whole_tables(surface):
+    loaded, trained = surface["loaded"], surface[0]
+    for table, vocab in (("table_a", VOCAB_A), ("table_b", VOCAB_B)):
+        saved = loaded["h5/%s/%s/embeddings:0" % (table, table)]
+        # Worker 0's own rows alone (the old file) would be 19 / 12 rows.
+        assert saved.shape == (vocab, DIM)
+        np.testing.assert_array_equal(saved, trained["trained/" + table])
+
+
+def test_every_worker_saves_to_one_path_and_only_the_chiefs_copy_lands_there(surface):
+    # Worker 0 lists after its own saves; worker 1's copies went to scratch paths, removed.
+    assert list(surface[0]["files"]) == ["export", "m0.keras", "saved0", "tf_saved", "w0.h5",
+                                         "w0.weights.h5", "x_predict.npz"]
+
+
+@pytest.mark.parametrize("prefix", ["h5_own/", "weights_h5_own/", "keras_own/"])
+def test_h5_and_keras_files_load_back_on_two_workers(surface, prefix):
+    for rank in (0, 1):
+        run = surface[rank]
+        for key in _state_keys(run, prefix):
+            np.testing.assert_array_equal(run[key], run["trained/" + key[len(prefix):]], key)
+        np.testing.assert_allclose(run[prefix + "predict"], run["predict"], atol=1e-6)
+
+
+def test_keras_file_restores_the_tables_optimizer_slots_whole(surface):
+    for rank in (0, 1):
+        run = surface[rank]
+        for i in (0, 1):
+            trained = run["trained/slot/%d" % i]
+            assert trained.shape[0] in (VOCAB_A, VOCAB_B) and np.std(trained) > 0
+            np.testing.assert_array_equal(run["keras_own/slot/%d" % i], trained)
+
+
+def test_h5_written_by_one_process_loads_on_two_workers(surface):
+    ref = surface["ref"]
+    for rank in (0, 1):
+        for key in _state_keys(surface[rank], "h5_ref/"):
+            np.testing.assert_array_equal(surface[rank][key], ref["trained/" + key[7:]], key)
+
+
+def test_h5_of_another_table_size_is_refused_naming_both_sizes(surface):
+    message = str(surface[0]["wrong_size_error"])
+    assert "has 37 rows, but the whole table has 41" in message, message
+
+
+def test_two_worker_training_equals_one_process(surface):
+    for key in _state_keys(surface["ref"], "trained/"):
+        np.testing.assert_allclose(surface[0][key], surface["ref"][key], atol=1e-6, err_msg=key)
+
+
+def test_predict_returns_every_row_in_input_order_on_every_worker(surface):
+    ref = surface["ref"]["predict"]
+    assert ref.shape == (100, 1) and np.std(ref) > 1e-3  # 7 batches of 16, the last partial
+    for rank in (0, 1):
+        np.testing.assert_allclose(surface[rank]["predict"], ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("key", ["loss", "regularization_loss", "total_loss", "auc"])
+def test_values_a_tfrs_step_returns_are_global_on_every_worker(surface, key):
+    ref = surface["ref"]
+    for rank in (0, 1):
+        np.testing.assert_allclose(surface[rank]["tfrs/" + key], ref["tfrs/" + key], atol=1e-5)
+        np.testing.assert_allclose(surface[rank]["tfrs/val_" + key], ref["tfrs/val_" + key],
+                                   atol=1e-5)
+        np.testing.assert_allclose(surface[rank]["tfrs_eval/" + key], ref["tfrs_eval/" + key],
+                                   atol=1e-5)
+    np.testing.assert_array_equal(surface[0]["tfrs/" + key], surface[1]["tfrs/" + key])
+
+
+def test_reduce_lr_on_plateau_decides_alike_on_every_worker(surface):
+    ref = surface["ref"]["tfrs_lr"]
+    assert ref.min() < ref.max()  # the callback did reduce the learning rate
+    for rank in (0, 1):
+        np.testing.assert_array_equal(surface[rank]["tfrs_lr"], ref)
+
+
+def test_per_worker_values_positive_control(surface):
+    """With distribute_reduction_method="first" the values stay per-worker: about half the
+    global loss, different per worker, and ReduceLROnPlateau then decides differently per
+    worker. The tests above would catch it."""
+    first = [surface[rank]["tfrs_first/loss"] for rank in (0, 1)]
+    ref = surface["ref"]["tfrs/loss"]
+    assert np.all(np.abs(first[0] - ref) > 0.1) and np.all(np.abs(first[1] - ref) > 0.1)
+    assert not np.array_equal(first[0], first[1])
+    assert not np.array_equal(surface[0]["tfrs_first/lr"], surface[1]["tfrs_first/lr"])
+
+
+@pytest.mark.parametrize("key", ["saved_model/predict", "export/predict", "tf_saved/predict"])
+def test_saved_model_and_export_serve_without_tf_nestpipe(surface, key):
+    np.testing.assert_allclose(surface["loaded"][key], surface[0]["predict"], atol=1e-5)
+
+
+# --- in one process --------------------------------------------------------------------------
+
+class _RecordingStrategy:
+    """Counts `reduce` calls; sums over 2 pretend workers with equal values."""
+
+    num_workers = 2
+
+    def __init__(self):
+        self.reduced = []
+
+    def reduce(self, op, value, axis):
+        self.reduced.append(value)
+        return value * 2
+
+
+def test_raw_values_take_one_packed_all_reduce_and_metrics_none():
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
+    model.compile(loss="mse", metrics=[tf_keras.metrics.AUC(name="auc")])
+    model(tf.zeros([1, 2]))
+    model.evaluate(tf.zeros([2, 2]), tf.zeros([2, 1]), verbose=0)  # builds the metrics
+    strategy = _RecordingStrategy()
+    outputs = {"auc": tf.constant(0.7), "loss": tf.constant(1.0),
+               "total_loss": tf.constant(1.5), "regularization_loss": tf.constant(0.5)}
+    # "loss" is the name of the compiled loss tracker: a metric, global already.
+    reduced = keras_outputs.reduce_step_outputs(model, strategy, outputs)
+    assert len(strategy.reduced) == 1 and strategy.reduced[0].shape == (2,)
+    assert float(reduced["total_loss"]) == 3.0 and float(reduced["regularization_loss"]) == 1.0
+    assert float(reduced["auc"]) == pytest.approx(0.7) and float(reduced["loss"]) == 1.0
+    metrics_only = {"auc": tf.constant(0.7), "loss": tf.constant(1.0)}
+    assert keras_outputs.reduce_step_outputs(model, strategy, metrics_only) is metrics_only
+    assert len(strategy.reduced) == 1  # no collective for a step returning metrics only
+
+
+def test_tf_keras_embedding_in_the_scope_warns_with_its_name_size_and_the_fix():
+    strategy = tnp.NestPipeStrategy()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", ReplicatedEmbeddingWarning)
+        tf_keras.layers.Embedding(1000, 8, name="outside").build((None,))  # outside: no warning
+        with strategy.scope():
+            tnp.ShardedEmbedding(1000, 8, name="sharded").build((None,))  # no warning
+    with strategy.scope():
+        with pytest.warns(ReplicatedEmbeddingWarning,
+                          match=r"'movie' \(1000 x 8 = 8000 parameters.*tnp.ShardedEmbedding"
+                                r"\(1000, 8, name='movie'\)"):
+            tf_keras.layers.Embedding(1000, 8, name="movie").build((None,))
+
+
+def test_mixed_float16_is_refused_with_the_reason():
+    strategy = tnp.NestPipeStrategy()
+    with strategy.scope():
+        tf_keras.layers.Dense(1).build((None, 2))  # float32: accepted
+    tf_keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        with pytest.raises(ValueError, match="mixed_float16.*loss scaling.*float32"):
+            tnp.NestPipeStrategy()
+        with pytest.raises(ValueError, match="mixed_float16"):
+            strategy.scope()
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+    with strategy.scope():
+        pass
+
+
+_KERAS3 = """
+import os
+import tf_nestpipe as tnp
+import tf_keras
+strategy = tnp.NestPipeStrategy()
+with strategy.scope():
+    tf_keras.layers.Dense(2).build((None, 3))          # tf_keras: accepted
+    import keras
+    try:
+        keras.layers.Dense(2).build((None, 3))
+        print("keras3 variable accepted")
+    except RuntimeError as e:
+        print("variable refused:", e)
+for make in (tnp.NestPipeStrategy, strategy.scope):
+    try:
+        make()
+        print("accepted")
+    except RuntimeError as e:
+        print("refused:", e)
+"""
+
+
+def test_keras3_is_refused_naming_tf_use_legacy_keras_and_tf_keras():
+    result = subprocess.run([sys.executable, "-c", _KERAS3], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout[-3000:]
+    lines = [l for l in result.stdout.splitlines() if "refused" in l or "accepted" in l]
+    assert len(lines) == 3, result.stdout[-3000:]
+    assert lines[0].startswith("variable refused:") and "TF_USE_LEGACY_KERAS=1" in lines[0]
+    for line in lines[1:]:
+        assert line.startswith("refused:") and "TF_USE_LEGACY_KERAS=1" in line, line
+        assert "tf_keras" in line
+
+
+def _retrieval_keys(run, negatives):
+    keys = [k for k in run.files if k.startswith("retrieval_%s/" % negatives)]
+    assert len(keys) == 4, keys  # two tables, the item tower's kernel and bias
+    return keys
+
+
+def test_tfrs_retrieval_with_global_in_batch_negatives_equals_one_process(surface):
+    ref = surface["ref"]
+    for rank in (0, 1):
+        for key in _retrieval_keys(surface[rank], "global"):
+            np.testing.assert_allclose(surface[rank][key], ref[key], atol=1e-6, err_msg=key)
+        assert list(surface[rank]["retrieval_global_warnings"]) == [""]  # no warning
+
+
+def test_tfrs_retrieval_with_local_negatives_differs_and_warns(surface):
+    """The positive control of the test above, and the warning."""
+    ref = surface["ref"]
+    for rank in (0, 1):
+        differences = [np.abs(surface[rank][k] - ref[k.replace("local", "global")]).max()
+                       for k in _retrieval_keys(surface[rank], "local")]
+        assert max(differences) > 1e-3, differences
+        warned = [w for w in surface[rank]["retrieval_local_warnings"] if w]
+        assert len(warned) == 1 and "tnp.global_in_batch_candidates" in warned[0], warned
+        assert "on 2 workers" in warned[0]
+    assert list(ref["retrieval_local_warnings"]) == [""]  # one process: nothing to warn about
+
+
+def test_check_exactness_reports_dbp_equal_to_the_reference(surface):
+    for rank in (0, 1):
+        assert float(surface[rank]["exactness_dbp"]) <= 1e-6
+        assert str(surface[rank]["exactness_dbp_pipeline_after"]) == "dbp"  # setting restored
+
+
+def test_check_exactness_catches_stale_buffers_positive_control(surface):
+    for rank in (0, 1):
+        assert float(surface[rank]["exactness_dbp_nosync"]) > 1e-5
+
+
+class _Subclassed(tf_keras.Model):
+    def __init__(self):
+        super().__init__()
+        self.table = tnp.ShardedEmbedding(11, 3, name="ids")
+        self.out = tf_keras.layers.Dense(1)
+
+    def call(self, features):
+        return self.out(tf.concat([self.table(features["ids"]), features["x"]], axis=1))
+
+
+def test_export_infers_the_signature_of_a_subclassed_model_from_its_calls(tmp_path):
+    strategy = tnp.NestPipeStrategy()
+    with strategy.scope():
+        model = _Subclassed()
+    with pytest.raises(TypeError, match="no known inputs.*Call the model on a batch first"):
+        tnp.export_saved_model(model, str(tmp_path / "never_called"))
+    batch = {"ids": tf.constant([1, 5, 10], tf.int64), "x": tf.ones([3, 2])}
+    expected = model(batch).numpy()
+    tnp.export_saved_model(model, str(tmp_path / "export"))
+    served = tf.saved_model.load(str(tmp_path / "export")).signatures["serving_default"]
+    np.testing.assert_allclose(served(**batch)["outputs"].numpy(), expected, atol=1e-6)
+
+
+def test_check_exactness_refuses_other_strategies():
+    with pytest.raises(ValueError, match="needs a tnp.NestPipeStrategy"):
+        tnp.check_exactness(lambda: None, lambda context: None, steps=1,
+                            strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))

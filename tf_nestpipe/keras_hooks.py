@@ -1,0 +1,156 @@
+"""The tf_keras hooks behind the Keras surface of `NestPipeStrategy` (installed at import).
+
+The tf_keras internals it patches come from `strategy.keras_private`; the logic lives in modules
+of one job each:
+- step outputs and predictions: `pipeline.keras_outputs` (raw values a step returns are summed
+  over the workers, `predict` returns every worker's rows in input order);
+- saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
+  load on any worker count; `model.save(dir)` writes a SavedModel that serves without
+  tf_nestpipe);
+- checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
+- `fit` over a DOWNPOUR `tnp.ParameterServerStrategy(update_window=T)`: one window per step
+  (`strategy.downpour_fit`).
+"""
+import contextlib
+import functools
+import os
+import shutil
+import tempfile
+import threading
+
+import tensorflow as tf
+import tf_keras
+
+from tf_nestpipe.pipeline import keras_outputs
+from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
+from tf_nestpipe.strategy.keras_private import embedding as keras_embedding
+from tf_nestpipe.strategy.keras_private import saving_api
+from tf_nestpipe.strategy.keras_private import training as keras_training
+
+_HOOKED = "_nestpipe_hooked"
+_state = threading.local()
+_original_reduce_per_replica = keras_training.reduce_per_replica
+
+
+def _is_nestpipe(strategy):
+    from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+
+    return isinstance(strategy, NestPipeStrategy)
+
+
+@contextlib.contextmanager
+def _tracing_model(model):
+    """While a model's train / test function runs (and is traced), `reduce_per_replica` knows
+    the model (its metric names tell metric results from raw values)."""
+    previous = getattr(_state, "model", None)
+    _state.model = model
+    try:
+        yield
+    finally:
+        _state.model = previous
+
+
+def reduce_per_replica(values, strategy, reduction):
+    """tf_keras' `reduce_per_replica`; under a multi-worker `NestPipeStrategy`, raw step values
+    are summed over the workers and predictions concatenated over them (see keras_outputs)."""
+    if _is_nestpipe(strategy) and strategy.num_workers > 1:
+        if reduction == "concat":
+            return tf.nest.map_structure(
+                functools.partial(keras_outputs.concat_predictions, strategy), values)
+        model = getattr(_state, "model", None)
+        if model is not None:
+            values = keras_outputs.reduce_step_outputs(model, strategy, values, reduction)
+    return _original_reduce_per_replica(values, strategy, reduction)
+
+
+def _with_model_context(make_function):
+    """Wraps `Model.make_train_function` / `make_test_function`: the function it returns runs
+    (and is traced) with the model known to `reduce_per_replica`."""
+    @functools.wraps(make_function)
+    def make(self, force=False):
+        if (make_function.__name__ == "make_train_function"
+                and getattr(self.distribute_strategy, "update_window", 1) > 1):
+            # DOWNPOUR windows through fit (strategy.downpour_fit).
+            if self.train_function is None or force:
+                self.train_function = downpour_fit.downpour_train_function(self)
+            return self.train_function
+        function = make_function(self, force)
+        if function is None or getattr(function, _HOOKED, False):
+            return function
+
+        @functools.wraps(function)
+        def run(*args, **kwargs):
+            with _tracing_model(self):
+                return function(*args, **kwargs)
+
+        setattr(run, _HOOKED, True)
+        run.__wrapped__ = function
+        return run
+
+    setattr(make, _HOOKED, True)
+    return make
+
+
+def _non_chief_target(model, filepath):
+    """A scratch path for a non-chief worker's copy of a file (None: write `filepath`). Every
+    worker reads the whole tables (a collective), so every worker saves; only the chief's
+    copy is kept, and a script written for one process may save to one path on every worker."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if (not _is_nestpipe(strategy) or strategy.num_workers == 1 or strategy.worker_index == 0
+            or not isinstance(filepath, (str, os.PathLike))):
+        return None
+    scratch = tempfile.mkdtemp(prefix="nestpipe_worker%d_" % strategy.worker_index)
+    return scratch, os.path.join(scratch, os.path.basename(os.path.normpath(os.fspath(filepath))))
+
+
+def _wrap_saving(name, method):
+    serving = name in ("save", "save_model")  # may write a SavedModel
+    writes = name in ("save", "save_model", "save_weights")
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        if getattr(_state, "saving", False):  # Model.save calls saving_api.save_model
+            return method(*args, **kwargs)
+        scratch = None
+        if writes and args:  # (model, filepath, ...)
+            filepath = args[1] if len(args) > 1 else kwargs.get("filepath")
+            target = _non_chief_target(args[0], filepath)
+            if target is not None:
+                scratch, path = target
+                if len(args) > 1:
+                    args = (args[0], path) + tuple(args[2:])
+                else:
+                    kwargs["filepath"] = path
+        _state.saving = True
+        try:
+            with keras_saving.keras_saving_context(serving):
+                return method(*args, **kwargs)
+        finally:
+            _state.saving = False
+            if scratch is not None:
+                shutil.rmtree(scratch, ignore_errors=True)
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
+def install():
+    """Installs the hooks (idempotent). Call after `keras_integration.install()`."""
+    if getattr(keras_training.reduce_per_replica, _HOOKED, False):
+        return
+    setattr(reduce_per_replica, _HOOKED, True)
+    keras_training.reduce_per_replica = reduce_per_replica
+    model = keras_training.Model
+    for name in ("make_train_function", "make_test_function"):
+        original = getattr(model, name)
+        if not getattr(original, _HOOKED, False):
+            setattr(model, name, _with_model_context(original))
+    # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
+    for name in ("save", "save_weights", "load_weights"):
+        setattr(model, name, _wrap_saving(name, getattr(model, name)))
+    for owner in (saving_api, tf_keras.models, tf_keras.saving):
+        for name in ("load_model", "save_model"):
+            if hasattr(owner, name) and not getattr(getattr(owner, name), _HOOKED, False):
+                setattr(owner, name, _wrap_saving(name, getattr(owner, name)))
+    keras_embedding.Embedding.build = keras_checks.warn_replicated_embedding(
+        keras_embedding.Embedding.build)

@@ -1,0 +1,89 @@
+"""Checks of the Keras environment a `NestPipeStrategy` runs in: refusals that name the fix,
+instead of generic errors or silently different training.
+
+- Keras 3 (`import keras`, or `TF_USE_LEGACY_KERAS` unset / false so that `tf.keras` is Keras 3)
+  is refused at `NestPipeStrategy()` and `scope()`, and a Keras 3 variable created in the scope
+  is refused: its models run on one worker but fail on two. tf_nestpipe supports tf_keras.
+- The `mixed_float16` policy is refused: tf_keras' loss scaling would skip a step on the workers
+  whose own row-shard gradients overflowed and apply it on the others (its finite check sees this
+  worker's gradients only), so the workers' models would drift apart.
+- A `tf_keras.layers.Embedding` built in the scope is a full table replicated on every worker
+  (its gradient all-reduced densely): a warning names the layer, its size and `ShardedEmbedding`.
+"""
+import os
+import sys
+import warnings
+
+_FALSE = ("0", "false", "no", "")
+
+
+class ReplicatedEmbeddingWarning(UserWarning):
+    """A tf_keras `Embedding` under `NestPipeStrategy`: a replicated full table, not sharded."""
+
+
+def _keras3_loaded():
+    keras = sys.modules.get("keras")
+    version = getattr(keras, "__version__", "") if keras is not None else ""
+    return version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 3
+
+
+def check_keras_environment():
+    """Raises (with the fix) for Keras 3 and for the mixed_float16 policy (see module)."""
+    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower()
+    if legacy in _FALSE or _keras3_loaded():
+        reason = ("the 'keras' package (Keras 3) is imported" if _keras3_loaded() else
+                  "TF_USE_LEGACY_KERAS=%r makes tf.keras Keras 3" % os.environ.get(
+                      "TF_USE_LEGACY_KERAS", ""))
+        raise RuntimeError(
+            "NestPipeStrategy supports tf_keras (Keras 2) only, but %s: a Keras 3 model runs on "
+            "one worker and fails on two. Set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
+            "imported and build models with `import tf_keras` (or tf.keras), not `import keras`."
+            % reason)
+    tf_keras = sys.modules.get("tf_keras")
+    if tf_keras is not None:
+        policy = tf_keras.mixed_precision.global_policy()
+        if policy.name == "mixed_float16":
+            raise ValueError(
+                "NestPipeStrategy does not support the mixed_float16 policy: tf_keras' dynamic "
+                "loss scaling checks only this worker's gradients (its row-shard gradients "
+                "differ per worker), so one worker would skip a step the others apply and the "
+                "models would drift apart. Use the float32 policy "
+                "(tf_keras.mixed_precision.set_global_policy('float32')).")
+
+
+def check_keras3_variable(frame):
+    """Raises when the variable being created by the code at `frame` (and its callers) comes
+    from a Keras 3 (`keras.src`) layer or optimizer."""
+    depth = 0
+    while frame is not None and depth < 12:
+        module = frame.f_globals.get("__name__", "")
+        if module == "keras" or module.startswith("keras.src"):
+            raise RuntimeError(
+                "a Keras 3 (`import keras`) variable is being created in a NestPipeStrategy "
+                "scope (from %s): NestPipeStrategy supports tf_keras only. Set "
+                "TF_USE_LEGACY_KERAS=1 and build the model with `import tf_keras`." % module)
+        frame, depth = frame.f_back, depth + 1
+
+
+def warn_replicated_embedding(build):
+    """Wraps `tf_keras.layers.Embedding.build`: built under a `NestPipeStrategy`, the layer warns
+    that its table is replicated in full on every worker (name, size, the fix)."""
+    def wrapped(self, input_shape=None):
+        from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy  # avoid a cycle
+        import tensorflow as tf
+
+        strategy = tf.distribute.get_strategy()
+        if isinstance(strategy, NestPipeStrategy):
+            size = int(self.input_dim) * int(self.output_dim)
+            warnings.warn(
+                "tf_keras.layers.Embedding %r (%d x %d = %d parameters, %.1f MiB in float32) in "
+                "a NestPipeStrategy scope is a full table replicated on every one of the %d "
+                "workers, its gradient all-reduced densely: it is not sharded. Use "
+                "tnp.ShardedEmbedding(%d, %d, name=%r) for a row-sharded table."
+                % (self.name, self.input_dim, self.output_dim, size, size * 4 / 2.0 ** 20,
+                   strategy.num_workers, self.input_dim, self.output_dim, self.name),
+                ReplicatedEmbeddingWarning, stacklevel=3)
+        return build(self, input_shape)
+
+    wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
+    return wrapped
