@@ -43,7 +43,7 @@ MODELS = ["dlrm", "dcn"]
 DATA = ["synthetic", "movielens-1m"]
 BASELINES = ["mwms", "psv2", "hvd_replicated"]
 PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall"]
-PIPELINES = ["none", "dbp", "fwp", "nested"]
+PIPELINES = ["none", "dbp", "fwp", "nested", "auto"]
 COLLECTIVES = ["tf", "horovod"]
 ALL_OURS = ["nestpipe:%s:%s" % (p, c) for c in COLLECTIVES for p in PIPELINES]
 # Targets on 2 workers (issue 7): efficiency, and ours' throughput over each baseline.
@@ -177,7 +177,9 @@ def worker_argv(row, args):
             "--model", row["model"], "--data", row["data"], "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
             "--dim", str(args.dim), "--table-scale", str(args.table_scale),
-            "--micro-batches", str(args.micro_batches),
+            "--micro-batches", str(args.micro_batches), "--tables", args.tables,
+            "--synthetic-tables", args.synthetic_tables,
+            "--auto-timed-steps", str(args.auto_timed_steps),
             "--profile-steps", str(profile_steps(row, args))]
 
 
@@ -326,6 +328,10 @@ def run_row(row, args, env):
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s"):
         if key in first:
             out[key] = median(key)
+    for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
+                "auto_timings_ms"):
+        if key in first:
+            out[key] = first[key]
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
@@ -363,6 +369,12 @@ def add_ratios(rows):
             ref = [r for r in measured if r["system"] == base and all(
                 r[k] == row[k] for k in ("model", "data", "network", "workers"))]
             row["vs_" + base] = row["samples_per_s"] / ref[0]["samples_per_s"] if ref else None
+        if row["system"] == "nestpipe":
+            # ms/step over ours without pipeline (same collectives, cell): <= 1.0 is faster.
+            none = [r for r in measured if r["system"] == "nestpipe" and r["pipeline"] == "none"
+                    and all(r[k] == row[k] for k in ("model", "data", "network", "workers",
+                                                     "collectives"))]
+            row["vs_none"] = row["ms_median"] / none[0]["ms_median"] if none else None
 
 
 def verdict(value, target):
@@ -415,6 +427,17 @@ def bound_text(row, single_ms):
 
 
 # --- outputs ------------------------------------------------------------------------------------
+def collectives_text(row):
+    """Ours: the collectives a step issues (every step; the overflow round's are conditional)
+    and the fused exchanges per step; under auto, the mode it chose."""
+    if row.get("collectives_per_step") is None:
+        return "-"
+    text = "%d (%d)" % (row["collectives_per_step"], row.get("exchanges", 0))
+    if row.get("auto_choice"):
+        text += ", auto chose %s" % row["auto_choice"]
+    return text
+
+
 def _num(value, fmt):
     return "-" if value is None else fmt % value
 
@@ -452,8 +475,9 @@ def markdown(rows, args, env, seconds):
             LEARNING_RATE, args.profile_steps, TARGET_WORKERS, TARGETS["efficiency"], TARGETS["mwms"],
             TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
         "| system | model | data | network | W | ms/step median | p90 | samples/s | E | exposure "
-        "| vs MWMS | vs PSv2 | vs Horovod repl. | notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| vs MWMS | vs PSv2 | vs Horovod repl. | vs ours none | collectives/step (exchanges) "
+        "| notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         target = targets_apply(r)
         cells = []
@@ -465,11 +489,12 @@ def markdown(rows, args, env, seconds):
             else:
                 cells.append(_num(value, "%.2f" if key == "efficiency" else "%.2fx"))
         network = r["network"] + (" (RTT %.2f ms)" % r["rtt_ms"] if r.get("rtt_ms") else "")
-        lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             row_label(r), r["model"], r["data"], network, r["workers"],
             _num(r["ms_median"], "%.1f"), _num(r["ms_p90"], "%.1f"),
             _num(r["samples_per_s"], "%.0f"), cells[0], _num(r["exposure"], "%.2f"),
-            cells[1], cells[2], cells[3], r["details"].replace("|", "/")))
+            cells[1], cells[2], cells[3], _num(r.get("vs_none"), "%.2fx"), collectives_text(r),
+            r["details"].replace("|", "/")))
     lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
               + ". nestpipe P/C: pipeline P, collectives C."]
     target_rows = [r for r in rows if targets_apply(r)]
@@ -580,6 +605,13 @@ def parse_args(argv=None):
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
     parser.add_argument("--micro-batches", type=int, default=4, help="ours, fwp / nested")
+    parser.add_argument("--tables", choices=["fused", "per_table"], default="fused",
+                        help="ours: one ShardedEmbeddingCollection, or a ShardedEmbedding layer "
+                             "per field (the model written the natural Keras way)")
+    parser.add_argument("--synthetic-tables", default="",
+                        help="synthetic: N:ROWS (N tables of ROWS rows) instead of the Criteo profile")
+    parser.add_argument("--auto-timed-steps", type=int, default=2,
+                        help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
     parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")

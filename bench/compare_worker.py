@@ -75,9 +75,14 @@ class Data:
 
 
 def synthetic_data(args):
-    """The Zipf Criteo-profile click log of bench/dlrm_worker.py, each worker's slices of
-    `min(total steps, 100)` global batches generated up front and repeated."""
-    table_sizes = criteo_kaggle_table_sizes(args.table_scale)
+    """The Zipf Criteo-profile click log of bench/dlrm_worker.py (or `--synthetic-tables N:ROWS`
+    tables of ROWS rows each), each worker's slices of `min(total steps, 100)` global batches
+    generated up front and repeated."""
+    if args.synthetic_tables:
+        count, rows = (int(v) for v in args.synthetic_tables.split(":"))
+        table_sizes = [rows] * count
+    else:
+        table_sizes = criteo_kaggle_table_sizes(args.table_scale)
     log = SyntheticClickLog(table_sizes, seed=1)
     batches = min(args.warmup + args.steps + args.profile_steps + 3, 100)
     return Data(table_sizes, {}, log.num_dense,
@@ -127,12 +132,14 @@ def _keras_bags(bag_sizes, dim, seed):
 
 
 class ShardedEmbedder(tf_keras.layers.Layer):
-    """Ours: one fused `tnp.ShardedEmbeddingCollection` for the single-hot fields and a
-    mean-pooled `tnp.ShardedEmbedding` per multi-hot feature (row-sharded over the workers)."""
+    """Ours: one `tnp.ShardedEmbeddingCollection` for the single-hot fields (`tables="fused"`) or
+    one `tnp.ShardedEmbedding` layer per field (`"per_table"`: the model written the natural
+    Keras way), and a mean-pooled `tnp.ShardedEmbedding` per multi-hot feature (row-sharded over
+    the workers)."""
 
-    def __init__(self, table_sizes, bag_sizes, dim, seed=0, **kwargs):
+    def __init__(self, table_sizes, bag_sizes, dim, seed=0, tables="fused", **kwargs):
         super().__init__(**kwargs)
-        self.tables = dlrm.make_embeddings("fused", table_sizes, dim, seed)
+        self.tables = dlrm.make_embeddings(tables, table_sizes, dim, seed)
         self.bag_names = sorted(bag_sizes)
         self.bags = [tnp.ShardedEmbedding(bag_sizes[name], dim, combiner="mean", name="bag_" + name,
                                           embeddings_initializer=_uniform(seed + 500 + i))
@@ -289,15 +296,19 @@ def run_fit(args, data):
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING))
         rank, workers, kind = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync, "keras"
     else:
-        options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches}
+        options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches,
+                   "auto_timed_steps": args.auto_timed_steps}
         if args.collectives != "tf":  # the keyword of the Horovod backend (issue 7)
             options["collectives"] = args.collectives
         strategy = tnp.NestPipeStrategy(**options)
         rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"
     with strategy.scope():
-        embedder_class = KerasEmbedder if kind == "keras" else ShardedEmbedder
-        model = build_model(args, data, embedder_class(data.table_sizes, data.bag_sizes, args.dim),
-                            args.global_batch)
+        if kind == "keras":
+            embedder = KerasEmbedder(data.table_sizes, data.bag_sizes, args.dim)
+        else:
+            embedder = ShardedEmbedder(data.table_sizes, data.bag_sizes, args.dim,
+                                       tables=args.tables)
+        model = build_model(args, data, embedder, args.global_batch)
     if args.system == "single":
         dataset = data.dataset_fn(tf.distribute.InputContext())
     else:
@@ -306,10 +317,27 @@ def run_fit(args, data):
     model.fit(dataset, epochs=1, steps_per_epoch=args.warmup + args.steps, callbacks=[timer],
               verbose=0)
     result = summarize(timer.times, args.warmup)
+    result.update(pipeline_facts(model))
     profiling = None
     if args.system == "nestpipe" and args.profile_steps:
         profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps)  # noqa: E731
     return rank, workers, result, profiling
+
+
+def pipeline_facts(model):
+    """Ours under fit: the collectives a step issues (as traced), the fused exchanges per step
+    and, under pipeline="auto", the mode it chose and the probe's timings."""
+    pipeline = getattr(model, "_nestpipe_pipeline", None)
+    if pipeline is None:
+        return {}
+    facts = {"exchanges": pipeline.stats.exchanges}
+    if pipeline.stats.collectives is not None:
+        facts["collectives_per_step"] = pipeline.stats.collectives.total
+        facts["collectives_detail"] = pipeline.stats.collectives.describe()
+    if getattr(pipeline, "choice", None) is not None:
+        facts["auto_choice"] = pipeline.choice
+        facts["auto_timings_ms"] = pipeline.timings_ms
+    return facts
 
 
 def profiling_pass(strategy, model, dataset, steps):
@@ -429,7 +457,7 @@ def main():
     """Parses the flags, runs the system and prints `RESULT {json}` on rank 0."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--system", required=True, choices=SYSTEMS)
-    parser.add_argument("--pipeline", default="none", help="nestpipe: none/dbp/fwp/nested")
+    parser.add_argument("--pipeline", default="none", help="nestpipe: auto/none/dbp/fwp/nested")
     parser.add_argument("--collectives", default="tf", help="nestpipe: tf or horovod")
     parser.add_argument("--model", choices=["dlrm", "dcn"], default="dlrm")
     parser.add_argument("--data", choices=["synthetic", "movielens-1m"], default="synthetic")
@@ -439,6 +467,12 @@ def main():
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--tables", choices=["fused", "per_table"], default="fused",
+                        help="nestpipe: one collection, or one ShardedEmbedding layer per field")
+    parser.add_argument("--synthetic-tables", default="",
+                        help="synthetic: N:ROWS tables of ROWS rows instead of the Criteo profile")
+    parser.add_argument("--auto-timed-steps", type=int, default=2,
+                        help="nestpipe pipeline=auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
     args = parser.parse_args()

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
-from tf_nestpipe.strategy.horovod_collectives import (HorovodCollectives, init_horovod,  # noqa: E402
+from tf_nestpipe.collectives.horovod_collectives import (HorovodCollectives, init_horovod,  # noqa: E402
                                                        pack, unpack)
 
 HERE = os.path.dirname(os.path.abspath(__file__))

@@ -39,7 +39,7 @@ import dlrm  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
 from tf_nestpipe import ops  # noqa: E402
 from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noqa: E402
-from tf_nestpipe.strategy.communication import capacity_bucket  # noqa: E402
+from tf_nestpipe.collectives.communication import capacity_bucket  # noqa: E402
 
 
 def timed(fns, rounds, calls=10, warmup=3):

@@ -12,7 +12,7 @@ import time
 
 from runner import HERE, run_program, write_result
 
-from tf_nestpipe.strategy.communication import EMULATED_LATENCY_ENV
+from tf_nestpipe.collectives.communication import EMULATED_LATENCY_ENV
 
 
 def main():
