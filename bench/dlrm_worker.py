@@ -25,6 +25,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import dlrm  # noqa: E402
+import emulated_latency  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
 from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noqa: E402
 
@@ -66,6 +67,7 @@ def main():
         strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches,
                                         cluster_samples=args.cluster_samples,
                                         collectives=args.collectives)
+        emulated_latency.install_from_env(strategy)
         kind = "per_table" if args.mode == "nestpipe_per_table" else "fused"
         rank = max(rank, strategy.worker_index)
     table_sizes = criteo_kaggle_table_sizes(args.table_scale)

@@ -12,7 +12,7 @@ import time
 
 from runner import HERE, run_program, write_result
 
-from tf_nestpipe.collectives.communication import EMULATED_LATENCY_ENV
+from emulated_latency import ENV as EMULATED_LATENCY_ENV
 
 
 def main():

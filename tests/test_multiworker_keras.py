@@ -28,6 +28,14 @@ def test_tfrs_fit_on_two_workers_equals_one_process(tfrs_results):
         np.testing.assert_allclose(two[name], single[name], rtol=0, atol=1e-5, err_msg=name)
 
 
+def test_tfrs_lookups_of_separate_layers_share_one_exchange(tfrs_results):
+    """A TFRS model (its own train_step) with nestpipe_route: its 3 ShardedEmbedding layers'
+    lookups travel in one fused exchange per step (pipeline auto, the default)."""
+    single, two, _ = tfrs_results
+    assert "exchanges" not in single.files  # one process: no exchange at all
+    assert int(two["exchanges"]) == 1
+
+
 def test_fit_and_evaluate_auc_is_global_not_summed(tfrs_results):
     single, two, _ = tfrs_results
     np.testing.assert_allclose(two["train_auc"], single["train_auc"], atol=1e-6)

@@ -52,3 +52,12 @@ def test_only_dynamic_batch_dimensions_pay_the_check(share_results):
     assert share_results["repeated", 0]["checks"] == 0  # static shapes: no collective traced
     assert share_results["static", 0]["checks"] > 0  # finite: TF relaxes the batch dimension
     assert share_results["evaluate", 0]["checks"] == 0  # no gradients: sums and counts
+
+
+@pytest.mark.cluster
+def test_fit_reads_the_share_sizes_from_the_keys_exchange(share_results):
+    """Under fit every step's keys all-to-all carries each worker's share size: the check adds
+    no collective; a strategy.run loop (each table its own exchange) all-gathers them."""
+    for case in ("static", "uneven", "uneven:dbp", "uneven:fwp", "uneven:nested"):
+        assert share_results[case, 0]["checks"] > 0 and share_results[case, 0]["gathered_checks"] == 0
+    assert share_results["loop", 0]["gathered_checks"] > 0

@@ -49,6 +49,11 @@ class DCNRanker(tfrs.Model):
                       + [features["dense"]], axis=1)
         return self.deep(self.cross(x, x))
 
+    def nestpipe_route(self, inputs):
+        """What the train step looks up (for the fused exchange and the pipelines)."""
+        features, _ = inputs
+        self(features)
+
     def compute_loss(self, inputs, training=False):
         features, labels = inputs
         return self.task(labels=labels, predictions=self(features)) / GLOBAL_BATCH
@@ -82,7 +87,9 @@ def main():
     tables = {t.name: t.full_table() for t in model.tables}
     if rank == 0:
         dense = {"dense/" + v.name: v.numpy() for v in model.trainable_variables if "field_" not in v.name}
-        np.savez(out_path, train_auc=history.history["auc"], train_loss=history.history["loss"],
+        pipeline = getattr(model, "_nestpipe_pipeline", None)
+        fused = {} if pipeline is None else {"exchanges": pipeline.stats.exchanges}
+        np.savez(out_path, **fused, train_auc=history.history["auc"], train_loss=history.history["loss"],
                  eval_auc=evaluation["auc"], eval_loss=evaluation["loss"], **tables, **dense)
     print("workers", workers, "done", flush=True)
 

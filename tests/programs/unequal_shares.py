@@ -3,7 +3,8 @@
 usage: unequal_shares.py OUT_DIR CASE...   (on 2 workers)
   Each CASE trains a tiny model (a 20-row table and a dense layer) with fit and writes
   OUT_DIR/<case>-<rank>.json: {"steps": steps finished, "error": message or None,
-  "checks": equal-share checks traced}. Cases: <kind>[:<pipeline>], kind one of
+  "checks": equal-share checks traced, "gathered_checks": of which with an all-gather of their
+  own (the others read the sizes from the keys exchange)}. Cases: <kind>[:<pipeline>], kind one of
   uneven (global batches of 4 then 3: shares 2+2, then 2+1), even (4 then 2: 2+2, 1+1),
   static (4 and 4, drop_remainder=True; TensorFlow still relaxes a finite dataset's batch
   dimension on several workers), repeated (static, repeated: static shapes), loop (uneven,
@@ -62,14 +63,19 @@ def dataset_fn_for(kind):
 def run(strategy, case):
     kind, _, pipeline = case.partition(":")
     strategy.pipeline = pipeline or "none"
-    traced = []
-    original = equal_shares.check_equal_shares
+    traced, gathered = [], []
+    original, original_gathered = equal_shares.check_shares, equal_shares.check_equal_shares
 
-    def counting(size, collectives):
+    def counting(sizes):
         traced.append(1)
-        return original(size, collectives)
+        return original(sizes)
 
-    equal_shares.check_equal_shares = counting
+    def counting_gathered(size, collectives):
+        gathered.append(1)
+        return original_gathered(size, collectives)
+
+    equal_shares.check_shares = counting
+    equal_shares.check_equal_shares = counting_gathered
     steps = []
     error = None
     try:
@@ -100,8 +106,9 @@ def run(strategy, case):
     except (ValueError, tf.errors.OpError) as e:
         error = str(e)[:3000]
     finally:
-        equal_shares.check_equal_shares = original
-    return {"steps": len(steps), "error": error, "checks": len(traced)}
+        equal_shares.check_shares, equal_shares.check_equal_shares = original, original_gathered
+    return {"steps": len(steps), "error": error, "checks": len(traced),
+            "gathered_checks": len(gathered)}
 
 
 def main():

@@ -15,9 +15,7 @@ the padded blocks whole (CollectiveAllToAllV2 needs equal splits), while
 """
 import bisect
 import contextlib
-import os
 import threading
-import time
 import weakref
 import zlib
 
@@ -36,23 +34,6 @@ _MAX_USES_PER_TAG = 64
 _CAPACITIES = sorted({int(np.ceil(1.19 ** k)) for k in range(0, 124)})
 _MAX_BUCKETS = 128
 _EAGER_KEY_BASE = (1 << 30) + (1 << 29)  # eager collectives (full_table) take fresh keys above
-
-
-EMULATED_LATENCY_ENV = "NESTPIPE_BENCH_EMULATED_LATENCY_MS"
-
-
-def _delayed(seconds, tensor):
-    """`tensor`, passed through a host-side sleep (the GIL is released). Declared stateless and
-    fed by the data itself, so it is ordered by its data alone (not by every stateful op) and
-    neither pruned nor merged with another delay."""
-    def sleep_then_pass(value):
-        time.sleep(seconds)
-        return value
-
-    out = tf.numpy_function(sleep_then_pass, [tensor], tensor.dtype, stateful=False,
-                            name="nestpipe_emulated_latency")
-    out.set_shape(tensor.shape)
-    return out
 
 
 MAX_BUCKET = len(_CAPACITIES) - 1
@@ -105,8 +86,6 @@ class Collectives:
         for name in ("main", "prefetch", "sync_plan"):
             self._ordering_token(name)
         self._eager_key = _EAGER_KEY_BASE
-        # Benchmark-only network emulation: a sleep before every embedding collective.
-        self.emulated_latency_seconds = float(os.environ.get(EMULATED_LATENCY_ENV, "0")) / 1e3
 
     def _occurrence(self, tag):
         """How many collectives with `tag` the function being traced issued before this one
@@ -173,16 +152,10 @@ class Collectives:
         finally:
             self._stream.name = previous
 
-    def _maybe_delay(self, tensor):
-        if self.emulated_latency_seconds > 0 and not tf.executing_eagerly():
-            return _delayed(self.emulated_latency_seconds, tensor)
-        return tensor
-
     def all_gather(self, tensor, tag):
         """Concatenates `tensor` (same shape on every worker) from all workers along axis 0."""
         if self.num_workers == 1:
             return tf.identity(tensor)
-        tensor = self._maybe_delay(tensor)
         return self._chained(tag, lambda key, token: collective_ops.all_gather_v2(
             tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
             communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token))
@@ -199,7 +172,6 @@ class Collectives:
         del send_counts, fill  # equal splits: the padding travels with the data
         if self.num_workers == 1:
             return tf.identity(tensor)
-        tensor = self._maybe_delay(tensor)
         return self._chained(tag, lambda key, token: collective_ops.all_to_all_v2(
             tensor, self.num_workers, _NESTPIPE_GROUP_KEY, key,
             communication_hint=self._hint, timeout=self.timeout_seconds, ordering_token=token),

@@ -173,7 +173,6 @@ class HorovodCollectives(Collectives):
         dimension may differ between workers)."""
         if self.num_workers == 1:
             return tf.identity(tensor)
-        tensor = self._maybe_delay(tensor)
         return self._issue(tag, lambda name: self.hvd.allgather(
             tensor, name=name, ignore_name_scope=True))
 
@@ -187,7 +186,6 @@ class HorovodCollectives(Collectives):
         `send_counts[j]` entries of row j; returns `(received, received_counts)` with the
         received rows unpacked into the same padded layout (`fill` after the data)."""
         capacity = tf.shape(tensor)[1]
-        tensor = self._maybe_delay(tensor)
 
         def issue(name):
             flat, received = self._alltoall(pack(tensor, send_counts), send_counts, name)
@@ -206,7 +204,6 @@ class HorovodCollectives(Collectives):
         if self.num_workers == 1:
             return tf.identity(tensor)
         if send_counts is None:
-            tensor = self._maybe_delay(tensor)
             rows = tf.shape(tensor)[1:]
 
             def issue(name):

@@ -29,20 +29,21 @@ _SYNC_HEADER_ROWS = 2
 
 
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
-def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_updated=False):
+def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_updated=False,
+             share_size=None):
     """Routes `fused_ids` of `tables` and retrieves their rows; returns `(PrefetchedRows, plan)`.
 
     With `updated_rows` (the local rows the batch computed meanwhile updates), the owner also
     plans the buffer sync: which prefetched slots hold one of those rows (every slot if
     `all_updated`). Its counts ride on the rows all-to-all (a header per block), so every worker
     learns the largest and agrees the sync's padded size with no collective of its own. The
-    plan is None without `updated_rows`.
+    plan is None without `updated_rows`. `share_size` rides in the keys header (see `route`).
     """
     if tables.dtype not in (tf.float32, tf.float64):
         raise ValueError("the pipelines need float32 or float64 tables; '%s' is %s"
                          % (tag, tables.dtype.name))
     layout = tables.layout
-    routing = route(fused_ids, layout, collectives, tag, hint)
+    routing = route(fused_ids, layout, collectives, tag, hint, share_size)
     owned = tf.stop_gradient(tables.gather(routing.local_rows))
     if updated_rows is None:
         incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False)

@@ -107,11 +107,13 @@ def _window_rounds(fused_by_round):
 
 
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
-def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False):
+def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False,
+                     share_size=None):
     """One exchange per (round, group) of the recorded `lookups`, in round order (the first
     micro-batch's rows arrive first); returns `(buffers, plans)`. With `updated` (group -> the
     local rows the batch computed meanwhile updates), each buffer of those groups comes with
-    its sync plan (`dual_buffer.prefetch`): `plans[group][round key]`."""
+    its sync plan (`dual_buffer.prefetch`): `plans[group][round key]`. `share_size` (this
+    worker's share of the batch) rides in every keys header (`shares_of` reads it back)."""
     entries = {}
     for round_index, layer, ids in lookups:
         entries.setdefault(exchange.group_key(layer), {}).setdefault(round_index, []).append(
@@ -134,7 +136,7 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         key = round_key(round_index)
         buffers.setdefault(group, {})[key], plan = dual_buffer.prefetch(
             exchange.tables(group), ids, exchange.collectives, tag, exchange.capacity_hint(tag),
-            updated_rows=updated.get(group), all_updated=all_updated)
+            updated_rows=updated.get(group), all_updated=all_updated, share_size=share_size)
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
     buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))
@@ -193,6 +195,15 @@ class BufferReader(_WindowAware):
         """(group, round) of the buffers the compute pass did not read."""
         return sorted((group, r) for group, buffers in self._buffers.items()
                       for r in buffers.rounds if (group, r) not in self._rows)
+
+
+def shares_of(buffers):
+    """Every worker's share size of the batch the buffers hold (`[W]`, from the first keys
+    header), or None when the batch had no row-wise lookup."""
+    for group in sorted(buffers):
+        for key in sorted(buffers[group].rounds):
+            return buffers[group].rounds[key].routing.shares
+    return None
 
 
 def rows_requested(buffers):

@@ -14,9 +14,11 @@ through one exchange per group of tables, however many layers the model has:
   workers continue with the fastest (`tf_nestpipe.pipeline.auto`).
 
 With `cluster_samples=True` the micro-batches are formed by key-centric clustering of the
-batch's integer features. Keras's own train function stays for one worker under "none" and "auto", for a
-`train_step` override under "none" and "auto" (the route pass could not know what it looks up,
-so each table keeps its own exchange), and for `steps_per_execution > 1`, `run_eagerly` or a cluster
+batch's integer features. A model that overrides `train_step` (TFRS) can define `nestpipe_route(data)`, looking up what
+its train step looks up (e.g. calling its towers on the features): it becomes the route pass.
+Keras's own train function stays for one worker under "none" and "auto", for a `train_step`
+override without `nestpipe_route` under "none" and "auto" (a route pass could not know what it
+looks up, so each table keeps its own exchange), and for `steps_per_execution > 1`, `run_eagerly` or a cluster
 coordinator.
 """
 import sys
@@ -39,6 +41,26 @@ def _standard_train_step(model):
     return type(model).train_step is keras_training.Model.train_step
 
 
+def _routable(model):
+    """Whether a route pass can trace what `model`'s train step looks up: tf_keras's standard
+    train step (it calls the model on the inputs) or a model with `nestpipe_route(data)`."""
+    return _standard_train_step(model) or callable(getattr(model, "nestpipe_route", None))
+
+
+def _route_of(model):
+    """The route pass of `model`'s train step: `model.nestpipe_route(data)` if it has one, else
+    the model called on the batch's inputs (what the standard train step looks up)."""
+    route = getattr(model, "nestpipe_route", None)
+    if callable(route):
+        return route
+
+    def route_fn(data):
+        x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
+        model(x, training=False)
+
+    return route_fn
+
+
 def _pipelined_strategy(model):
     """The NestPipeStrategy whose exchange and pipeline run `model`'s fit, else None."""
     strategy = model.distribute_strategy
@@ -50,12 +72,13 @@ def _pipelined_strategy(model):
     if getattr(strategy.extended, "embedding_exchange", None) is None:
         return None  # not a NestPipeStrategy
     if strategy.pipeline in ("none", "auto") and (strategy.num_workers == 1
-                                                  or not _standard_train_step(model)):
+                                                  or not _routable(model)):
         if strategy.pipeline == "auto" and strategy.num_workers > 1:
             _log(strategy, "tf_nestpipe: pipeline='auto' runs %s with 'none' (each table its "
                  "own exchange): it overrides train_step, so a route pass cannot know what it "
-                 "looks up. Pass pipeline='dbp' if its call() looks up the same ids as its "
-                 "train_step." % type(model).__name__)
+                 "looks up. Give it a nestpipe_route(data) method that looks up what its "
+                 "train_step looks up (e.g. calls its towers on the features) for the fused "
+                 "exchange and the pipelines." % type(model).__name__)
         return None
     if model.run_eagerly or model._cluster_coordinator:  # pylint: disable=protected-access
         return None
@@ -74,8 +97,11 @@ def make_train_function(self, force=False):
     if self.train_function is not None and not force:
         return self.train_function
     if strategy.pipeline == "auto":
+        # Micro-batching needs tf_keras's standard train step (it splits the batch itself).
+        candidates = [name for name in AUTO_CANDIDATES
+                      if name not in MICRO_BATCHED or _standard_train_step(self)]
         pipeline = AutoPipeline(
-            [(name, _train_pipeline(self, strategy, name)) for name in AUTO_CANDIDATES],
+            [(name, _train_pipeline(self, strategy, name)) for name in candidates],
             agree=lambda times: _slowest_worker(strategy, times),
             warmup_steps=strategy.auto_warmup_steps, timed_steps=strategy.auto_timed_steps,
             log=lambda text: _log(strategy, text))
@@ -100,10 +126,7 @@ def _train_pipeline(model, strategy, pipeline):
                     model(part["x"], training=False)
     else:
         step_fn = _counting_step(model, model.train_step)
-
-        def route_fn(data):
-            x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
-            model(x, training=False)
+        route_fn = _route_of(model)
 
     return TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
                          reduce_fn=_reducer(model, strategy),

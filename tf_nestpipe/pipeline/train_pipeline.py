@@ -17,6 +17,7 @@ non-pipelined run reads at step i+1. `lookahead=0` routes and retrieves each bat
 step, before its compute (no sync needed): the synchronous step, and with micro-batches in a
 frozen window the Frozen-Window Pipeline (micro-batch j+1's exchange overlaps j's compute).
 """
+import contextlib
 import dataclasses
 import weakref
 
@@ -26,7 +27,7 @@ import tf_keras
 from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, RouteRecorder, prefetch_lookups,
-                                                 rows_requested)
+                                                 rows_requested, shares_of)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
 
@@ -114,16 +115,22 @@ class TrainPipeline:
             # Rows updated by the current step: every row any of its buffers of a group read.
             updated = {group: tf.concat([b.routing.local_rows for b in buffers.rounds.values()],
                                         0) for group, buffers in current.items()}
+        # The equal-shares check of the strategy (if any) reads every worker's share size from
+        # the keys headers instead of an all-gather of its own.
+        share_size_of = getattr(self._strategy.extended, "share_size_of", lambda batch: None)
         with installed(recorder), self._collectives.stream("prefetch"):
             self._route_fn(batch)
             buffers, plans = prefetch_lookups(self._exchange, recorder.lookups,
-                                              recorder.windowed, updated, self._all_updated)
+                                              recorder.windowed, updated, self._all_updated,
+                                              share_size_of(batch))
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
         return buffers, plans
 
     def _compute_pass(self, batch, buffers):
         reader = BufferReader(self._exchange, buffers)
-        with installed(reader):
+        shares_known = getattr(self._strategy.extended, "shares_known",
+                               lambda sizes: contextlib.nullcontext())
+        with installed(reader), shares_known(shares_of(buffers)):
             outputs = self._step_fn(batch)
         if reader.untaken():
             raise ValueError("the training step did not look up the prefetched tables %s as "

@@ -26,19 +26,23 @@ def _padded(ragged_keys, width):
         [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
 
-def route(ids, layout, collectives, tag, hint):
+def route(ids, layout, collectives, tag, hint, share_size=None):
     """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
-    `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker)."""
+    `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
+    (optional int scalar: this worker's share of the batch) rides in the keys header, so every
+    worker learns every worker's (`RoutingRecord.shares`)."""
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards = layout.num_shards
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
     splits64 = tf.cast(splits, tf.int64)
     by_owner = tf.RaggedTensor.from_row_lengths(keys, splits64)
     hint_bucket, hint_capacity = hint.read()
-    # Block j: this worker's split sizes (the header), then up to hint_capacity keys for owner j.
-    header = tf.tile(splits64[None, :], [num_shards, 1])
+    # Block j: this worker's split sizes and share size (the header), then up to hint_capacity
+    # keys for owner j.
+    share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
+    header = tf.tile(tf.concat([splits64, [share]], 0)[None, :], [num_shards, 1])
     first = tf.concat([header, _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
-    first_counts = num_shards + tf.minimum(splits, hint_capacity)
+    first_counts = num_shards + 1 + tf.minimum(splits, hint_capacity)
     received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
                                             send_counts=first_counts, fill=-1)
     # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
@@ -59,7 +63,7 @@ def route(ids, layout, collectives, tag, hint):
         bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
     # The rows exchange's slot layout: from requester i, its sent[i, me] keys, then padding.
     received = sent[:, layout.shard_index]
-    keys_in = tf.concat([received_first[:, num_shards:], extra], axis=1)
+    keys_in = tf.concat([received_first[:, num_shards + 1:], extra], axis=1)
     received_keys = _padded(tf.RaggedTensor.from_row_lengths(
         tf.boolean_mask(keys_in, keys_in >= 0), tf.cast(received, tf.int64)), capacity)
     local_rows, slot_to_unique = ops.owner_dedup(received_keys, num_shards, layout.shard_index)
@@ -69,7 +73,8 @@ def route(ids, layout, collectives, tag, hint):
                           - tf.gather(offsets, owner_of_bucket_pos))
     return RoutingRecord(splits=splits, inverse=inverse, slot_of_bucket_pos=slot_of_bucket_pos,
                          bucket=bucket, capacity=capacity, local_rows=local_rows,
-                         slot_to_unique=slot_to_unique, received=received)
+                         slot_to_unique=slot_to_unique, received=received,
+                         shares=tf.cast(received_first[:, num_shards], tf.int32))
 
 
 def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True):

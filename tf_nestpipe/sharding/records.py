@@ -15,7 +15,10 @@ class RoutingRecord(NamedTuple):
     size) and `capacity` (padded ids per requester/owner pair), int32 scalars. Owner side:
     `local_rows` `[r]` int64 (distinct owned rows requested, in the exchange's row space),
     `slot_to_unique` `[W * capacity]` (slot -> index into `local_rows`, -1 for padding) and
-    `received` `[W]` (ids received from each requester: the rows sent back to each).
+    `received` `[W]` (ids received from each requester: the rows sent back to each). `shares`
+    `[W]` int32: the size of every worker's share of the batch routed, as each sender put it in
+    its keys header (-1 where it gave none), so the workers can check equal shares without a
+    collective of their own.
     """
 
     splits: tf.Tensor
@@ -26,6 +29,7 @@ class RoutingRecord(NamedTuple):
     local_rows: tf.Tensor
     slot_to_unique: tf.Tensor
     received: tf.Tensor
+    shares: tf.Tensor
 
 
 class PrefetchedRows(NamedTuple):

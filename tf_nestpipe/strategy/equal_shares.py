@@ -60,7 +60,13 @@ def leading_size(args):
 def check_equal_shares(size, collectives):
     """All-gathers every worker's share `size`; raises (eagerly) or returns an op that fails
     (in a function) with `UnequalSharesError`'s message when they differ."""
-    sizes = collectives.all_gather(tf.reshape(size, [1]), TAG)
+    return check_shares(collectives.all_gather(tf.reshape(size, [1]), TAG))
+
+
+def check_shares(sizes):
+    """Every worker's share size `sizes` (`[W]`, e.g. as the keys exchange carried them):
+    raises (eagerly) or returns an op that fails (in a function) with `UnequalSharesError`'s
+    message when they differ."""
     if tf.executing_eagerly():
         values = sizes.numpy().tolist()
         if len(set(values)) > 1:

@@ -6,6 +6,7 @@ worker-local variables holding only the rows this worker owns; their optimizer s
 worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
 all-to-all already delivered each owner the summed gradient of its rows.
 """
+import contextlib
 import sys
 
 import tensorflow as tf
@@ -63,6 +64,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_backend = collectives
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
+        self._nestpipe_known_shares = None  # every share size, from the keys exchange
         if collectives == "horovod":
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
@@ -108,12 +110,33 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _equal_shares_check(self, pairs):
         """Before a step's gradients are aggregated (the values reduced into trainable
         variables), checks once that every worker's share had the same size; returns the
-        check (None when there is nothing to check: static shapes, evaluate / predict)."""
+        check (None when there is nothing to check: static shapes, evaluate / predict). When
+        the step's keys exchange carried the sizes (`shares_known`), no collective is added."""
         size = self._nestpipe_share_size
         if size is None or not any(getattr(d, "trainable", False) for _, d in pairs):
             return None
         self._nestpipe_share_size = None  # once per step
+        if self._nestpipe_known_shares is not None:
+            return equal_shares.check_shares(self._nestpipe_known_shares)
         return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
+
+    def share_size_of(self, batch):
+        """This worker's share size of `batch` for the keys exchange to carry (None when the
+        check is off, the batch dimension is static, or there is one worker)."""
+        if self._num_workers == 1 or not self._nestpipe_check_shares:
+            return None
+        return equal_shares.leading_size(batch)
+
+    @contextlib.contextmanager
+    def shares_known(self, sizes):
+        """Within this context the step's equal-shares check uses `sizes` (every worker's
+        share size, `[W]`, from the keys exchange; None: not known) instead of an all-gather."""
+        previous = self._nestpipe_known_shares
+        self._nestpipe_known_shares = sizes
+        try:
+            yield
+        finally:
+            self._nestpipe_known_shares = previous
     # --- end of equal shares -----------------------------------------------------------------
 
     # --- one replica per worker -----------------------------------------------------------
