@@ -63,8 +63,9 @@ def sharded_table(size, dim, name, seed):
 
 
 def make_embeddings(kind, table_sizes, dim, seed=0):
-    """`fused`: one ShardedEmbeddingCollection (4 collectives per step for all tables);
-    `per_table`: one ShardedEmbedding per field; `keras`: tf_keras Embedding per field."""
+    """`fused`: one ShardedEmbeddingCollection (one table of all fields); `per_table`: one
+    ShardedEmbedding per field (under fit their lookups share one exchange per step all the
+    same); `keras`: tf_keras Embedding per field."""
     if kind == "fused":
         return tnp.ShardedEmbeddingCollection(
             table_sizes, dim, name="tables",

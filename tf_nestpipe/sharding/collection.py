@@ -1,8 +1,9 @@
 """`ShardedEmbeddingCollection`: many single-hot tables served by one fused lookup per step.
 
 The tables are stacked into one row-sharded table (table f's id k is fused row
-`offset[f] + k`), so a step issues one counts all-gather, one key all-to-all and one row
-all-to-all (plus one in backward) for all tables together instead of four collectives per table.
+`offset[f] + k`), so even a `strategy.run` loop (where each table has its own exchange) issues
+one key all-to-all and one row all-to-all (plus one in backward) for all of them. Under `fit`
+and `TrainPipeline` separate `ShardedEmbedding` layers of one dim share one exchange too.
 """
 import numpy as np
 import tensorflow as tf

@@ -11,6 +11,8 @@ import abc
 import contextlib
 import threading
 
+import tensorflow as tf
+
 _local = threading.local()
 
 
@@ -39,12 +41,18 @@ def set_fallback(choose):
     _fallbacks.append(choose)
 
 
+def _graph():
+    return None if tf.executing_eagerly() else tf.compat.v1.get_default_graph()
+
+
+
+
 def current_fetcher():
-    """The fetcher installed in this thread (innermost), else a registered fallback's, else the
-    `DirectFetcher`."""
-    stack = getattr(_local, "stack", None)
-    if stack:
-        return stack[-1]
+    """The fetcher installed in this thread (innermost) for the graph being traced, else a
+    registered fallback's, else the `DirectFetcher`."""
+    for fetcher, graph in reversed(getattr(_local, "stack", None) or []):
+        if graph is None or graph is _graph():
+            return fetcher
     for choose in _fallbacks:
         fetcher = choose()
         if fetcher is not None:
@@ -53,12 +61,17 @@ def current_fetcher():
 
 
 @contextlib.contextmanager
-def installed(fetcher):
-    """Makes `fetcher` answer every sharded lookup traced in this thread inside the context."""
+def installed(fetcher, any_graph=False):
+    """Makes `fetcher` answer the sharded lookups traced in this thread inside the context, in
+    the graph being traced when it is installed. Lookups traced in other graphs meanwhile are not
+    the pass's and look up directly: tf_keras's scratch graphs (a layer inferring its output
+    signature, a Sequential model building its functional graph on a first call), and the
+    branches of a `tf.cond` in the model (traced alike in both passes). With `any_graph`, in
+    every graph (e.g. the functions a SavedModel save traces)."""
     stack = getattr(_local, "stack", None)
     if stack is None:
         stack = _local.stack = []
-    stack.append(fetcher)
+    stack.append((fetcher, None if any_graph else _graph()))
     try:
         yield fetcher
     finally:

@@ -50,7 +50,7 @@ _OWN_TABLES = _OwnTableFetcher()
 def serving_trace():
     """Within this context, functions traced for a SavedModel look rows up with `tf.gather` in
     each layer's own table variable (recorded in the SavedModel as the whole table)."""
-    with fetch.installed(_OWN_TABLES):
+    with fetch.installed(_OWN_TABLES, any_graph=True):
         yield
 
 
