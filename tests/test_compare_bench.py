@@ -94,6 +94,25 @@ def test_ratios_targets_and_report():
     assert stored[3]["samples_per_s"] is None and stored[3]["note"].startswith("not run")
 
 
+def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives():
+    rows = [_row("nestpipe", 20.0, pipeline="none"), _row("nestpipe", 18.0, pipeline="auto"),
+            _row("nestpipe", 30.0, pipeline="fwp"), _row("nestpipe", 25.0, pipeline="none",
+                                                        collectives="horovod"),
+            _row("mwms", 100.0)]
+    rows[1].update(collectives_per_step=6, exchanges=1, auto_choice="dbp")
+    compare.add_ratios(rows)
+    assert rows[0]["vs_none"] == pytest.approx(1.0)
+    assert rows[1]["vs_none"] == pytest.approx(0.9) and rows[2]["vs_none"] == pytest.approx(1.5)
+    assert rows[3]["vs_none"] == pytest.approx(1.0)  # against ours none with its own collectives
+    assert "vs_none" not in rows[4]
+    assert compare.collectives_text(rows[1]) == "6 (1), auto chose dbp"
+    assert compare.collectives_text(rows[4]) == "-"
+    text = compare.markdown(rows, compare.parse_args(["--steps", "10"]),
+                            {"load": 0.5, "horovod": False, "horovod_version": None,
+                             "horovod_text": "no Horovod rows"}, 1.0)
+    assert "| 0.90x | 6 (1), auto chose dbp |" in text
+
+
 def test_error_summary_names_the_last_error_line():
     output = "starting\nTraceback (most recent call last):\n  File x\nValueError: bad table\n[launch] done"
     assert compare.error_summary(output, 1) == "failed (rc=1): ValueError: bad table"
