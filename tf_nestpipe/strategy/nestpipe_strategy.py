@@ -273,7 +273,10 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             for (i, _), value in zip(dense, reduced):
                 results[i] = value
         elif dense:
-            reduced = super()._batch_reduce_to(reduce_op, [p for _, p in dense], options)
+            # One packed all-reduce needs every value on its destination's device: a gradient
+            # computed from values the pipelines kept between steps can carry no device.
+            reduced = super()._batch_reduce_to(
+                reduce_op, [(self._on_worker_device(v), d) for _, (v, d) in dense], options)
             for (i, _), value in zip(dense, reduced):
                 results[i] = value
         for i, (value, destination) in enumerate(pairs):
@@ -282,6 +285,15 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 # all-to-all: pass them through, never all-reduce them.
                 results[i] = value
         return results
+
+    def _on_worker_device(self, value):
+        """A plain tensor `value` placed on this worker's device (an identity there), so that
+        tf.distribute batches the dense all-reduce instead of one collective per gradient."""
+        device = self.worker_devices[0]
+        if isinstance(value, tf.Tensor) and value.device != device:
+            with tf.device(device):
+                return tf.identity(value)
+        return value
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
