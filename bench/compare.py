@@ -527,7 +527,9 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
              "global_batch", "steps", "ms_median", "ms_p90", "samples_per_s", "efficiency",
              "exposure", "note"]
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
-              "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms"]
+              "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
+              "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
+              "auto_choice", "auto_timings_ms"]
 
 
 def json_rows(rows):
@@ -610,7 +612,7 @@ def parse_args(argv=None):
                              "per field (the model written the natural Keras way)")
     parser.add_argument("--synthetic-tables", default="",
                         help="synthetic: N:ROWS (N tables of ROWS rows) instead of the Criteo profile")
-    parser.add_argument("--auto-timed-steps", type=int, default=2,
+    parser.add_argument("--auto-timed-steps", type=int, default=5,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")

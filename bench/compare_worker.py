@@ -471,7 +471,7 @@ def main():
                         help="nestpipe: one collection, or one ShardedEmbedding layer per field")
     parser.add_argument("--synthetic-tables", default="",
                         help="synthetic: N:ROWS tables of ROWS rows instead of the Criteo profile")
-    parser.add_argument("--auto-timed-steps", type=int, default=2,
+    parser.add_argument("--auto-timed-steps", type=int, default=5,
                         help="nestpipe pipeline=auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")

@@ -188,6 +188,20 @@ def test_auto_takes_the_slowest_workers_view():
     assert auto.choice == "b" and auto.timings_ms == {"a": 1000.0, "b": 500.0}
 
 
+def test_auto_keeps_the_baseline_unless_another_mode_is_clearly_faster():
+    for agreed, choice in (([1.0, 0.97], "a"), ([1.0, 0.94], "b"), ([1.0, 1.2], "a")):
+        trained = []
+        auto = AutoPipeline([("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))],
+                            lambda times, agreed=agreed: agreed, warmup_steps=0, timed_steps=1,
+                            log=lambda text: None, margin=0.05)
+        iterator = iter(range(10))
+        auto.progress(iterator)
+        auto.progress(iterator)
+        assert auto.choice == choice, agreed
+
+
 def test_auto_refuses_empty_probes():
     with pytest.raises(ValueError, match="timed_steps >= 1"):
         AutoPipeline([], lambda t: t, timed_steps=0)
+    with pytest.raises(ValueError, match="margin < 1"):
+        AutoPipeline([], lambda t: t, margin=1.5)

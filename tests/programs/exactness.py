@@ -260,7 +260,8 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False):
 def main():
     prefix, steps = sys.argv[1], int(sys.argv[2])
     runs = [a for a in sys.argv[3:] if not a.startswith("--")]
-    strategy = tnp.NestPipeStrategy(micro_batches=3)
+    # auto: 1 + 2 steps per candidate, so that its probe and choice fit in the runs' 20 steps.
+    strategy = tnp.NestPipeStrategy(micro_batches=3, auto_timed_steps=2)
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5

@@ -7,6 +7,8 @@ it holds, one per step, reading nothing (`TrainPipeline.progress_held`). The fir
 `warmup_steps` of each candidate (tracing, first-call costs) are not timed; the candidate's
 time is the median of its next `timed_steps`. The workers agree on one choice by an all-gather
 of their medians (the max over workers decides, as a synchronous step waits for the slowest).
+The first candidate is the baseline (none): another is chosen only if it is faster by more
+than `margin` (a fraction), so timing noise does not trade the baseline for an equal mode.
 """
 import statistics
 import sys
@@ -20,10 +22,12 @@ class AutoPipeline:
     `progress_held`), then through the fastest. `agree(times)` returns the per-candidate times
     as every worker must judge them (e.g. the max over workers); `log(text)` reports the choice."""
 
-    def __init__(self, candidates, agree, warmup_steps=1, timed_steps=2, log=None):
-        if warmup_steps < 0 or timed_steps < 1:
-            raise ValueError("auto pipeline needs warmup_steps >= 0 and timed_steps >= 1, got "
-                             "%r and %r" % (warmup_steps, timed_steps))
+    def __init__(self, candidates, agree, warmup_steps=1, timed_steps=5, log=None, margin=0.05):
+        if warmup_steps < 0 or timed_steps < 1 or not 0 <= margin < 1:
+            raise ValueError("auto pipeline needs warmup_steps >= 0, timed_steps >= 1 and "
+                             "0 <= margin < 1, got %r, %r and %r"
+                             % (warmup_steps, timed_steps, margin))
+        self._margin = margin
         self._candidates = list(candidates)
         self._agree = agree
         self._warmup = warmup_steps
@@ -84,7 +88,11 @@ class AutoPipeline:
         agreed = self._agree(local)
         self.timings_ms = {name: 1e3 * t for name, t in zip(names, agreed)}
         best = min(range(len(names)), key=lambda i: agreed[i])
+        if agreed[best] > agreed[0] * (1 - self._margin):
+            best = 0  # not clearly faster than the baseline
         self.choice = names[best]
         self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d timed steps "
-                  "(slowest worker) %s" % (self.choice, self._timed, ", ".join(
-                      "%s %.1f" % (name, self.timings_ms[name]) for name in names)))
+                  "(slowest worker) %s; another mode than %r needs to be %.0f%% faster" % (
+                      self.choice, self._timed, ", ".join(
+                          "%s %.1f" % (name, self.timings_ms[name]) for name in names),
+                      names[0], 100 * self._margin))

@@ -354,7 +354,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
     `pipeline="auto"` (default) tries none, fwp, dbp and nested on the first steps of `fit`
     (`auto_warmup_steps` untimed + `auto_timed_steps` timed steps each, every one exact
-    training) and continues with the fastest, logging the timings.
+    training) and continues with the fastest (another mode than none only if it is more than
+    5% faster on the slowest worker), logging the timings.
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
@@ -382,7 +383,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2,
+                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=5,
                  startup_timeout_seconds=None, check_equal_shares=True):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
