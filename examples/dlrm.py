@@ -213,8 +213,9 @@ def main():
                         help="Adagrad learning rate (default 0.3 on MovieLens, 0.05 synthetic)")
     parser.add_argument("--embeddings", choices=["fused", "per_table"], default="fused",
                         help="one fused lookup for all tables, or one lookup per table")
-    parser.add_argument("--pipeline", choices=["none", "dbp", "fwp", "nested"], default="none",
-                        help="NestPipeStrategy pipeline")
+    parser.add_argument("--pipeline", choices=tnp.pipeline.PIPELINES, default="auto",
+                        help="NestPipeStrategy pipeline (auto: the first steps try each and "
+                             "keep the fastest)")
     args = parser.parse_args()
 
     strategy = tnp.NestPipeStrategy(pipeline=args.pipeline)
