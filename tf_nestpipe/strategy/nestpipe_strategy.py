@@ -25,6 +25,7 @@ from tf_nestpipe.strategy.row_shard_saving import make_checkpointable
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
+from tf_nestpipe.collectives.wire import parse_wire_dtype
 
 COLLECTIVES = ("tf", "horovod")
 
@@ -272,6 +273,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
     embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
     `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
     `python -m tf_nestpipe.launch --horovod`, which also checks it against `TF_CONFIG`).
+    `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
+    for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
+    "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -280,7 +284,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2):
+                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=2, wire_dtype="fp32"):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -293,6 +297,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1:
             raise ValueError("auto_warmup_steps must be >= 0 and auto_timed_steps >= 1, got %r "
                              "and %r" % (auto_warmup_steps, auto_timed_steps))
+        # --- issue 19: compressed exchanges (checked before the cluster starts) ---
+        self.wire_dtype = parse_wire_dtype(wire_dtype)
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
         self.auto_timed_steps = int(auto_timed_steps)
@@ -309,6 +315,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
                                           collective_timeout_seconds, collectives))
+        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
 
     @property
     def collectives_backend(self):
