@@ -1,7 +1,7 @@
 """Trains exactness.py's model with compressed exchanges (`wire_dtype`) and saves its parameters
 and the exchange's wire counters of each run.
 
-usage: wire_dtypes.py OUT_PREFIX STEPS RUN [RUN ...]
+usage: wire_dtypes.py OUT_PREFIX STEPS RUN [RUN ...] [--horovod]
   RUN is MODE:OPTIMIZER:WIRE[:OPTION ...]: MODE and OPTIMIZER as in exactness.py (loop, direct,
   fit; sgd, adagrad, adam), WIRE a forward-backward pair (fp32-fp32, int8-bf16, ...), OPTION
   dbp (the Dual-Buffer Pipeline) or scaled (direct mode only: the loss is multiplied by 2**24
@@ -9,6 +9,7 @@ usage: wire_dtypes.py OUT_PREFIX STEPS RUN [RUN ...]
   exchange carries values beyond float16's range). Worker 0 writes OUT_PREFIX.RUN.npz (":"
   replaced by ".") with the parameters (exactness.py's names) and wire/<counter> for each of
   the run's wire counters (bytes this worker sent per exchange kind, float16 values clamped).
+--horovod: the strategy's collectives are Horovod's (launch with `--horovod`).
 """
 import os
 import sys
@@ -60,8 +61,9 @@ def train_scaled(strategy, batches, opt_name, out_path):
 
 def main():
     prefix, steps = sys.argv[1], int(sys.argv[2])
-    runs = sys.argv[3:]
-    strategy = tnp.NestPipeStrategy(micro_batches=3)
+    runs = [a for a in sys.argv[3:] if not a.startswith("--")]
+    collectives = "horovod" if "--horovod" in sys.argv else "tf"
+    strategy = tnp.NestPipeStrategy(micro_batches=3, collectives=collectives)
     exchange = strategy.extended.embedding_exchange
     batches = exactness.make_batches(steps)
     for run in runs:

@@ -6,7 +6,8 @@ padded `[W, capacity, dim]` block with the direction's `Codec`, the all-to-all c
 encoded tensor and the receiver decodes it to the table's dtype:
 
 - fp32: nothing encoded (the table's own dtype travels): bit-exact, the default.
-- bf16: round to nearest bfloat16 (8 mantissa bits, fp32's range: nothing overflows).
+- bf16: round to nearest bfloat16 (8 mantissa bits, fp32's range: nothing overflows). Its bits
+  travel as float16 entries (a bit copy: Horovod has no bfloat16 all-to-all).
 - fp16: the saturating float16 cast: finite values beyond +-65504 are clamped, not turned into
   inf (a loss-scaled gradient would otherwise look like an overflow), and counted
   (`WireStats`, "clamped"); inf and NaN pass through. Below 6.1e-5 float16 is subnormal and
@@ -136,7 +137,7 @@ class Codec:
 
     def wire_dtype(self, table_dtype):
         """The dtype on the wire."""
-        return {"fp32": table_dtype, "bf16": tf.bfloat16, "fp16": tf.float16,
+        return {"fp32": table_dtype, "bf16": tf.float16, "fp16": tf.float16,
                 "int8": tf.int32}[self.name]
 
     def encode(self, block, stats=None):
@@ -145,7 +146,7 @@ class Codec:
             return block
         block32 = tf.cast(block, tf.float32)
         if self.name == "bf16":
-            return tf.cast(block32, tf.bfloat16)
+            return tf.bitcast(tf.cast(block32, tf.bfloat16), tf.float16)
         if self.name == "fp16":
             wire, clamped = ops.saturate_to_half(block32)
             if stats is None:
@@ -165,6 +166,8 @@ class Codec:
             shape = tf.shape(wire)
             rows = ops.decode_int8_rows(tf.reshape(wire, [-1, ops.int8_words(dim)]), dim)
             return tf.cast(tf.reshape(rows, tf.stack([shape[0], shape[1], dim])), dtype)
+        if self.name == "bf16":
+            wire = tf.bitcast(wire, tf.bfloat16)
         return tf.cast(wire, dtype)
 
 
