@@ -1,7 +1,9 @@
 """Compressed exchanges on 2 workers (one launch, tests/programs/wire_dtypes.py): the fp32 wire
 equals one process as before; each compressed wire stays within a stated tolerance of one
 process after 20 steps and is not bit-equal to it; the bytes each exchange counts shrink by the
-codec's ratio; a loss-scaled fp16 gradient exchange clamps (and counts) instead of sending inf.
+codec's ratio (the DBP sync's rows too, its positions exact) and DBP on a compressed wire
+equals the unpipelined run on it; a loss-scaled fp16 gradient exchange clamps (and counts)
+instead of sending inf.
 Also: `NestPipeStrategy(wire_dtype=...)`'s errors."""
 import os
 import sys
@@ -17,12 +19,14 @@ DIM = 4  # exactness.py's table dim: an int8 row is ceil((4 + 8) / 4) = 3 words,
 RUNS = ["direct:sgd:fp32-fp32", "direct:sgd:bf16-bf16", "direct:sgd:fp16-fp16",
         "direct:sgd:int8-bf16",
         "loop:adagrad:fp32-fp32:dbp", "loop:adagrad:int8-bf16:dbp", "loop:adagrad:int8-fp16:dbp",
+        "loop:adagrad:int8-bf16",
         "fit:adam:fp32-fp32", "fit:adam:int8-bf16", "fit:adam:bf16-fp16",
         "direct:sgd:fp32-fp32:scaled", "direct:sgd:fp16-fp16:scaled"]
-# Largest parameter difference from one process after 20 steps. Measured (2 workers): bf16 or
-# int8 rows with bf16/fp16 gradients 1e-4 to 9e-4; fp32 9e-8.
+# Largest parameter difference from one process after 20 steps (parameters up to ~0.9).
+# Measured (2 workers): SGD and Adam 1e-4 to 9e-4, Adagrad (lr 0.3: its first steps normalize
+# the gradient, so small relative errors move the dense weights most) up to 9.7e-3; fp32 9e-8.
 EXACT_TOLERANCE = 1e-5
-COMPRESSED_TOLERANCE = 5e-3
+COMPRESSED_TOLERANCE = 2e-2
 
 
 @pytest.fixture(scope="session")
@@ -79,7 +83,8 @@ def test_compressed_wire_stays_close_to_one_process(wire_results, run):
     assert _wire(got, "clamped") == 0
 
 
-@pytest.mark.parametrize("run", [r for r in RUNS if "fp32-fp32" not in r and "scaled" not in r])
+@pytest.mark.parametrize("run", [r for r in RUNS if "fp32-fp32" not in r and "scaled" not in r
+                                 and r != "loop:adagrad:int8-bf16"])
 def test_compressed_wire_sends_fewer_bytes(wire_results, run):
     _, got = _load(wire_results, run)
     mode, optimizer, wire, *options = run.split(":")
@@ -90,10 +95,23 @@ def test_compressed_wire_sends_fewer_bytes(wire_results, run):
     if "dbp" in options:
         # The sync plan's header: 2 float rows per block in fp32, 1 word row in int8.
         assert _wire(got, "forward") < ratio[forward] * 1.1 * _wire(fp32, "forward")
-        assert _wire(got, "sync") > 0  # the sync travels (in fp32)
+        # Sync entries: fp32 dim + 1 floats (20 bytes); int8 3 words + 1 position word (16
+        # bytes); 16-bit dim + 2 entries (12 bytes). The plans are the same (routing only).
+        sync_bytes = {"int8": 16, "bf16": 12, "fp16": 12}[forward]
+        assert _wire(got, "sync") * 20 == _wire(fp32, "sync") * sync_bytes > 0
     else:
         assert _wire(got, "forward") == ratio[forward] * _wire(fp32, "forward")
         assert _wire(got, "sync") == 0
+
+
+def test_dbp_on_a_compressed_wire_equals_the_unpipelined_run_on_it(wire_results):
+    """The sync refreshes the stale prefetched rows with fresh ones in the same encoding: the
+    pipeline adds no error of its own to the codec's."""
+    _, plain = _load(wire_results, "loop:adagrad:int8-bf16")
+    ref, pipelined = _load(wire_results, "loop:adagrad:int8-bf16:dbp")
+    for name in _params(ref):
+        np.testing.assert_allclose(pipelined[name], plain[name], rtol=0, atol=1e-6, err_msg=name)
+    assert _wire(pipelined, "sync") > 0 and _wire(plain, "sync") == 0
 
 
 def test_loss_scaled_fp16_gradients_are_clamped_and_counted_not_inf(wire_results):

@@ -171,6 +171,16 @@ class Codec:
         return tf.cast(wire, dtype)
 
 
+def int32_bits(values, dtype):
+    """int32 `values` `[...]` as `[..., k]` entries of `dtype` (bit copies: k = 4 / itemsize)."""
+    return values[..., None] if dtype == tf.int32 else tf.bitcast(values, dtype)
+
+
+def from_int32_bits(entries):
+    """The int32 values of `int32_bits`' entries `[..., k]`."""
+    return entries[..., 0] if entries.dtype == tf.int32 else tf.bitcast(entries, tf.int32)
+
+
 def pack_header(counts, width, dtype):
     """int32 `counts` `[W, k]` as `[W, rows, width]` entries of `dtype` (bit copies, exact),
     to travel at the head of an encoded block; see `unpack_header`."""

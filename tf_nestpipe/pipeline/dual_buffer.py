@@ -14,14 +14,16 @@ row source (`FusedTables`: one table or a group fused in one id space).
 
 `wire` (a `collectives.wire.Wire`, None: fp32 uncounted) encodes the prefetched rows (forward)
 and the gradients (backward). With a compressed forward the sync plan's counts travel as bit
-copies in the encoded block's header entries (exact). The sync itself stays fp32: its fresh rows
-and float position column are sent exactly (they are few: the rows the last batch updated).
+copies in the encoded block's header entries, and the sync's fresh rows are encoded too (they
+are rows sent to a requester like any other) while their slot positions travel as exact bit
+copies next to them; with fp32 both are float columns, as before (exact below 2**24).
 """
 import tensorflow as tf
 
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
-from tf_nestpipe.collectives.wire import PLAIN, header_rows, pack_header, unpack_header
+from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, header_rows, int32_bits,
+                                          pack_header, unpack_header)
 from tf_nestpipe.sharding.lookup import exchange_rows, route
 from tf_nestpipe.sharding.records import PrefetchedRows
 
@@ -114,9 +116,8 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
 
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
-    """After the update: owners send the planned rows, fresh (fp32 whatever `wire`'s encoding:
-    the sync is exact; `wire` counts its bytes); returns the patched buffer and the number of
-    rows this worker received."""
+    """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
+    positions exact); returns the patched buffer and the number of rows this worker received."""
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
@@ -128,17 +129,29 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     unique = tf.gather(routing.slot_to_unique, tf.gather_nd(flat_slot, planned))
     fresh = tf.scatter_nd(planned, tables.gather(tf.gather(routing.local_rows, unique)),
                           tf.cast(tf.concat([tf.shape(slots), [dim]], 0), tf.int64))
-    payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
+    fresh.set_shape([num_shards, None, dim])
+    codec = wire.forward
+    if codec.exact:
+        payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
+    else:  # encoded rows, then the positions' bits (a -1 fill of either dtype reads negative)
+        encoded = codec.encode(fresh, wire.stats)
+        payload = tf.concat([encoded, int32_bits(slots, encoded.dtype)], axis=-1)
     sync_counts = tf.reduce_sum(tf.cast(valid, tf.int32), 1)
     with tf.control_dependencies(wire.count("sync", payload, collectives, sync_counts)):
-        received = collectives.all_to_all(payload, tag + "/sync", plan["bucket"],
+        received = collectives.all_to_all(payload, codec.tag(tag + "/sync"), plan["bucket"],
                                           send_counts=sync_counts,
                                           fill=-1)  # the position column's padding is -1
-    position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
+    if codec.exact:
+        position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
+        received_rows = received[..., :dim]
+    else:
+        width = codec.wire_width(dim)
+        position = from_int32_bits(received[..., width:])
+        received_rows = codec.decode(received[..., :width], dim, fresh.dtype)
     offsets = tf.cumsum(routing.splits, exclusive=True)
     target = tf.where(position >= 0, offsets[:, None] + position, -1)
     rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
-                           tf.reshape(received[..., :dim], [-1, dim]))
+                           tf.reshape(received_rows, [-1, dim]))
     return prefetched._replace(rows=rows), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
