@@ -57,7 +57,7 @@ REGISTER_OP("NestpipeEncodeInt8Rows")
     .Doc(R"doc(
 Per-row 8-bit quantization of float rows [n, dim] into int32 words [n, ceil((dim + 8) / 4)]:
 bytes 0-3 the row's scale (max - min) / 255, bytes 4-7 its offset (min), then one uint8 code
-per value, round((x - min) / scale), then zero bytes. A constant row has scale 0 and codes 0.
+per value, round((x - min) / scale) (ties up), then zero bytes. A constant row has scale 0 and codes 0.
 )doc");
 
 class EncodeInt8RowsOp : public OpKernel {
@@ -81,9 +81,9 @@ class EncodeInt8RowsOp : public OpKernel {
         const float* x = in + i * dim;
         uint8_t* o = out + i * row_bytes;
         float lo = dim > 0 ? x[0] : 0.f, hi = lo;
-        for (int64_t k = 1; k < dim; ++k) {
-          lo = std::min(lo, x[k]);
-          hi = std::max(hi, x[k]);
+        for (int64_t k = 1; k < dim; ++k) {  // plain compares: the compiler vectorizes them
+          lo = x[k] < lo ? x[k] : lo;
+          hi = x[k] > hi ? x[k] : hi;
         }
         const float scale = (hi - lo) / 255.f;
         std::memcpy(o, &scale, 4);
@@ -92,8 +92,10 @@ class EncodeInt8RowsOp : public OpKernel {
         if (scale > 0.f) {
           const float inverse = 1.f / scale;
           for (int64_t k = 0; k < dim; ++k) {
-            const float q = std::nearbyint((x[k] - lo) * inverse);
-            codes[k] = static_cast<uint8_t>(std::min(255.f, std::max(0.f, q)));
+            // (x - lo) * inverse >= 0: adding 0.5 and truncating rounds to nearest (ties up).
+            float q = (x[k] - lo) * inverse + 0.5f;
+            q = q < 255.f ? q : 255.f;
+            codes[k] = static_cast<uint8_t>(static_cast<int32_t>(q));
           }
         } else {
           std::fill(codes, codes + dim, uint8_t{0});

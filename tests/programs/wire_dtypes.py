@@ -4,7 +4,7 @@ and the exchange's wire counters of each run.
 usage: wire_dtypes.py OUT_PREFIX STEPS RUN [RUN ...] [--horovod]
   RUN is MODE:OPTIMIZER:WIRE[:OPTION ...]: MODE and OPTIMIZER as in exactness.py (loop, direct,
   fit; sgd, adagrad, adam), WIRE a forward-backward pair (fp32-fp32, int8-bf16, ...), OPTION
-  dbp (the Dual-Buffer Pipeline) or scaled (direct mode only: the loss is multiplied by 2**24
+  dbp, fwp or nested (the run's pipeline, as in exactness.py) or scaled (direct mode only: the loss is multiplied by 2**24
   and the gradients divided by it again, as a loss-scaling optimizer does, so the gradient
   exchange carries values beyond float16's range). Worker 0 writes OUT_PREFIX.RUN.npz (":"
   replaced by ".") with the parameters (exactness.py's names) and wire/<counter> for each of
@@ -70,7 +70,7 @@ def main():
         mode, opt_name, wire, *options = run.split(":")
         forward, backward = wire.split("-")
         exchange.set_wire_dtype({"forward": forward, "backward": backward})
-        strategy.pipeline = "dbp" if "dbp" in options else "none"
+        strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), "none")
         strategy.cluster_samples = False
         path = "%s.%s.npz" % (prefix, run.replace(":", "."))
         before = exchange.wire_stats()
