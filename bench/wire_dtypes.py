@@ -67,6 +67,18 @@ def total_bytes(result):
     return sum(result["wire_bytes_per_step"].get(k, 0) for k in KINDS)
 
 
+def link_ms(network, sent_bytes):
+    """Milliseconds `sent_bytes` take at the emulated link's rate (None on loopback): the
+    step's lower bound from this worker's sending alone."""
+    if network == "loopback":
+        return None
+    rate = network.split(":")[1].lower()
+    for unit, scale in (("gbit", 1e9), ("mbit", 1e6), ("kbit", 1e3)):
+        if rate.endswith(unit):
+            return sent_bytes * 8 / (float(rate[:-len(unit)]) * scale) * 1e3
+    raise ValueError("unknown rate %r" % rate)
+
+
 def markdown(args, rows, command):
     """The results table: per cell, each wire dtype next to the cell's fp32 row."""
     lines = ["# Compressed exchanges: wire dtypes side by side (issue 19)", "",
@@ -79,14 +91,15 @@ def markdown(args, rows, command):
                 args.global_batch, args.dim, args.table_scale, args.warmup, args.steps,
                 args.eval_batches), "",
              "| data | workers | network | pipeline | wire (fwd/bwd) | ms/step | speed-up | "
-             "KB/step (keys/rows/grads/sync) | bytes vs fp32 | AUC | AUC - fp32 | clamped |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "KB/step (keys/rows/grads/sync) | bytes vs fp32 | link ms/step | AUC | AUC - fp32 "
+             "| clamped |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for cell, results in rows:
         base = results.get("fp32")
         for wire, result in results.items():
             data, workers, network, pipeline = cell
             if "error" in result:
-                lines.append("| %s | %d | %s | %s | %s | failed: %s |||||||" % (
+                lines.append("| %s | %d | %s | %s | %s | failed: %s ||||||||" % (
                     data, workers, network, pipeline, wire, result["error"]))
                 continue
             per_kind = "/".join("%.0f" % (result["wire_bytes_per_step"].get(k, 0) / 1e3)
@@ -95,11 +108,14 @@ def markdown(args, rows, command):
             speed = base["ms_median"] / result["ms_median"] if ok else None
             ratio = total_bytes(base) / total_bytes(result) if ok else None
             delta = result["auc"] - base["auc"] if ok else None
-            lines.append("| %s | %d | %s | %s | %s | %.1f | %s | %.0f (%s) | %s | %.4f | %s | %d |"
+            link = link_ms(network, total_bytes(result))
+            lines.append("| %s | %d | %s | %s | %s | %.1f | %s | %.0f (%s) | %s | %s | %.4f | %s "
+                         "| %d |"
                          % (data, workers, network, pipeline, result["wire_dtype"],
                             result["ms_median"], "%.2fx" % speed if speed else "-",
                             total_bytes(result) / 1e3, per_kind,
-                            "%.2fx fewer" % ratio if ratio else "-", result["auc"],
+                            "%.2fx fewer" % ratio if ratio else "-",
+                            "%.1f" % link if link is not None else "-", result["auc"],
                             "%+.4f" % delta if delta is not None else "-", result["clamped"]))
     return "\n".join(lines) + "\n"
 

@@ -37,6 +37,9 @@ def test_report_puts_each_wire_next_to_fp32():
     line = next(l for l in text.splitlines() if "int8/bf16" in l)
     assert "| 80.0 | 1.25x |" in line and "2.53x fewer" in line  # 19000 / 7500 bytes
     assert "| 0.6990 | -0.0010 |" in line
+    assert "| 0.1 | 0.6990" in line  # 7500 bytes at 1 Gbit/s: 0.06 ms
+    assert wire_dtypes.link_ms("1ms:200mbit", 25000) == 1.0
+    assert wire_dtypes.link_ms("loopback", 25000) is None
     assert "failed: failed (rc=1): boom" in text
     assert "`python bench/wire_dtypes.py`" in text
 
