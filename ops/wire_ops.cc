@@ -11,6 +11,7 @@
 //   (they would round to inf and look like a loss-scale overflow); inf and NaN pass through.
 //   Returns how many values were clamped.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -33,7 +34,7 @@ constexpr int64_t kHeaderBytes = 8;  // scale and offset, float32 each
 
 int64_t Int8Words(int64_t dim) { return (dim + kHeaderBytes + 3) / 4; }
 
-// Runs fn(begin, end) over [0, n) rows on the op's CPU thread pool.
+// Runs fn(begin, end) over [0, n) rows (or values) on the op's CPU thread pool.
 template <typename Fn>
 void ForRows(OpKernelContext* ctx, int64_t n, int64_t cost_per_row, Fn fn) {
   auto* workers = ctx->device()->tensorflow_cpu_worker_threads();
@@ -185,17 +186,20 @@ class SaturateToHalfOp : public OpKernel {
     const float* x = x_t.flat<float>().data();
     Eigen::half* y = y_t->flat<Eigen::half>().data();
     constexpr float kMax = 65504.f;
-    int64_t clamped = 0;
-    const int64_t n = x_t.NumElements();
-    for (int64_t i = 0; i < n; ++i) {
-      float v = x[i];
-      if (std::isfinite(v) && std::fabs(v) > kMax) {
-        v = std::copysign(kMax, v);
-        ++clamped;
+    std::atomic<int64_t> clamped{0};
+    ForRows(ctx, x_t.NumElements(), 4, [&](int64_t begin, int64_t end) {
+      int64_t local = 0;
+      for (int64_t i = begin; i < end; ++i) {
+        float v = x[i];
+        if (std::isfinite(v) && std::fabs(v) > kMax) {
+          v = std::copysign(kMax, v);
+          ++local;
+        }
+        y[i] = static_cast<Eigen::half>(v);
       }
-      y[i] = static_cast<Eigen::half>(v);
-    }
-    clamped_t->scalar<int64_t>()() = clamped;
+      clamped += local;
+    });
+    clamped_t->scalar<int64_t>()() = clamped.load();
   }
 };
 
