@@ -1,7 +1,7 @@
 """Compressed exchanges (issue 19): ms/step, bytes on the wire per step and held-out AUC per
 wire dtype, side by side with fp32, in the bandwidth-bound setting.
 
-    sudo python bench/wire_dtypes.py                        # the default cells (~10 minutes)
+    python bench/wire_dtypes.py      # as root (netem); the default cells, about 4 minutes
     python bench/wire_dtypes.py --networks loopback --workers 2 --wire-dtypes fp32 int8-bf16
 
 Every row is one launch of bench/compare_worker.py (`--system nestpipe --wire-dtype W
