@@ -29,6 +29,12 @@ reduction divided by the batch, as TFRS needs under tf.distribute). Data (`--dat
 (Zipf Criteo-profile `SyntheticClickLog`, 26 tables scaled by `--table-scale`, 13 dense) or
 `movielens-1m` (7 single-hot features + mean-pooled genres, no dense features). Every step's
 loss is the mean binary cross-entropy over the global batch; Adagrad everywhere.
+
+`--wire-dtype FORWARD-BACKWARD` (nestpipe; e.g. int8-bf16, or one name for both) compresses the
+embedding exchanges; the RESULT then has `wire_bytes_per_step` (bytes rank 0 sent per step by
+exchange kind, from the strategy's wire counters) and `clamped`. `--eval-batches N` (dlrm) adds
+`auc`: the AUC after training on N held-out global batches (synthetic: batches 10**6 and on, never
+trained on; MovieLens-1M: its test split).
 """
 import argparse
 import json
@@ -104,7 +110,19 @@ def movielens_data(args):
                                drop_remainder=True).map(to_model_inputs)
         return dataset.take(MOVIELENS_CYCLE).cache().repeat().prefetch(2)
 
-    return Data(table_sizes, bag_sizes, 0, dataset_fn)
+    test_files = split_files(data_dir, "test", metadata)
+
+    def eval_dataset_fn(context):
+        """Each input pipeline's share of the test split's batches, in order."""
+        batch = context.get_per_replica_batch_size(args.global_batch)
+        dataset = make_dataset(test_files, schema, batch, shuffle=False, num_epochs=1,
+                               drop_remainder=True)
+        return dataset.shard(context.num_input_pipelines,
+                             context.input_pipeline_id).map(to_model_inputs)
+
+    result = Data(table_sizes, bag_sizes, 0, dataset_fn)
+    result.eval_dataset_fn = eval_dataset_fn
+    return result
 
 
 # --- embeddings: inputs dict -> list of [B, D] vectors -----------------------------------------
@@ -300,6 +318,9 @@ def run_fit(args, data):
                    "auto_timed_steps": args.auto_timed_steps}
         if args.collectives != "tf":  # the keyword of the Horovod backend (issue 7)
             options["collectives"] = args.collectives
+        if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
+            forward, _, backward = args.wire_dtype.partition("-")
+            options["wire_dtype"] = {"forward": forward, "backward": backward or forward}
         strategy = tnp.NestPipeStrategy(**options)
         rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"
     with strategy.scope():
@@ -314,10 +335,21 @@ def run_fit(args, data):
     else:
         dataset = strategy.distribute_datasets_from_function(data.dataset_fn)
     timer = dlrm.StepTimer()
+    exchange = strategy.extended.embedding_exchange if kind == "sharded" else None
+    before = exchange.wire_stats() if exchange is not None else None
     model.fit(dataset, epochs=1, steps_per_epoch=args.warmup + args.steps, callbacks=[timer],
               verbose=0)
     result = summarize(timer.times, args.warmup)
     result.update(pipeline_facts(model))
+    if exchange is not None:
+        after = exchange.wire_stats()
+        steps = args.warmup + args.steps
+        result["wire_dtype"] = str(exchange.wire.dtype)
+        result["wire_bytes_per_step"] = {k: (after[k] - before[k]) / steps
+                                         for k in after if k != "clamped"}
+        result["clamped"] = after["clamped"] - before["clamped"]
+    if args.eval_batches:
+        result["auc"] = held_out_auc(args, strategy, model, data)
     profiling = None
     if args.system == "nestpipe" and args.profile_steps:
         profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps)  # noqa: E731
@@ -338,6 +370,32 @@ def pipeline_facts(model):
         facts["auto_choice"] = pipeline.choice
         facts["auto_timings_ms"] = pipeline.timings_ms
     return facts
+
+
+HELD_OUT_FIRST_BATCH = 10 ** 6  # synthetic batches from here on are never trained on
+
+
+def held_out_auc(args, strategy, model, data):
+    """The trained DLRM's AUC (tf_keras `AUC`, over the global batch) on `--eval-batches`
+    held-out global batches: recompiled with the metric (same optimizer), then `evaluate`."""
+    if args.model != "dlrm":
+        raise ValueError("--eval-batches needs --model dlrm")
+    if args.data == "synthetic":
+        log = SyntheticClickLog(data.table_sizes, seed=1)
+        eval_fn = dlrm.make_dataset_fn(log, HELD_OUT_FIRST_BATCH, args.eval_batches,
+                                       args.global_batch, repeat=False)
+    else:
+        eval_fn = data.eval_dataset_fn
+    with strategy.scope():
+        model.compile(optimizer=model.optimizer,
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+    if args.system == "single":
+        dataset = eval_fn(tf.distribute.InputContext())
+    else:
+        dataset = strategy.distribute_datasets_from_function(eval_fn)
+    return float(model.evaluate(dataset, steps=args.eval_batches, verbose=0,
+                                return_dict=True)["auc"])
 
 
 def profiling_pass(strategy, model, dataset, steps):
@@ -475,6 +533,10 @@ def main():
                         help="nestpipe pipeline=auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
+    parser.add_argument("--wire-dtype", default="fp32",
+                        help="nestpipe: FORWARD-BACKWARD wire dtypes, e.g. int8-bf16 (issue 19)")
+    parser.add_argument("--eval-batches", type=int, default=0,
+                        help="dlrm: held-out global batches for the AUC after training")
     args = parser.parse_args()
     data = synthetic_data(args) if args.data == "synthetic" else movielens_data(args)
     if args.system == "psv2":

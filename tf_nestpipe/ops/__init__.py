@@ -4,8 +4,15 @@ from tf_nestpipe.ops.gather import gather_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
 from tf_nestpipe.ops.row_init import stateless_row_init
+from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows, int8_words,
+                                  saturate_to_half)
 
 __all__ = [
+    "HALF_MAX",
+    "decode_int8_rows",
+    "encode_int8_rows",
+    "int8_words",
+    "saturate_to_half",
     "buffer_sync",
     "check_ids",
     "gather_rows",

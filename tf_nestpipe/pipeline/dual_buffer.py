@@ -11,11 +11,19 @@ row source (`FusedTables`: one table or a group fused in one id space).
   them into its prefetch buffer (the `NestpipeBufferSync` op).
 - `lookup_from_buffer`: the compute stage reads a buffer; its gradient goes back to the owners by
   the reverse all-to-all, as in the synchronous lookup.
+
+`wire` (a `collectives.wire.Wire`, None: fp32 uncounted) encodes the prefetched rows (forward)
+and the gradients (backward). With a compressed forward the sync plan's counts travel as bit
+copies in the encoded block's header entries, and the sync's fresh rows are encoded too (they
+are rows sent to a requester like any other) while their slot positions travel as exact bit
+copies next to them; with fp32 both are float columns, as before (exact below 2**24).
 """
 import tensorflow as tf
 
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, header_rows, int32_bits,
+                                          pack_header, unpack_header)
 from tf_nestpipe.sharding.lookup import exchange_rows, route
 from tf_nestpipe.sharding.records import PrefetchedRows
 
@@ -30,7 +38,7 @@ _SYNC_HEADER_ROWS = 2
 
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_updated=False,
-             share_size=None):
+             share_size=None, wire=None):
     """Routes `fused_ids` of `tables` and retrieves their rows; returns `(PrefetchedRows, plan)`.
 
     With `updated_rows` (the local rows the batch computed meanwhile updates), the owner also
@@ -42,27 +50,26 @@ def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_u
     if tables.dtype not in (tf.float32, tf.float64):
         raise ValueError("the pipelines need float32 or float64 tables; '%s' is %s"
                          % (tag, tables.dtype.name))
+    wire = wire or PLAIN
     layout = tables.layout
-    routing = route(fused_ids, layout, collectives, tag, hint, share_size)
+    routing = route(fused_ids, layout, collectives, tag, hint, share_size, wire)
     owned = tf.stop_gradient(tables.gather(routing.local_rows))
     if updated_rows is None:
-        incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False)
+        incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False,
+                                 wire=wire)
         return PrefetchedRows(routing, ops.gather_rows(incoming, routing.slot_of_bucket_pos)), None
     num_shards, dim = layout.num_shards, layout.dim
     slots, counts = ops.sync_plan(routing.slot_to_unique, routing.local_rows, updated_rows,
                                   num_shards, all_updated=all_updated)
+    # The sync (apply_sync) sends each row's slot position in a float column.
     tf.debugging.assert_less(routing.capacity, _MAX_EXACT_POSITION,
                              message="prefetch capacity too large for the float position column")
-    header = tf.stack([tf.cast(counts, owned.dtype),
-                       tf.fill([num_shards], tf.cast(tf.reduce_max(counts), owned.dtype))], 1)
-    header = tf.pad(header[..., None], [[0, 0], [0, 0], [0, dim - 1]])  # [W, 2, dim]
-    outgoing = tf.concat([header, tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
-                                             [num_shards, routing.capacity, dim])], axis=1)
-    # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
-    received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
-                                      send_counts=_SYNC_HEADER_ROWS + routing.received)
-    incoming = tf.reshape(received[:, _SYNC_HEADER_ROWS:], [-1, dim])
-    largest = tf.cast(tf.reduce_max(received[:, 1, 0]), tf.int32)  # every owner's largest count
+    if wire.forward.exact:
+        incoming, largest = _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire,
+                                                 num_shards, dim)
+    else:
+        incoming, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag,
+                                                    wire, num_shards, dim)
     bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
     width = tf.minimum(capacity, tf.shape(slots)[1])
     plan = {"slots": tf.pad(slots[:, :width], [[0, 0], [0, capacity - width]], constant_values=-1),
@@ -70,10 +77,48 @@ def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_u
     return PrefetchedRows(routing, ops.gather_rows(incoming, routing.slot_of_bucket_pos)), plan
 
 
+def _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire, num_shards, dim):
+    """The rows all-to-all headed by the sync counts as float rows (exact below 2**24):
+    returns (the received rows in slot layout, every owner's largest sync count)."""
+    header = tf.stack([tf.cast(counts, owned.dtype),
+                       tf.fill([num_shards], tf.cast(tf.reduce_max(counts), owned.dtype))], 1)
+    header = tf.pad(header[..., None], [[0, 0], [0, 0], [0, dim - 1]])  # [W, 2, dim]
+    outgoing = tf.concat([header, tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
+                                             [num_shards, routing.capacity, dim])], axis=1)
+    # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
+    send_counts = _SYNC_HEADER_ROWS + routing.received
+    with tf.control_dependencies(wire.count("forward", outgoing, collectives, send_counts)):
+        received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
+                                          send_counts=send_counts)
+    incoming = tf.reshape(received[:, _SYNC_HEADER_ROWS:], [-1, dim])
+    largest = tf.cast(tf.reduce_max(received[:, 1, 0]), tf.int32)  # every owner's largest count
+    return incoming, largest
+
+
+def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_shards, dim):
+    """`_rows_with_plan_fp32` in the wire's forward encoding: the counts ride as bit copies in
+    header entries of the encoded block (exact at any size)."""
+    codec = wire.forward
+    rows = codec.encode(tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
+                                   [num_shards, routing.capacity, dim]), wire.stats)
+    header_counts = tf.stack([counts, tf.fill([num_shards], tf.reduce_max(counts))], 1)
+    header = pack_header(header_counts, codec.wire_width(dim), rows.dtype)
+    head = header_rows(2, codec.wire_width(dim), rows.dtype)
+    outgoing = tf.concat([header, rows], axis=1)
+    send_counts = head + routing.received
+    with tf.control_dependencies(wire.count("forward", outgoing, collectives, send_counts)):
+        received = collectives.all_to_all(outgoing, codec.tag(tag + "/rows_with_plan"),
+                                          routing.bucket, send_counts=send_counts)
+    incoming = tf.reshape(codec.decode(received[:, head:], dim, owned.dtype), [-1, dim])
+    largest = tf.reduce_max(unpack_header(received[:, :head], 2)[:, 1])
+    return incoming, largest
+
+
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
-def apply_sync(tables, prefetched, plan, collectives, tag):
-    """After the update: owners send the planned rows, fresh; returns the patched buffer and the
-    number of rows this worker received."""
+def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
+    """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
+    positions exact); returns the patched buffer and the number of rows this worker received."""
+    wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
     slots = plan["slots"]  # [W, cap_s]: positions within each requester's prefetch slots
@@ -84,23 +129,38 @@ def apply_sync(tables, prefetched, plan, collectives, tag):
     unique = tf.gather(routing.slot_to_unique, tf.gather_nd(flat_slot, planned))
     fresh = tf.scatter_nd(planned, tables.gather(tf.gather(routing.local_rows, unique)),
                           tf.cast(tf.concat([tf.shape(slots), [dim]], 0), tf.int64))
-    payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
-    received = collectives.all_to_all(payload, tag + "/sync", plan["bucket"],
-                                      send_counts=tf.reduce_sum(tf.cast(valid, tf.int32), 1),
-                                      fill=-1)  # the position column's padding is -1
-    position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
+    fresh.set_shape([num_shards, None, dim])
+    codec = wire.forward
+    if codec.exact:
+        payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
+    else:  # encoded rows, then the positions' bits (a -1 fill of either dtype reads negative)
+        encoded = codec.encode(fresh, wire.stats)
+        payload = tf.concat([encoded, int32_bits(slots, encoded.dtype)], axis=-1)
+    sync_counts = tf.reduce_sum(tf.cast(valid, tf.int32), 1)
+    with tf.control_dependencies(wire.count("sync", payload, collectives, sync_counts)):
+        received = collectives.all_to_all(payload, codec.tag(tag + "/sync"), plan["bucket"],
+                                          send_counts=sync_counts,
+                                          fill=-1)  # the position column's padding is -1
+    if codec.exact:
+        position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
+        received_rows = received[..., :dim]
+    else:
+        width = codec.wire_width(dim)
+        position = from_int32_bits(received[..., width:])
+        received_rows = codec.decode(received[..., :width], dim, fresh.dtype)
     offsets = tf.cumsum(routing.splits, exclusive=True)
     target = tf.where(position >= 0, offsets[:, None] + position, -1)
     rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
-                           tf.reshape(received[..., :dim], [-1, dim]))
+                           tf.reshape(received_rows, [-1, dim]))
     return prefetched._replace(rows=rows), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
-def lookup_from_buffer(tables, prefetched, collectives, tag):
+def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
     """Compute stage: the rows of every fused id the buffer was prefetched for, in order; the
     gradient flows to the owners' rows through the reverse all-to-all (an `IndexedSlices`
-    gradient of each table)."""
+    gradient of each table) in `wire`'s backward encoding."""
+    wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
     owned = tables.gather(routing.local_rows)  # carries the gradient to the owned rows
@@ -112,9 +172,10 @@ def lookup_from_buffer(tables, prefetched, collectives, tag):
         def grad(d_unique):
             d_slots = ops.segment_sum(d_unique, routing.slot_of_bucket_pos,
                                       num_shards * routing.capacity)
-            back = collectives.all_to_all(tf.reshape(d_slots, [num_shards, routing.capacity, dim]),
-                                          tag + "/rows/grad", routing.bucket,
-                                          send_counts=routing.splits)
+            back = wire.exchange(wire.backward, "backward",
+                                 tf.reshape(d_slots, [num_shards, routing.capacity, dim]),
+                                 collectives, tag + "/rows/grad", routing.bucket,
+                                 send_counts=routing.splits)
             return ops.segment_sum(tf.reshape(back, [-1, dim]), routing.slot_to_unique,
                                    tf.size(routing.local_rows))
 

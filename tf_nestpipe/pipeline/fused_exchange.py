@@ -136,7 +136,8 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         key = round_key(round_index)
         buffers.setdefault(group, {})[key], plan = dual_buffer.prefetch(
             exchange.tables(group), ids, exchange.collectives, tag, exchange.capacity_hint(tag),
-            updated_rows=updated.get(group), all_updated=all_updated, share_size=share_size)
+            updated_rows=updated.get(group), all_updated=all_updated, share_size=share_size,
+            wire=exchange.wire)
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
     buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))
@@ -160,7 +161,8 @@ class BufferReader(_WindowAware):
         if (group, key) not in self._rows:
             self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
                 self._exchange.tables(group), self._buffers[group].rounds[key],
-                self._exchange.collectives, "nestpipe/fused/%s/%s" % (group, key))
+                self._exchange.collectives, "nestpipe/fused/%s/%s" % (group, key),
+                self._exchange.wire)
         return self._rows[(group, key)]
 
     def _take(self, counter, flat_ids):

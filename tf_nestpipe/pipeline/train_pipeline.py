@@ -214,7 +214,7 @@ class TrainPipeline:
             for key, plan in group_plans.items():
                 synced[key], count = dual_buffer.apply_sync(
                     tables, next_states[group].rounds[key], plan, self._collectives,
-                    "nestpipe/sync/%s/%s" % (group, key))
+                    "nestpipe/sync/%s/%s" % (group, key), self._exchange.wire)
                 received += count
                 sent += tf.cast(plan["rows_sent"], tf.int64)
             next_states[group] = next_states[group]._replace(rounds=synced)

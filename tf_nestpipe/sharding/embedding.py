@@ -123,7 +123,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         exchange = embedding_exchange_of(self._strategy)
         tables = FusedTables([self], self.layout.num_shards, self.layout.shard_index)
         return sharded_lookup(tables, flat_ids, exchange.collectives, self.name,
-                              exchange.capacity_hint(self.name))
+                              exchange.capacity_hint(self.name), exchange.wire)
 
     def _lookup(self, flat_ids):
         valid = None

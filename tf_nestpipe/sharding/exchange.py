@@ -6,13 +6,15 @@ one dim and dtype form one *group* (`FusedTables`): the pipelines route, fetch a
 all lookups of a group in one exchange per step. Groups only grow (tables registered later get
 higher offsets), so a fused id never changes meaning. Each exchange tag also keeps a capacity
 hint: the padded size its keys all-to-all uses, agreed by every worker without a collective
-(see `lookup.route`).
+(see `lookup.route`). The exchange's `wire` (a `collectives.wire.Wire`) is what its rows and
+gradient exchanges put on the wire (`NestPipeStrategy(wire_dtype=...)`) and counts their bytes.
 """
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 from tf_nestpipe.collectives.communication import (MAX_BUCKET, capacity_bucket, capacity_of_bucket,
                                                    static_capacity_bucket)
+from tf_nestpipe.collectives.wire import Wire, WireStats
 from tf_nestpipe.sharding.tables import FusedTables
 
 # The keys all-to-all starts at this padded size per pair of workers; it then follows the
@@ -65,6 +67,16 @@ class EmbeddingExchange:
         self.num_workers = num_workers
         self._groups = {}  # group key -> [layer, ...] in registration order
         self._hints = {}
+        self.wire = Wire("fp32", WireStats(collectives.device))
+
+    def set_wire_dtype(self, wire_dtype):
+        """Sets the encoding of the rows and gradient exchanges (see `parse_wire_dtype`); call
+        before the first step is traced. The byte counters carry on."""
+        self.wire = Wire(wire_dtype, self.wire.stats)
+
+    def wire_stats(self):
+        """The wire counters so far (on this worker): bytes sent per kind and values clamped."""
+        return self.wire.stats.read()
 
     @property
     def worker_index(self):

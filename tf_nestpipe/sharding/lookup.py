@@ -12,11 +12,15 @@ dim and dtype in one fused id space) with its `layout` and `gather(local_rows)`.
 - output: the rows all-to-all back to the requesters and the inverse-index rebuild.
 - backward (the adjoint): segment-sum per unique key (custom op), the reverse all-to-all and the
   owner's segment-sum into an `IndexedSlices` gradient of its own rows only.
+
+`wire` (a `collectives.wire.Wire`) encodes the rows and gradient exchanges and counts the bytes
+every exchange sends (the keys are never compressed); None is fp32, uncounted.
 """
 import tensorflow as tf
 
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.collectives.wire import PLAIN
 from tf_nestpipe.sharding.records import RoutingRecord
 
 
@@ -26,11 +30,12 @@ def _padded(ragged_keys, width):
         [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
 
-def route(ids, layout, collectives, tag, hint, share_size=None):
+def route(ids, layout, collectives, tag, hint, share_size=None, wire=None):
     """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
     `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
     (optional int scalar: this worker's share of the batch) rides in the keys header, so every
-    worker learns every worker's (`RoutingRecord.shares`)."""
+    worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes."""
+    wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards = layout.num_shards
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
@@ -43,8 +48,9 @@ def route(ids, layout, collectives, tag, hint, share_size=None):
     header = tf.tile(tf.concat([splits64, [share]], 0)[None, :], [num_shards, 1])
     first = tf.concat([header, _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
     first_counts = num_shards + 1 + tf.minimum(splits, hint_capacity)
-    received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
-                                            send_counts=first_counts, fill=-1)
+    with tf.control_dependencies(wire.count("keys", first, collectives, first_counts)):
+        received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
+                                                send_counts=first_counts, fill=-1)
     # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
     sent = tf.cast(received_first[:, :num_shards], tf.int32)
     largest = tf.reduce_max(sent)
@@ -52,10 +58,11 @@ def route(ids, layout, collectives, tag, hint, share_size=None):
     def overflow():
         extra_bucket, extra_capacity = capacity_bucket(largest - hint_capacity)
         rest = _padded(by_owner[:, hint_capacity:], extra_capacity)
-        with tf.control_dependencies([hint.count_overflow()]):
+        rest_counts = tf.maximum(splits - hint_capacity, 0)
+        with tf.control_dependencies([hint.count_overflow()]
+                                     + wire.count("keys", rest, collectives, rest_counts)):
             return collectives.all_to_all(rest, tag + "/keys_overflow", extra_bucket,
-                                          send_counts=tf.maximum(splits - hint_capacity, 0),
-                                          fill=-1)
+                                          send_counts=rest_counts, fill=-1)
 
     extra = tf.cond(largest > hint_capacity, overflow,
                     lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
@@ -77,14 +84,21 @@ def route(ids, layout, collectives, tag, hint, share_size=None):
                          shares=tf.cast(received_first[:, num_shards], tf.int32))
 
 
-def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True):
+def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True, wire=None):
     """Output stage: the owner's `owned` rows (one per `routing.local_rows`) go back to the
-    requesters. Returns the received rows in slot layout, `[num_shards * capacity, dim]`."""
+    requesters, in `wire`'s forward encoding (its backward one for the gradient). Returns the
+    received rows in slot layout, `[num_shards * capacity, dim]`."""
+    wire = wire or PLAIN
     outgoing = tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
                           [layout.num_shards, routing.capacity, layout.dim])
-    exchange = collectives.all_to_all_differentiable if differentiable else collectives.all_to_all
-    return tf.reshape(exchange(outgoing, tag + "/rows", routing.bucket,
-                               send_counts=routing.received), [-1, layout.dim])
+    if differentiable:
+        # The gradient goes back to each owner for the rows received from it: splits[j].
+        incoming = wire.differentiable_exchange(outgoing, collectives, tag + "/rows",
+                                                routing.bucket, routing.received, routing.splits)
+    else:
+        incoming = wire.exchange(wire.forward, "forward", outgoing, collectives, tag + "/rows",
+                                 routing.bucket, routing.received)
+    return tf.reshape(incoming, [-1, layout.dim])
 
 
 def local_lookup(source, ids, tag):
@@ -93,14 +107,14 @@ def local_lookup(source, ids, tag):
     return ops.gather_rows(source.gather(keys), inverse)
 
 
-def sharded_lookup(source, ids, collectives, tag, hint):
+def sharded_lookup(source, ids, collectives, tag, hint, wire=None):
     """Returns `table_full[ids]` (`[n, dim]`) for a vector of int64 (fused) `ids` of `source`
-    through one synchronous exchange (every stage, in order)."""
+    through one synchronous exchange (every stage, in order), on `wire` (None: fp32)."""
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     layout = source.layout
     if layout.num_shards == 1:
         return local_lookup(source, ids, tag)
-    routing = route(ids, layout, collectives, tag, hint)
+    routing = route(ids, layout, collectives, tag, hint, wire)
     owned = source.gather(routing.local_rows)  # IndexedSlices gradient on owned rows only
-    incoming = exchange_rows(owned, routing, layout, collectives, tag)
+    incoming = exchange_rows(owned, routing, layout, collectives, tag, wire=wire)
     return ops.gather_rows(incoming, tf.gather(routing.slot_of_bucket_pos, routing.inverse))

@@ -32,6 +32,7 @@ from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_o
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
+from tf_nestpipe.collectives.wire import parse_wire_dtype
 
 COLLECTIVES = ("tf", "horovod")
 
@@ -375,6 +376,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
     dataset batched without `drop_remainder=True`) is refused on every worker before it runs
     (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
     differ from one process's.
+    `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
+    for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
+    "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -384,7 +388,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
                  collectives="tf", auto_warmup_steps=1, auto_timed_steps=5,
-                 startup_timeout_seconds=None, check_equal_shares=True):
+                 startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32"):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -399,6 +403,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
                              "and %r" % (auto_warmup_steps, auto_timed_steps))
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
+        # --- issue 19: compressed exchanges (checked before the cluster starts) ---
+        self.wire_dtype = parse_wire_dtype(wire_dtype)
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
         self.auto_timed_steps = int(auto_timed_steps)
@@ -418,6 +424,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
                                           collective_timeout_seconds, collectives,
                                           check_equal_shares))
+        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
 
     @property
     def check_equal_shares(self):
