@@ -114,7 +114,7 @@ def sharded_lookup(source, ids, collectives, tag, hint, wire=None):
     layout = source.layout
     if layout.num_shards == 1:
         return local_lookup(source, ids, tag)
-    routing = route(ids, layout, collectives, tag, hint, wire)
+    routing = route(ids, layout, collectives, tag, hint, wire=wire)
     owned = source.gather(routing.local_rows)  # IndexedSlices gradient on owned rows only
     incoming = exchange_rows(owned, routing, layout, collectives, tag, wire=wire)
     return ops.gather_rows(incoming, tf.gather(routing.slot_of_bucket_pos, routing.inverse))
