@@ -171,24 +171,30 @@ for _ in range(3):
 trainer.join()
 kill_task_soon("ps", 0, 0.0).join()
 start = time.time()
+phase = "schedule"
 try:
-    # Time-bounded, not a count: under CPU load the coordinator takes longer to record the
-    # failed closures (3,000 schedules once ran out first, in a loaded full-suite run).
-    while time.time() - start < 120:
+    while time.time() - start < 60:
         trainer.schedule(iterator)
         time.sleep(0.01)
-    print("NO ERROR FROM SCHEDULE", flush=True)
+    # TensorFlow's coordinator may treat the failed closures as a transient connectivity
+    # failure (seen in loaded full-suite runs) and leave the error to join.
+    phase = "join"
+    trainer.join()
+    print("NO ERROR FROM SCHEDULE OR JOIN", flush=True)
 except Exception as error:
-    print("schedule raised %s after %.1f s: %s" % (type(error).__name__, time.time() - start,
-                                                    str(error)[:400]), flush=True)
+    print("%s raised %s after %.1f s: %s" % (phase, type(error).__name__, time.time() - start,
+                                            str(error)[:400]), flush=True)
 """
 
 
 @pytest.mark.cluster
 def test_a_ps_killed_while_schedule_runs_is_explained_by_schedule(tmp_path):
-    """A real ps failure (its server SIGKILLed) surfaces in DownpourTrainer.schedule, not only
-    in join, as a ParameterServerUnavailableError naming the task (plain TF_CONFIG processes:
-    the launcher would tear the cluster down first)."""
+    """A real ps failure (its server SIGKILLed) while DownpourTrainer.schedule runs surfaces as
+    a ParameterServerUnavailableError naming the task, never a raw UnavailableError: in
+    schedule, or in join where TensorFlow's coordinator took it for a transient connectivity
+    failure at first (plain TF_CONFIG processes: the launcher would tear the cluster down
+    first). test_schedule_and_join_explain_a_ps_failure_and_pass_other_errors checks that
+    schedule itself wraps the error, deterministically."""
     import subprocess
 
     from tf_nestpipe.launch.local_cluster import free_ports
@@ -213,5 +219,6 @@ def test_a_ps_killed_while_schedule_runs_is_explained_by_schedule(tmp_path):
                 server.kill()
             server.wait()
     assert "killed ps 0" in chief.stdout, chief.stdout[-3000:]
-    assert "schedule raised ParameterServerUnavailableError" in chief.stdout, chief.stdout[-3000:]
+    assert ("schedule raised ParameterServerUnavailableError" in chief.stdout
+            or "join raised ParameterServerUnavailableError" in chief.stdout), chief.stdout[-3000:]
     assert "parameter server /job:ps/task:0 became unavailable" in chief.stdout
