@@ -83,7 +83,7 @@ class Collectives:
         self._last_in_graph = weakref.WeakKeyDictionary()  # graph -> {stream: last collective}
         self._stream = threading.local()
         self._tokens = {}
-        for name in ("main", "prefetch", "sync_plan"):
+        for name in ("main", "prefetch"):
             self._ordering_token(name)
         self._eager_key = _EAGER_KEY_BASE
 
