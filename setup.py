@@ -12,6 +12,7 @@ OP_SOURCES = [
     "ops/init_ops.cc",
     "ops/pipeline_ops.cc",
     "ops/routing_ops.cc",
+    "ops/socket_ops.cc",
     "ops/wire_ops.cc",
 ]
 

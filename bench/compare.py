@@ -44,7 +44,7 @@ DATA = ["synthetic", "movielens-1m"]
 BASELINES = ["mwms", "psv2", "hvd_replicated"]
 PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall"]
 PIPELINES = ["none", "dbp", "fwp", "nested", "auto"]
-COLLECTIVES = ["tf", "horovod"]
+COLLECTIVES = ["sockets", "tf", "horovod"]
 ALL_OURS = ["nestpipe:%s:%s" % (p, c) for c in COLLECTIVES for p in PIPELINES]
 # Targets on 2 workers (issue 7): efficiency, and ours' throughput over each baseline.
 TARGET_WORKERS = 2

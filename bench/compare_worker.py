@@ -316,8 +316,7 @@ def run_fit(args, data):
     else:
         options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches,
                    "auto_timed_steps": args.auto_timed_steps}
-        if args.collectives != "tf":  # the keyword of the Horovod backend (issue 7)
-            options["collectives"] = args.collectives
+        options["collectives"] = args.collectives  # sockets, tf or horovod (issue 7)
         if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}

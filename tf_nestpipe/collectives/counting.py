@@ -2,11 +2,11 @@
 whatever its size, so their number per step decides the step time."""
 import collections
 
-# TensorFlow's collective ops and Horovod's (matched by prefix).
+# TensorFlow's collective ops, the socket mesh's all-to-all, and Horovod's (matched by prefix).
 _TF_COLLECTIVES = ("CollectiveAllToAllV2", "CollectiveAllToAllV3", "CollectiveGatherV2",
                    "CollectiveReduceV2", "CollectiveReduceScatterV2", "CollectiveBcastSendV2",
                    "CollectiveBcastRecvV2", "CollectiveReduce", "CollectiveGather",
-                   "CollectiveBcastSend", "CollectiveBcastRecv")
+                   "CollectiveBcastSend", "CollectiveBcastRecv", "NestpipeSocketAllToAll")
 _BRANCHING = ("If", "StatelessIf", "Case", "StatelessCase")
 _LOOPING = ("While", "StatelessWhile")
 

@@ -32,9 +32,10 @@ from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_o
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
 from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
+from tf_nestpipe.collectives.sockets import SocketCollectives, log_fallback
 from tf_nestpipe.collectives.wire import parse_wire_dtype
 
-COLLECTIVES = ("tf", "horovod")
+COLLECTIVES = ("auto", "sockets", "tf", "horovod")
 
 
 # --- start-up checks (issue 17) -------------------------------------------------------------
@@ -49,7 +50,7 @@ def check_cluster_at_startup(config, collectives, timeout=None):
         return
     check_synchronous_roles(config)
     key = (cluster_check.fingerprint(config.cluster), config.task_type, config.task_index)
-    if collectives != "tf" or key in _checked_clusters:
+    if collectives == "horovod" or key in _checked_clusters:
         return  # Horovod checks its own rendezvous; a second strategy reuses the server
     cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
                                    timeout=timeout)
@@ -61,7 +62,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 collective_timeout_seconds=0, collectives="tf", check_equal_shares=True):
+                 collective_timeout_seconds=0, collectives="auto", check_equal_shares=True):
         self._nestpipe_backend = collectives
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
@@ -83,7 +84,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 timeout_seconds=collective_timeout_seconds)
             self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, size)
             return
-        self._nestpipe_collectives = Collectives(
+        # "auto" / "sockets": the exchange on the socket mesh once it is open (below).
+        collectives_class = Collectives if collectives == "tf" else SocketCollectives
+        self._nestpipe_collectives = collectives_class(
             num_workers=self._num_workers,
             worker_index=self._id_in_cluster,
             device=self.worker_devices[0],
@@ -91,6 +94,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                                                   self._local_device_type),
             timeout_seconds=collective_timeout_seconds)
         self._nestpipe_collectives.worker_index = self._collective_rank()
+        if collectives != "tf" and self._num_workers > 1:
+            self._open_socket_mesh(collectives)
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
 
@@ -151,6 +156,24 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             devices = ("/device:%s:0" % device_type,)
         super()._initialize_local(cluster_resolver, devices=devices[:1])
 
+    def _open_socket_mesh(self, collectives):
+        """Moves the embedding exchange onto the socket mesh (`tf_nestpipe.collectives.sockets`):
+        on CPU with "auto" when every worker connects (else TensorFlow's collectives, worker 0
+        saying why); always with "sockets" (else an error naming the reason)."""
+        if collectives == "auto" and self._local_device_type != "CPU":
+            return  # NCCL on GPU
+        address = self._cluster_resolver.cluster_spec().task_address(self._task_type,
+                                                                     self._task_id)
+        connected, reason = self._nestpipe_collectives.connect(address.rsplit(":", 1)[0])
+        if connected:
+            return
+        if collectives == "sockets":
+            raise RuntimeError("NestPipeStrategy(collectives='sockets'): the workers could not "
+                               "open their socket mesh: %s. Open the workers' ports to each "
+                               "other, or use collectives='auto' (falls back to TensorFlow's "
+                               "collectives) or 'tf'." % reason)
+        log_fallback(self._nestpipe_collectives.worker_index, reason)
+
     def _collective_rank(self):
         """This worker's rank in the collective group, i.e. the row an all-to-all sends it.
 
@@ -173,8 +196,11 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
     @property
     def collectives_backend(self):
-        """"tf" (TensorFlow collectives) or "horovod" (`HorovodCollectives`)."""
-        return self._nestpipe_backend
+        """The embedding exchange's transport: "sockets" (the socket mesh, see
+        `tf_nestpipe.collectives.sockets`), "tf" (TensorFlow collectives) or "horovod"."""
+        if self._nestpipe_backend == "horovod":
+            return "horovod"
+        return self._nestpipe_collectives.backend
 
     @property
     def num_workers(self):
@@ -269,16 +295,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
-        if dense and self._nestpipe_backend == "horovod":
-            reduced = self._horovod_reduce(reduce_op, [p[0] for _, p in dense])
-            for (i, _), value in zip(dense, reduced):
+        local = [(i, p) for i, p in dense if self._reduces_on_backend(p[0])]
+        if local:  # Horovod, or the socket mesh: one grouped sum for all of them
+            reduced = self._backend_reduce(reduce_op, [p[0] for _, p in local])
+            for (i, _), value in zip(local, reduced):
                 results[i] = value
-        elif dense:
+        rest = [(i, p) for i, p in dense if results[i] is None]
+        if rest:
             # One packed all-reduce needs every value on its destination's device: a gradient
             # computed from values the pipelines kept between steps can carry no device.
             reduced = super()._batch_reduce_to(
-                reduce_op, [(self._on_worker_device(v), d) for _, (v, d) in dense], options)
-            for (i, _), value in zip(dense, reduced):
+                reduce_op, [(self._on_worker_device(v), d) for _, (v, d) in rest], options)
+            for (i, _), value in zip(rest, reduced):
                 results[i] = value
         for i, (value, destination) in enumerate(pairs):
             if results[i] is None:
@@ -286,6 +314,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 # all-to-all: pass them through, never all-reduce them.
                 results[i] = value
         return results
+
+    def _reduces_on_backend(self, value):
+        """Whether `value` is summed by our backend rather than TensorFlow's all-reduce: every
+        value under Horovod; on the socket mesh the dense ones (IndexedSlices, e.g. of a
+        replicated Keras Embedding, keep TensorFlow's all-gather)."""
+        if self._nestpipe_backend == "horovod":
+            return True
+        if self._nestpipe_collectives.backend != "sockets":
+            return False
+        if isinstance(value, _dist_values.DistributedValues):
+            value = value.values[0]
+        return not isinstance(value, tf.IndexedSlices)
 
     def _on_worker_device(self, value):
         """A plain tensor `value` placed on this worker's device (an identity there), so that
@@ -299,15 +339,16 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
-        if self._nestpipe_backend == "horovod":
+        if self._reduces_on_backend(value):
             if isinstance(value, _dist_values.Mirrored) and reduce_op == _reduce_util.ReduceOp.MEAN:
                 return value
-            return self._horovod_reduce(reduce_op, [value])[0]
+            return self._backend_reduce(reduce_op, [value])[0]
         return super()._reduce_to(reduce_op, value, destinations, options)
 
-    def _horovod_reduce(self, reduce_op, values):
-        """Sums this worker's `values` over all workers with `hvd.allreduce` (divided by the
-        number of replicas for MEAN): what the TF path's all-reduce computes."""
+    def _backend_reduce(self, reduce_op, values):
+        """Sums this worker's `values` over all workers with our backend's `all_reduce_sum`
+        (Horovod's, or the socket mesh's; divided by the number of replicas for MEAN): what the
+        TF path's all-reduce computes."""
         local = []
         for value in values:
             if isinstance(value, _dist_values.DistributedValues):
@@ -364,6 +405,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
     both: the next batch is prefetched micro-batch by micro-batch while the current batch's
     micro-batches compute from their buffers. `cluster_samples=True` forms the micro-batches by
     key-centric sample clustering (same result, fewer keys in the first micro-batch).
+    `collectives="auto"` (default) carries the embedding exchange's all-to-alls on a direct TCP
+    mesh between the workers opened at start-up (`tf_nestpipe.collectives.sockets`: one
+    message per peer with the real split sizes, tens of microseconds instead of the ~1-3 ms of
+    a TensorFlow CPU collective; the dense all-reduce stays TensorFlow's), falling back to
+    TensorFlow's collectives, with a line on worker 0 saying why, when the workers cannot reach
+    each other's mesh ports (or on GPU); "sockets" insists on the mesh, "tf" never tries it.
     `collectives="horovod"` runs every cross-worker exchange through Horovod (Gloo): the
     embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
     `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
@@ -387,7 +434,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="tf", auto_warmup_steps=1, auto_timed_steps=5,
+                 collectives="auto", auto_warmup_steps=1, auto_timed_steps=5,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32"):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
