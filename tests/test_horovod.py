@@ -145,3 +145,56 @@ def test_pack_and_unpack_are_inverse(monkeypatch, sliced):
     assert packed.numpy().tolist() == [5, 6, 8, 9, 10]
     received = horovod_collectives.unpack(packed, tf.constant([3, 0, 2]), 3, -1, peers=3)
     assert received.numpy().tolist() == [[5, 6, 8], [-1, -1, -1], [9, 10, -1]]
+
+
+HOROVOD_STRATEGY = ("import tf_nestpipe as tnp\n"
+                    "s = tnp.NestPipeStrategy(collectives='horovod')\n"
+                    "print('started', s.num_workers, s.worker_index, flush=True)\n")
+
+
+def _horovod_pair(configs):
+    """Starts 2 processes with Horovod's environment (our launcher's rendezvous) and the given
+    TF_CONFIGs, each building NestPipeStrategy(collectives="horovod"); returns (codes, outputs,
+    seconds)."""
+    import subprocess
+    import time
+
+    from tf_nestpipe.launch.horovod_rendezvous import HorovodRendezvous
+
+    rendezvous = HorovodRendezvous(2)
+    start = time.time()
+    try:
+        processes = [subprocess.Popen(
+            [sys.executable, "-c", HOROVOD_STRATEGY], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, TF_CONFIG=json.dumps(c), TF_NESTPIPE_STARTUP_TIMEOUT="20",
+                     **rendezvous.env(rank))) for rank, c in enumerate(configs)]
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    finally:
+        rendezvous.stop()
+    return [p.returncode for p in processes], outputs, time.time() - start
+
+
+@pytest.mark.cluster
+def test_horovod_tasks_given_different_tf_configs_fail_naming_the_field():
+    """Issue 17's start-up check under collectives="horovod": Horovod's size and rank agree with
+    both TF_CONFIGs, but worker 1's lists another address for itself: every task fails within
+    the timeout naming the field; the same TF_CONFIG on both (the positive control) starts."""
+    _require_horovod()
+    from tf_nestpipe.launch.local_cluster import free_ports
+
+    ports = free_ports(3)
+    good = {"worker": ["127.0.0.1:%d" % p for p in ports[:2]]}
+    other = {"worker": [good["worker"][0], "127.0.0.1:%d" % ports[2]]}
+    task = lambda cluster, i: {"cluster": cluster, "task": {"type": "worker", "index": i}}
+    codes, outputs, took = _horovod_pair([task(good, 0), task(other, 1)])
+    for code, output in zip(codes, outputs):
+        assert code != 0, output[-3000:]
+        assert "ClusterMismatchError" in output and "cluster.worker[1]: worker:0 (the leader) " \
+            "has '%s', worker:1 has '%s'" % (good["worker"][1], other["worker"][1]) in output, \
+            output[-3000:]
+        assert "started" not in output
+    assert took < 60, took
+    codes, outputs, _ = _horovod_pair([task(good, 0), task(good, 1)])
+    assert codes == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert "started 2 0" in outputs[0] and "started 2 1" in outputs[1]
