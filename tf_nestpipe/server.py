@@ -1,12 +1,15 @@
 """Server entry point for tasks that only serve (ps, and workers in parameter-server mode).
 
 `python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
-can run on this task, then serves the task named by `TF_CONFIG` until killed.
+can run on this task, then serves the task named by `TF_CONFIG` until killed. Before serving,
+it takes part in the start-up cluster check of parameter-server mode (`cluster_check`, led by
+the chief): a task given another cluster fails every task, naming the field.
 """
 import sys
 
 import tensorflow as tf
 
+from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 
@@ -17,6 +20,9 @@ def main():
     if config is None:
         sys.exit("tf_nestpipe.server: TF_CONFIG is not set; it names this task's role and index.")
     load_op_library()
+    if config.cluster.get("chief"):  # parameter-server mode: the chief leads the check
+        cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
+                                       roles=cluster_check.PS_MODE_ROLES)
     server = tf.distribute.Server(tf.train.ClusterSpec(config.cluster), job_name=config.task_type,
                                   task_index=config.task_index, protocol="grpc", start=True)
     print("tf_nestpipe.server: %s:%d serving at %s" % (config.task_type, config.task_index, server.target),

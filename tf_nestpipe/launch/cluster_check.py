@@ -14,8 +14,12 @@ problem. Within `timeout` seconds every task either passes or fails with a
 - a task that never reported (named with its address), or a leader nobody listens at (named
   with its address).
 
+In parameter-server mode the ps tasks report too (`roles=PS_MODE_ROLES`): the chief leads
+(`tnp.ParameterServerStrategy`), workers and ps tasks report from `python -m tf_nestpipe.server`
+before they start serving; a worker server the launcher restarts skips it.
+
 This module imports no TensorFlow; `tf_nestpipe.strategy` calls `agree_on_cluster` once per
-process before starting TensorFlow's server.
+process before starting TensorFlow's server (under Horovod, after `hvd.init()`).
 """
 import hashlib
 import json
@@ -27,6 +31,9 @@ from typing import Dict, List, Optional, Tuple
 STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
 DEFAULT_STARTUP_TIMEOUT = 30.0
 TRAINING_ROLES = ("chief", "worker")
+PS_MODE_ROLES = ("chief", "worker", "ps")  # parameter-server mode: every task reports
+# Set by the launcher for a worker server it restarted: the cluster was checked when it started.
+RESTARTED_ENV = "TF_NESTPIPE_RESTARTED_TASK"
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
 _VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
@@ -62,9 +69,10 @@ def leader_of(cluster: Dict[str, List[str]]) -> Tuple[str, int]:
     return ("chief", 0) if cluster.get("chief") else ("worker", 0)
 
 
-def training_tasks(cluster: Dict[str, List[str]]) -> List[Tuple[str, int]]:
-    """Every chief and worker task of `cluster`."""
-    return [(role, i) for role in TRAINING_ROLES for i in range(len(cluster.get(role, [])))]
+def training_tasks(cluster: Dict[str, List[str]],
+                   roles: Tuple[str, ...] = TRAINING_ROLES) -> List[Tuple[str, int]]:
+    """Every task of `cluster` in `roles` (default: every chief and worker task)."""
+    return [(role, i) for role in roles for i in range(len(cluster.get(role, [])))]
 
 
 def describe_difference(mine: Dict[str, List[str]], mine_name: str,
@@ -154,11 +162,11 @@ def _listen(address: str, task: Tuple[str, int]) -> socket.socket:
     return server
 
 
-def _lead(cluster, me, timeout):
+def _lead(cluster, me, timeout, roles):
     """The leader's side: collect every task's report, answer them, raise on a problem."""
     server = _listen(cluster[me[0]][me[1]], me)
     deadline = time.time() + timeout
-    expected = [t for t in training_tasks(cluster) if t != me]
+    expected = [t for t in training_tasks(cluster, roles) if t != me]
     reported: Dict[Tuple[str, int], Tuple[socket.socket, dict]] = {}
     others: List[socket.socket] = []
     problem = None
@@ -292,15 +300,18 @@ def _report(cluster, me, timeout):
 
 
 def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: int,
-                     timeout: Optional[float] = None):
-    """Checks with every other chief / worker task that all were given `cluster` (see the
+                     timeout: Optional[float] = None, roles: Tuple[str, ...] = TRAINING_ROLES):
+    """Checks with every other task of `roles` (default chief / worker; `PS_MODE_ROLES` in
+    parameter-server mode, where the chief leads) that all were given `cluster` (see the
     module docstring); returns when they agree, raises `ClusterMismatchError` otherwise. A
-    no-op for a cluster of one training task."""
+    no-op for a cluster of one such task, and for a task the launcher restarted
+    (`$TF_NESTPIPE_RESTARTED_TASK`: the cluster was checked when it first started)."""
     me = (task_type, int(task_index))
-    if len(training_tasks(cluster)) < 2 or me not in training_tasks(cluster):
+    tasks = training_tasks(cluster, roles)
+    if len(tasks) < 2 or me not in tasks or os.environ.get(RESTARTED_ENV) == "1":
         return
     timeout = startup_timeout(timeout)
     if me == leader_of(cluster):
-        _lead(cluster, me, timeout)
+        _lead(cluster, me, timeout, roles)
     else:
         _report(cluster, me, timeout)
