@@ -1,10 +1,11 @@
 """Server entry point for tasks that only serve (ps, and workers in parameter-server mode).
 
 `python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
-can run on this task, then serves the task named by `TF_CONFIG` until killed. Before serving,
+can run on this task, then serves the task named by `TF_CONFIG` until killed. While serving,
 it takes part in the start-up cluster check of parameter-server mode (`cluster_check`, led by
-the chief): a task given another cluster fails every task, naming the field.
+a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field.
 """
+import os
 import sys
 
 import tensorflow as tf
@@ -20,14 +21,20 @@ def main():
     if config is None:
         sys.exit("tf_nestpipe.server: TF_CONFIG is not set; it names this task's role and index.")
     load_op_library()
-    if config.cluster.get("chief"):  # parameter-server mode: the chief leads the check
-        cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
-                                       roles=cluster_check.PS_MODE_ROLES)
     server = tf.distribute.Server(tf.train.ClusterSpec(config.cluster), job_name=config.task_type,
                                   task_index=config.task_index, protocol="grpc", start=True)
     print("tf_nestpipe.server: %s:%d serving at %s" % (config.task_type, config.task_index, server.target),
           flush=True)
+    if config.cluster.get("chief"):  # parameter-server mode: the chief leads the check
+        cluster_check.report_while_serving(config.cluster, config.task_type, config.task_index,
+                                           _exit_on_mismatch)
     server.join()
+
+
+def _exit_on_mismatch(message):
+    """The chief found this task's cluster wrong: stop serving at once, naming the cause."""
+    print("tf_nestpipe.server: ClusterMismatchError: %s" % message, flush=True)
+    os._exit(1)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

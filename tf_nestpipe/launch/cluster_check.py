@@ -15,8 +15,10 @@ problem. Within `timeout` seconds every task either passes or fails with a
   with its address).
 
 In parameter-server mode the ps tasks report too (`roles=PS_MODE_ROLES`): the chief leads
-(`tnp.ParameterServerStrategy`), workers and ps tasks report from `python -m tf_nestpipe.server`
-before they start serving; a worker server the launcher restarts skips it.
+(`tnp.ParameterServerStrategy`, before it connects to the cluster) and `python -m
+tf_nestpipe.server` reports while it serves (`report_while_serving`: a PS-mode server's start
+does not wait for peers, and a chief that leads no check, e.g. TensorFlow's own
+`ParameterServerStrategy`, must not stop it); a worker server the launcher restarts skips it.
 
 This module imports no TensorFlow; `tf_nestpipe.strategy` calls `agree_on_cluster` once per
 process before starting TensorFlow's server (under Horovod, after `hvd.init()`).
@@ -25,6 +27,7 @@ import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
@@ -37,11 +40,16 @@ RESTARTED_ENV = "TF_NESTPIPE_RESTARTED_TASK"
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
 _VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
+_SERVER_REPORT_TIMEOUT = 7 * 24 * 3600.0  # a serving task waits for the chief's check this long
 
 
 class ClusterMismatchError(RuntimeError):
     """The tasks of a cluster disagree about it, or one of them cannot be reached; the message
     names the field or the address and what to fix."""
+
+
+class LeaderVerdictError(ClusterMismatchError):
+    """The leader answered this task's report: the cluster is wrong (the message says how)."""
 
 
 def startup_timeout(value: Optional[float] = None) -> float:
@@ -295,7 +303,7 @@ def _report(cluster, me, timeout):
                 "process may duplicate a running task, or another program holds the port)."
                 % (_name(me), _name(leader), address))
         if not answer.get("ok"):
-            raise ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
+            raise LeaderVerdictError("%s: %s" % (_name(me), answer.get("error")))
         return
 
 
@@ -315,3 +323,28 @@ def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: 
         _lead(cluster, me, timeout, roles)
     else:
         _report(cluster, me, timeout)
+
+
+def report_while_serving(cluster: Dict[str, List[str]], task_type: str, task_index: int,
+                         on_mismatch, timeout: Optional[float] = None) -> threading.Thread:
+    """Parameter-server mode, a worker or ps server: reports to the chief in a background
+    thread (PS_MODE_ROLES). If the chief answers that the cluster is wrong, calls
+    `on_mismatch(message)` (the server exits); if no chief leads a check (not started, not
+    tnp.ParameterServerStrategy, or a restarted task), it logs one line and the server goes
+    on serving, as before. Waiting costs nothing here, so by default it waits for the chief
+    (which may run much user code before building its strategy) for `_SERVER_REPORT_TIMEOUT`;
+    the chief's own timeout bounds the check. Returns the (daemon) thread."""
+
+    def check():
+        try:
+            agree_on_cluster(cluster, task_type, task_index,
+                             timeout=_SERVER_REPORT_TIMEOUT if timeout is None else timeout,
+                             roles=PS_MODE_ROLES)
+        except LeaderVerdictError as error:
+            on_mismatch(str(error))
+        except ClusterMismatchError as error:
+            print("tf_nestpipe.server: no start-up cluster check (%s)" % error, flush=True)
+
+    thread = threading.Thread(target=check, name="nestpipe-cluster-check", daemon=True)
+    thread.start()
+    return thread
