@@ -273,7 +273,8 @@ def test_join_names_a_ps_whose_address_refuses_connections_while_it_waits():
         trainer._ps_addresses = [alive, dead]
         start = time.time()
         with pytest.raises(ParameterServerUnavailableError,
-                           match=r"/job:ps/task:1 at %s stopped accepting" % dead) as info:
+                           match=r"/job:ps/task:1 at %s became unavailable: it stopped "
+                                 r"accepting" % dead) as info:
             trainer.join()
         assert time.time() - start < 10
         assert isinstance(info.value.__cause__, ps_watch.UnreachablePsError)

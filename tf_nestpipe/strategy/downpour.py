@@ -296,7 +296,7 @@ class DownpourTrainer:
         self.loss_fn = loss_fn
         self.optimizer = optimizer
         # join() probes these while it waits (see ps_watch)
-        self._ps_addresses = list(strategy.cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        self._ps_addresses = list(getattr(strategy, "ps_addresses", None) or [])
         if model is None:  # `model`: a global model built in the scope already (tf_keras fit)
             with strategy.scope():
                 model = model_fn()

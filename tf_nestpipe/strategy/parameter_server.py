@@ -54,7 +54,8 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                     "--workers N --ps K --chief -- python script.py`")
             check_ps_cluster_once(config)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
-        num_ps = len(cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        self._nestpipe_ps_addresses = list(cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        num_ps = len(self._nestpipe_ps_addresses)
         if hasattr(variable_partitioner, "bind"):
             variable_partitioner.bind(num_ps)
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
@@ -65,6 +66,11 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def variable_partitioner(self):
         """The partitioner variables created in the scope are sharded with (or None)."""
         return self.extended._variable_partitioner  # pylint: disable=protected-access
+
+    @property
+    def ps_addresses(self):
+        """The ps tasks' addresses, in task order (from the cluster this strategy was built on)."""
+        return list(self._nestpipe_ps_addresses)
 
     @property
     def num_ps(self):

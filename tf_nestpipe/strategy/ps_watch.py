@@ -20,7 +20,8 @@ class UnreachablePsError(RuntimeError):
 
     def __init__(self, tasks: Dict[int, str], detail: str):
         self.tasks = dict(tasks)
-        super().__init__("parameter server %s stopped accepting connections (%s)" % (
+        super().__init__("parameter server %s became unavailable: it stopped accepting "
+                         "connections (%s)" % (
             ", ".join("/job:ps/task:%d at %s" % kv for kv in sorted(self.tasks.items())), detail))
 
 
