@@ -48,10 +48,6 @@ class ClusterMismatchError(RuntimeError):
     names the field or the address and what to fix."""
 
 
-class LeaderVerdictError(ClusterMismatchError):
-    """The leader answered this task's report: the cluster is wrong (the message says how)."""
-
-
 def startup_timeout(value: Optional[float] = None) -> float:
     """`value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s."""
     if value is None:
@@ -303,7 +299,9 @@ def _report(cluster, me, timeout):
                 "process may duplicate a running task, or another program holds the port)."
                 % (_name(me), _name(leader), address))
         if not answer.get("ok"):
-            raise LeaderVerdictError("%s: %s" % (_name(me), answer.get("error")))
+            error = ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
+            error.leader_verdict = True  # the leader answered: the cluster is wrong
+            raise error
         return
 
 
@@ -340,9 +338,10 @@ def report_while_serving(cluster: Dict[str, List[str]], task_type: str, task_ind
             agree_on_cluster(cluster, task_type, task_index,
                              timeout=_SERVER_REPORT_TIMEOUT if timeout is None else timeout,
                              roles=PS_MODE_ROLES)
-        except LeaderVerdictError as error:
-            on_mismatch(str(error))
         except ClusterMismatchError as error:
+            if getattr(error, "leader_verdict", False):
+                on_mismatch(str(error))
+                return
             print("tf_nestpipe.server: no start-up cluster check (%s)" % error, flush=True)
 
     thread = threading.Thread(target=check, name="nestpipe-cluster-check", daemon=True)
