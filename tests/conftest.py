@@ -47,7 +47,7 @@ def reference_of(run):
 # `pytest -m "not cluster"` runs the fast in-process subset.
 CLUSTER_FIXTURES = {"exactness_results", "checkpoint_runs", "keras_checkpoint_runs", "ps_results",
                     "downpour_results", "horovod_results", "autoshard_results", "tfrs_results",
-                    "restore_results", "share_results"}
+                    "restore_results", "share_results", "readme_runs"}
 
 
 def pytest_collection_modifyitems(config, items):
@@ -111,3 +111,18 @@ def fetch_movielens_or_skip(name):
         if "could not download" in str(e):
             pytest.skip("the PyPI registry cannot be reached to fetch %s: %s" % (name, e))
         raise
+
+
+@pytest.fixture(scope="session")
+def readme_runs(tmp_path_factory):
+    """The README's python examples (`tests/programs/readme_examples.py`): the main session on
+    one local worker ("one") and on 2 workers ("two"), the parameter-server block on a chief + 1
+    worker + 1 ps cluster ("ps"). Returns each run's CompletedProcess."""
+    out = tmp_path_factory.mktemp("readme")
+    runner = [os.path.join(PROGRAMS, "readme_examples.py"), os.path.join(REPO, "README.md")]
+    one = run_command([sys.executable] + runner + ["main", str(out / "one")], timeout=600)
+    two = launch(2, runner + ["main", str(out / "two")], timeout=900)
+    ps = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps", "1",
+                      "--chief", "--", sys.executable] + runner + ["ps", str(out / "ps")],
+                     timeout=600)
+    return {"one": one, "two": two, "ps": ps}

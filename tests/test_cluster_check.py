@@ -204,3 +204,117 @@ def test_a_leader_that_gives_no_verdict_in_time_is_reported(monkeypatch):
     assert time.time() - start < 3
     thread.join(15)
     assert "waiting at %s for worker:2 to report" % cluster["worker"][0] in results[0]
+
+
+# --- parameter-server mode: the chief leads, workers and ps tasks report ----------------------
+def _ps_cluster(ports=None):
+    ports = ports or free_ports(3)
+    return {"chief": ["127.0.0.1:%d" % ports[0]], "worker": ["127.0.0.1:%d" % ports[1]],
+            "ps": ["127.0.0.1:%d" % ports[2]]}
+
+
+def _run_ps_tasks(tasks, timeout=5.0):
+    """Like `_run_tasks` for (cluster, role, index) with PS_MODE_ROLES."""
+    results = [None] * len(tasks)
+
+    def one(position, cluster, role, index):
+        start = time.time()
+        try:
+            agree_on_cluster(cluster, role, index, timeout=timeout,
+                             roles=cluster_check.PS_MODE_ROLES)
+            results[position] = ("ok", time.time() - start)
+        except ClusterMismatchError as error:
+            results[position] = (str(error), time.time() - start)
+
+    threads = [threading.Thread(target=one, args=(i,) + t) for i, t in enumerate(tasks)]
+    for thread in threads:
+        thread.start()
+        time.sleep(0.05)
+    for thread in threads:
+        thread.join(timeout + 20)
+    return results
+
+
+def test_ps_mode_tasks_given_the_same_cluster_agree():  # positive control of the two below
+    cluster = _ps_cluster()
+    results = _run_ps_tasks([(cluster, "ps", 0), (cluster, "worker", 0), (cluster, "chief", 0)])
+    assert [r[0] for r in results] == ["ok"] * 3, results
+
+
+def test_ps_mode_a_ps_task_given_another_cluster_fails_every_task():
+    cluster = _ps_cluster()
+    other = dict(cluster, ps=cluster["ps"] + ["127.0.0.1:1"])  # the ps thinks there are 2
+    results = _run_ps_tasks([(other, "ps", 0), (cluster, "worker", 0), (cluster, "chief", 0)])
+    for message, took in results:
+        assert "the tasks were given different clusters: cluster.ps: chief:0 (the leader) lists " \
+            "1 address(es)" in message and "ps:0 lists 2" in message, results
+        assert took < 5
+
+
+def test_ps_mode_a_restarted_task_skips_the_check(monkeypatch):
+    """A worker server the launcher restarted does not wait for a leader that stopped listening
+    (its cluster was checked when it first started)."""
+    monkeypatch.setenv(cluster_check.RESTARTED_ENV, "1")
+    start = time.time()
+    agree_on_cluster(_ps_cluster(), "worker", 0, timeout=5, roles=cluster_check.PS_MODE_ROLES)
+    assert time.time() - start < 1
+    monkeypatch.delenv(cluster_check.RESTARTED_ENV)
+    with pytest.raises(ClusterMismatchError, match="nobody answered at the leader chief:0"):
+        agree_on_cluster(_ps_cluster(), "worker", 0, timeout=1, roles=cluster_check.PS_MODE_ROLES)
+
+
+PS_CHIEF = textwrap.dedent("""
+    import tf_nestpipe as tnp
+    strategy = tnp.ParameterServerStrategy()
+    print("started", strategy.num_workers, strategy.num_ps, flush=True)
+""")
+
+
+@pytest.mark.cluster
+def test_ps_mode_processes_given_different_clusters_fail_fast_on_every_task():
+    """Real processes: the chief (tnp.ParameterServerStrategy), a worker and a ps server
+    (`python -m tf_nestpipe.server`), the worker's TF_CONFIG naming another ps address: every
+    task exits within the timeout naming the field (before, the servers started, and the worker
+    would look for the ps at an address nobody serves)."""
+    cluster = _ps_cluster()
+    other = dict(cluster, ps=["127.0.0.1:%d" % free_ports(1)[0]])
+    tasks = [("chief", cluster, [sys.executable, "-c", PS_CHIEF]),
+             ("worker", other, [sys.executable, "-m", "tf_nestpipe.server"]),
+             ("ps", cluster, [sys.executable, "-m", "tf_nestpipe.server"])]
+    start = time.time()
+    processes = [subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=dict(os.environ, TF_CONFIG=json.dumps({"cluster": c, "task": {"type": role,
+                                                                          "index": 0}}),
+                 TF_NESTPIPE_STARTUP_TIMEOUT="20")) for role, c, argv in tasks]
+    try:
+        outputs = [p.communicate(timeout=90)[0] for p in processes]
+    finally:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+    took = time.time() - start
+    expected = "cluster.ps[0]: chief:0 (the leader) has '%s', worker:0 has '%s'" % (
+        cluster["ps"][0], other["ps"][0])
+    for process, output in zip(processes, outputs):
+        assert process.returncode != 0, output[-3000:]
+        assert "ClusterMismatchError" in output and expected in output, output[-3000:]
+        assert "started" not in output
+    assert took < 40, took
+
+
+def test_ps_mode_server_reporting_while_serving_exits_only_on_the_chiefs_verdict():
+    """`report_while_serving`: a chief that leads no check (nobody at its address, or TF's own
+    ParameterServerStrategy) leaves the server serving; the leader's "wrong cluster" verdict
+    calls on_mismatch with the field."""
+    cluster = _ps_cluster()
+    verdicts = []
+    thread = cluster_check.report_while_serving(cluster, "ps", 0, verdicts.append, timeout=1)
+    thread.join(10)
+    assert not thread.is_alive() and verdicts == []  # no leader: no verdict, keeps serving
+    other = dict(cluster, worker=["127.0.0.1:1"])
+    thread = cluster_check.report_while_serving(other, "ps", 0, verdicts.append, timeout=5)
+    results = _run_ps_tasks([(cluster, "worker", 0), (cluster, "chief", 0)])
+    thread.join(10)
+    assert len(verdicts) == 1 and "cluster.worker[0]" in verdicts[0], verdicts
+    assert all("cluster.worker[0]" in message for message, _ in results), results

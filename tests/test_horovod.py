@@ -36,9 +36,13 @@ def horovod_results(tmp_path_factory):
     ref = run_command([sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
                        str(STEPS)] + reference_runs)
     assert ref.returncode == 0, ref.stdout[-4000:]
+    surface_ref = run_command([sys.executable, os.path.join(PROGRAMS, "horovod_surface.py"),
+                               str(out / "surface_ref")])
+    assert surface_ref.returncode == 0, surface_ref.stdout[-4000:]
     launched = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
                             "--horovod", "--", sys.executable, program, str(out / "launch"),
-                            str(STEPS)] + LAUNCHER_RUNS + ["--check-splits"], timeout=600)
+                            str(STEPS)] + LAUNCHER_RUNS + ["--check-splits", "--surface",
+                                                           str(out / "surface")], timeout=600)
     assert launched.returncode == 0, launched.stdout[-6000:]
     horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
                                                             "horovodrun")
@@ -50,7 +54,8 @@ def horovod_results(tmp_path_factory):
     assert hvdrun.returncode == 0, hvdrun.stdout[-6000:]
     return {"ref": str(out / "ref"), "launch": str(out / "launch"),
             "horovodrun": str(out / "horovodrun"), "launch_log": launched.stdout,
-            "horovodrun_log": hvdrun.stdout}
+            "horovodrun_log": hvdrun.stdout, "surface_ref": str(out / "surface_ref"),
+            "surface": str(out / "surface")}
 
 
 def _assert_equal_to_reference(results, prefix_key, spec):
@@ -145,3 +150,76 @@ def test_pack_and_unpack_are_inverse(monkeypatch, sliced):
     assert packed.numpy().tolist() == [5, 6, 8, 9, 10]
     received = horovod_collectives.unpack(packed, tf.constant([3, 0, 2]), 3, -1, peers=3)
     assert received.numpy().tolist() == [[5, 6, 8], [-1, -1, -1], [9, 10, -1]]
+
+
+HOROVOD_STRATEGY = ("import tf_nestpipe as tnp\n"
+                    "s = tnp.NestPipeStrategy(collectives='horovod')\n"
+                    "print('started', s.num_workers, s.worker_index, flush=True)\n")
+
+
+def _horovod_pair(configs):
+    """Starts 2 processes with Horovod's environment (our launcher's rendezvous) and the given
+    TF_CONFIGs, each building NestPipeStrategy(collectives="horovod"); returns (codes, outputs,
+    seconds)."""
+    import subprocess
+    import time
+
+    from tf_nestpipe.launch.horovod_rendezvous import HorovodRendezvous
+
+    rendezvous = HorovodRendezvous(2)
+    start = time.time()
+    try:
+        processes = [subprocess.Popen(
+            [sys.executable, "-c", HOROVOD_STRATEGY], stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, TF_CONFIG=json.dumps(c), TF_NESTPIPE_STARTUP_TIMEOUT="20",
+                     **rendezvous.env(rank))) for rank, c in enumerate(configs)]
+        outputs = [p.communicate(timeout=120)[0] for p in processes]
+    finally:
+        rendezvous.stop()
+    return [p.returncode for p in processes], outputs, time.time() - start
+
+
+@pytest.mark.cluster
+def test_horovod_tasks_given_different_tf_configs_fail_naming_the_field():
+    """Issue 17's start-up check under collectives="horovod": Horovod's size and rank agree with
+    both TF_CONFIGs, but worker 1's lists another address for itself: every task fails within
+    the timeout naming the field; the same TF_CONFIG on both (the positive control) starts."""
+    _require_horovod()
+    from tf_nestpipe.launch.local_cluster import free_ports
+
+    ports = free_ports(3)
+    good = {"worker": ["127.0.0.1:%d" % p for p in ports[:2]]}
+    other = {"worker": [good["worker"][0], "127.0.0.1:%d" % ports[2]]}
+    task = lambda cluster, i: {"cluster": cluster, "task": {"type": "worker", "index": i}}
+    codes, outputs, took = _horovod_pair([task(good, 0), task(other, 1)])
+    for code, output in zip(codes, outputs):
+        assert code != 0, output[-3000:]
+        assert "ClusterMismatchError" in output and "cluster.worker[1]: worker:0 (the leader) " \
+            "has '%s', worker:1 has '%s'" % (good["worker"][1], other["worker"][1]) in output, \
+            output[-3000:]
+        assert "started" not in output
+    assert took < 60, took
+    codes, outputs, _ = _horovod_pair([task(good, 0), task(good, 1)])
+    assert codes == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    assert "started 2 0" in outputs[0] and "started 2 1" in outputs[1]
+
+
+def test_keras_surface_paths_under_horovod_equal_one_process(horovod_results):
+    """Issue 16's Keras paths with collectives="horovod" (2 workers, our launcher): fit, predict
+    (all 100 rows in input order on every worker), a .h5 holding whole tables (a fresh model
+    loads them back equal), and a custom train_step's raw total_loss (summed over the workers:
+    equal on both and to one process's)."""
+    ref = np.load(os.path.join(horovod_results["surface_ref"], "rank0.npz"))
+    workers = [np.load(os.path.join(horovod_results["surface"], "rank%d.npz" % r))
+               for r in (0, 1)]
+    trained = [k for k in ref.files if k.startswith("trained/")]
+    assert len(trained) == 6 and ref["trained/table_a"].shape == (37, 4)
+    for got in workers:
+        for key in trained:
+            np.testing.assert_allclose(got[key], ref[key], atol=1e-5, err_msg=key)
+            np.testing.assert_array_equal(got["h5/" + key[8:]], got[key], err_msg=key)
+        assert got["predict"].shape == (100, 1)
+        np.testing.assert_allclose(got["predict"], ref["predict"], atol=1e-5)
+        np.testing.assert_allclose(got["raw/total_loss"], ref["raw/total_loss"], atol=1e-5)
+    np.testing.assert_array_equal(workers[0]["raw/total_loss"], workers[1]["raw/total_loss"])

@@ -94,6 +94,19 @@ def test_h5_of_another_table_size_is_refused_naming_both_sizes(surface):
     assert "has 37 rows, but the whole table has 41" in message, message
 
 
+def test_h5_load_by_name_is_refused_on_two_workers_naming_the_fix(surface):
+    """tf_keras compares a row shard's own shape with the file's whole table (a generic shape
+    error, or with skip_mismatch=True every table skipped silently): refused, naming the fix.
+    On one process (tables not sharded) tf_keras' own by-name load works: the positive control."""
+    message = str(surface[0]["by_name_error"])
+    assert "by_name=True) is not supported for row-sharded tables" in message, message
+    assert "by_name=False" in message and "tnp.ShardedCheckpoint" in message
+    assert str(surface["ref"]["by_name_error"]) == "no error"
+    for key in _state_keys(surface["ref"], "by_name/"):
+        np.testing.assert_allclose(surface["ref"][key], surface["ref"]["h5_own/" + key[8:]],
+                                   atol=0, err_msg=key)
+
+
 def test_two_worker_training_equals_one_process(surface):
     for key in _state_keys(surface["ref"], "trained/"):
         np.testing.assert_allclose(surface[0][key], surface["ref"][key], atol=1e-6, err_msg=key)
@@ -172,6 +185,31 @@ def test_raw_values_take_one_packed_all_reduce_and_metrics_none():
     metrics_only = {"auc": tf.constant(0.7), "loss": tf.constant(1.0)}
     assert keras_outputs.reduce_step_outputs(model, strategy, metrics_only) is metrics_only
     assert len(strategy.reduced) == 1  # no collective for a step returning metrics only
+
+
+def test_raw_tensors_of_known_shape_are_summed_element_wise_in_the_same_pack():
+    """Non-scalar raw values (e.g. a per-class loss vector) are summed over the workers too, as
+    MultiWorkerMirroredStrategy sums them, in the one packed all-reduce; a value whose shape is
+    known only at run time stays this worker's (its packing could differ per worker)."""
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
+    model.compile(loss="mse")
+    model(tf.zeros([1, 2]))
+    strategy = _RecordingStrategy()
+    outputs = {"total_loss": tf.constant(1.5), "per_class": tf.constant([[1.0, 2.0], [3.0, 4.0]]),
+               "ids": tf.constant([1, 2])}  # ints are not raw float values
+    reduced = keras_outputs.reduce_step_outputs(model, strategy, outputs)
+    assert len(strategy.reduced) == 1 and strategy.reduced[0].shape == (5,)
+    assert float(reduced["total_loss"]) == 3.0
+    np.testing.assert_array_equal(reduced["per_class"].numpy(), [[2.0, 4.0], [6.0, 8.0]])
+    assert reduced["per_class"].dtype == tf.float32 and reduced["ids"] is outputs["ids"]
+
+    @tf.function(input_signature=[tf.TensorSpec([None], tf.float32)])
+    def step(per_example):
+        return keras_outputs.reduce_step_outputs(model, strategy, {"total_loss": tf.constant(1.0),
+                                                                   "per_example": per_example})
+    result = step(tf.constant([1.0, 2.0, 3.0]))
+    np.testing.assert_array_equal(result["per_example"].numpy(), [1.0, 2.0, 3.0])  # unchanged
+    assert float(result["total_loss"]) == 2.0
 
 
 def test_tf_keras_embedding_in_the_scope_warns_with_its_name_size_and_the_fix():

@@ -112,6 +112,9 @@ def _wrap_saving(name, method):
         if getattr(_state, "saving", False):  # Model.save calls saving_api.save_model
             return method(*args, **kwargs)
         scratch = None
+        if name == "load_weights" and args and (kwargs.get("by_name") or (
+                len(args) > 2 and args[2])):  # (model, filepath, by_name, ...)
+            keras_saving.check_load_by_name(args[0])
         if writes and args:  # (model, filepath, ...)
             filepath = args[1] if len(args) > 1 else kwargs.get("filepath")
             target = _non_chief_target(args[0], filepath)

@@ -1,12 +1,16 @@
 """Server entry point for tasks that only serve (ps, and workers in parameter-server mode).
 
 `python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
-can run on this task, then serves the task named by `TF_CONFIG` until killed.
+can run on this task, then serves the task named by `TF_CONFIG` until killed. While serving,
+it takes part in the start-up cluster check of parameter-server mode (`cluster_check`, led by
+a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field.
 """
+import os
 import sys
 
 import tensorflow as tf
 
+from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 
@@ -21,7 +25,16 @@ def main():
                                   task_index=config.task_index, protocol="grpc", start=True)
     print("tf_nestpipe.server: %s:%d serving at %s" % (config.task_type, config.task_index, server.target),
           flush=True)
+    if config.cluster.get("chief"):  # parameter-server mode: the chief leads the check
+        cluster_check.report_while_serving(config.cluster, config.task_type, config.task_index,
+                                           _exit_on_mismatch)
     server.join()
+
+
+def _exit_on_mismatch(message):
+    """The chief found this task's cluster wrong: stop serving at once, naming the cause."""
+    print("tf_nestpipe.server: ClusterMismatchError: %s" % message, flush=True)
+    os._exit(1)  # pylint: disable=protected-access
 
 
 if __name__ == "__main__":

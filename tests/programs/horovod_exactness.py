@@ -63,7 +63,8 @@ def main():
     batches = exactness.make_batches(steps)
     check_splits = "--check-splits" in sys.argv
     strategies = {}
-    for spec in [a for a in sys.argv[3:] if not a.startswith("--")]:
+    surface_dir = sys.argv[sys.argv.index("--surface") + 1] if "--surface" in sys.argv else None
+    for spec in [a for a in sys.argv[3:] if not a.startswith("--") and a != surface_dir]:
         pipeline, run = spec.split("/")
         mode, opt_name = run.split(":")
         if pipeline not in strategies:
@@ -78,6 +79,10 @@ def main():
             check_splits = False
         exactness.train(strategy, batches, mode, opt_name,
                         "%s.%s.%s.%s.npz" % (prefix, pipeline, mode, opt_name))
+    if "--surface" in sys.argv:  # the tf_keras surface paths on the "none" strategy
+        import horovod_surface  # pylint: disable=import-outside-toplevel
+
+        horovod_surface.surface(strategies["none"], sys.argv[sys.argv.index("--surface") + 1])
 
 
 if __name__ == "__main__":

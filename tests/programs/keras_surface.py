@@ -262,6 +262,14 @@ def main():
         results["wrong_size_error"] = "no error" if strategy.num_workers > 1 else "single"
     except (ValueError, tf.errors.InvalidArgumentError) as error:
         results["wrong_size_error"] = str(error)
+    with strategy.scope():
+        by_name = ranker(seed=50)
+    try:  # matching by name: tf_keras' own path on one process, refused on 2 workers
+        by_name.load_weights(os.path.join(out, "w0.h5"), by_name=True)
+        results["by_name_error"] = "no error"
+        results.update(state(by_name, "by_name/"))
+    except ValueError as error:
+        results["by_name_error"] = str(error)
 
     history, lrs, evaluation = tfrs_run(strategy, x, y, test_x, test_y)
     for key, values in history.items():

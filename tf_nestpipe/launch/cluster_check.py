@@ -14,22 +14,33 @@ problem. Within `timeout` seconds every task either passes or fails with a
 - a task that never reported (named with its address), or a leader nobody listens at (named
   with its address).
 
+In parameter-server mode the ps tasks report too (`roles=PS_MODE_ROLES`): the chief leads
+(`tnp.ParameterServerStrategy`, before it connects to the cluster) and `python -m
+tf_nestpipe.server` reports while it serves (`report_while_serving`: a PS-mode server's start
+does not wait for peers, and a chief that leads no check, e.g. TensorFlow's own
+`ParameterServerStrategy`, must not stop it); a worker server the launcher restarts skips it.
+
 This module imports no TensorFlow; `tf_nestpipe.strategy` calls `agree_on_cluster` once per
-process before starting TensorFlow's server.
+process before starting TensorFlow's server (under Horovod, after `hvd.init()`).
 """
 import hashlib
 import json
 import os
 import socket
+import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
 STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
 DEFAULT_STARTUP_TIMEOUT = 30.0
 TRAINING_ROLES = ("chief", "worker")
+PS_MODE_ROLES = ("chief", "worker", "ps")  # parameter-server mode: every task reports
+# Set by the launcher for a worker server it restarted: the cluster was checked when it started.
+RESTARTED_ENV = "TF_NESTPIPE_RESTARTED_TASK"
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
 _VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
+_SERVER_REPORT_TIMEOUT = 7 * 24 * 3600.0  # a serving task waits for the chief's check this long
 
 
 class ClusterMismatchError(RuntimeError):
@@ -62,9 +73,10 @@ def leader_of(cluster: Dict[str, List[str]]) -> Tuple[str, int]:
     return ("chief", 0) if cluster.get("chief") else ("worker", 0)
 
 
-def training_tasks(cluster: Dict[str, List[str]]) -> List[Tuple[str, int]]:
-    """Every chief and worker task of `cluster`."""
-    return [(role, i) for role in TRAINING_ROLES for i in range(len(cluster.get(role, [])))]
+def training_tasks(cluster: Dict[str, List[str]],
+                   roles: Tuple[str, ...] = TRAINING_ROLES) -> List[Tuple[str, int]]:
+    """Every task of `cluster` in `roles` (default: every chief and worker task)."""
+    return [(role, i) for role in roles for i in range(len(cluster.get(role, [])))]
 
 
 def describe_difference(mine: Dict[str, List[str]], mine_name: str,
@@ -154,11 +166,11 @@ def _listen(address: str, task: Tuple[str, int]) -> socket.socket:
     return server
 
 
-def _lead(cluster, me, timeout):
+def _lead(cluster, me, timeout, roles):
     """The leader's side: collect every task's report, answer them, raise on a problem."""
     server = _listen(cluster[me[0]][me[1]], me)
     deadline = time.time() + timeout
-    expected = [t for t in training_tasks(cluster) if t != me]
+    expected = [t for t in training_tasks(cluster, roles) if t != me]
     reported: Dict[Tuple[str, int], Tuple[socket.socket, dict]] = {}
     others: List[socket.socket] = []
     problem = None
@@ -287,20 +299,51 @@ def _report(cluster, me, timeout):
                 "process may duplicate a running task, or another program holds the port)."
                 % (_name(me), _name(leader), address))
         if not answer.get("ok"):
-            raise ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
+            error = ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
+            error.leader_verdict = True  # the leader answered: the cluster is wrong
+            raise error
         return
 
 
 def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: int,
-                     timeout: Optional[float] = None):
-    """Checks with every other chief / worker task that all were given `cluster` (see the
+                     timeout: Optional[float] = None, roles: Tuple[str, ...] = TRAINING_ROLES):
+    """Checks with every other task of `roles` (default chief / worker; `PS_MODE_ROLES` in
+    parameter-server mode, where the chief leads) that all were given `cluster` (see the
     module docstring); returns when they agree, raises `ClusterMismatchError` otherwise. A
-    no-op for a cluster of one training task."""
+    no-op for a cluster of one such task, and for a task the launcher restarted
+    (`$TF_NESTPIPE_RESTARTED_TASK`: the cluster was checked when it first started)."""
     me = (task_type, int(task_index))
-    if len(training_tasks(cluster)) < 2 or me not in training_tasks(cluster):
+    tasks = training_tasks(cluster, roles)
+    if len(tasks) < 2 or me not in tasks or os.environ.get(RESTARTED_ENV) == "1":
         return
     timeout = startup_timeout(timeout)
     if me == leader_of(cluster):
-        _lead(cluster, me, timeout)
+        _lead(cluster, me, timeout, roles)
     else:
         _report(cluster, me, timeout)
+
+
+def report_while_serving(cluster: Dict[str, List[str]], task_type: str, task_index: int,
+                         on_mismatch, timeout: Optional[float] = None) -> threading.Thread:
+    """Parameter-server mode, a worker or ps server: reports to the chief in a background
+    thread (PS_MODE_ROLES). If the chief answers that the cluster is wrong, calls
+    `on_mismatch(message)` (the server exits); if no chief leads a check (not started, not
+    tnp.ParameterServerStrategy, or a restarted task), it logs one line and the server goes
+    on serving, as before. Waiting costs nothing here, so by default it waits for the chief
+    (which may run much user code before building its strategy) for `_SERVER_REPORT_TIMEOUT`;
+    the chief's own timeout bounds the check. Returns the (daemon) thread."""
+
+    def check():
+        try:
+            agree_on_cluster(cluster, task_type, task_index,
+                             timeout=_SERVER_REPORT_TIMEOUT if timeout is None else timeout,
+                             roles=PS_MODE_ROLES)
+        except ClusterMismatchError as error:
+            if getattr(error, "leader_verdict", False):
+                on_mismatch(str(error))
+                return
+            print("tf_nestpipe.server: no start-up cluster check (%s)" % error, flush=True)
+
+    thread = threading.Thread(target=check, name="nestpipe-cluster-check", daemon=True)
+    thread.start()
+    return thread

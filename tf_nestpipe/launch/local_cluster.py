@@ -30,6 +30,7 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from tf_nestpipe.launch.cluster_check import RESTARTED_ENV
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 
 _PR_SET_PDEATHSIG = 1
@@ -216,9 +217,12 @@ class LocalCluster:
                 self.output.write("[%s] %s" % (task.role, line))
             self.output.flush()
 
-    def _spawn(self, role: str, index: int) -> _Task:
+    def _spawn(self, role: str, index: int, restarted: bool = False) -> _Task:
         env = dict(os.environ)
         env.update(self.env)
+        env.pop(RESTARTED_ENV, None)
+        if restarted:  # its cluster was checked at start-up; the leader no longer listens
+            env[RESTARTED_ENV] = "1"
         env["TF_CONFIG"] = json.dumps(
             {"cluster": self.cluster, "task": {"type": role, "index": index}})
         if self._rendezvous is not None:
@@ -280,7 +284,7 @@ class LocalCluster:
             self.output.flush()
         if task.pump is not None:
             task.pump.join(timeout=5)
-        self.tasks[position] = self._spawn(role, int(index))
+        self.tasks[position] = self._spawn(role, int(index), restarted=True)
         return True
 
     def _stop_rendezvous(self):

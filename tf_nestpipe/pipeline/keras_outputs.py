@@ -4,12 +4,15 @@ Keras metrics are already global (their `result()` reads variables synchronized 
 workers). A *raw* value a custom `train_step` / `test_step` returns (TFRS's `loss`,
 `regularization_loss`, `total_loss`) is this worker's: about 1/W of the global value, and
 different on every worker, so callbacks watching it (EarlyStopping, ReduceLROnPlateau) would
-decide differently per worker. `reduce_step_outputs` sums every raw float scalar over the workers
+decide differently per worker. `reduce_step_outputs` sums every raw float value over the workers
 (one packed all-reduce per step for all of them; none when a step returns metrics only), the rule
 MultiWorkerMirroredStrategy applies to everything a step returns: the sum of the per-worker losses
 is the loss whose gradient training applies (gradients are summed over workers), i.e. one
 process's loss on the global batch when each worker's loss is its share of a global-batch sum
 (TFRS tasks' SUM reduction, or `tf.nn.compute_average_loss` with the global batch size).
+A raw float tensor of any fully known static shape is summed element-wise, as
+MultiWorkerMirroredStrategy sums it; one whose shape is known only at run time (e.g. per-example
+values of a batch) cannot be packed alike on every worker and stays this worker's.
 
 `concat_predictions` gives `predict` every worker's rows, in input order, on every worker (as
 MultiWorkerMirroredStrategy does): per step, the workers' slices concatenated in worker order.
@@ -22,23 +25,26 @@ import tensorflow as tf
 _SUMMED = ("auto", "sum")
 
 
-def _is_raw_scalar(value):
-    return (isinstance(value, tf.Tensor) and value.shape.rank == 0 and value.dtype.is_floating)
+def _is_raw_float(value):
+    """A float tensor whose static shape is fully known (the same packing on every worker)."""
+    return (isinstance(value, tf.Tensor) and value.dtype.is_floating
+            and value.shape.is_fully_defined())
 
 
 def raw_output_keys(model, outputs):
-    """The top-level keys of the step output dict `outputs` that are raw per-worker scalars
-    (float scalars not named after one of `model.metrics`), sorted."""
+    """The top-level keys of the step output dict `outputs` that are raw per-worker values
+    (float tensors of fully known shape not named after one of `model.metrics`), sorted."""
     if not isinstance(outputs, dict):
         return []
     metric_names = {metric.name for metric in model.metrics}
     return sorted(key for key, value in outputs.items()
-                  if key not in metric_names and _is_raw_scalar(value))
+                  if key not in metric_names and _is_raw_float(value))
 
 
 def reduce_step_outputs(model, strategy, outputs, reduction="auto"):
-    """`outputs` (a step's dict of this worker's values) with every raw float scalar replaced by
-    its sum over all workers, in one packed all-reduce (a collective: every worker's step calls
+    """`outputs` (a step's dict of this worker's values) with every raw float value (scalar or
+    of fully known shape) replaced by its element-wise sum over all workers, in one packed
+    all-reduce (a collective: every worker's step calls
     it). Metric results pass unchanged; `reduction` other than "auto" / "sum" (e.g. "first")
     leaves everything as it is."""
     if getattr(strategy, "num_workers", 1) == 1 or reduction not in _SUMMED:
@@ -46,11 +52,12 @@ def reduce_step_outputs(model, strategy, outputs, reduction="auto"):
     keys = raw_output_keys(model, outputs)
     if not keys:
         return outputs
-    packed = tf.stack([tf.cast(outputs[key], tf.float64) for key in keys])
-    summed = strategy.reduce(tf.distribute.ReduceOp.SUM, packed, axis=None)
+    sizes = [outputs[key].shape.num_elements() for key in keys]
+    packed = tf.concat([tf.reshape(tf.cast(outputs[key], tf.float64), [-1]) for key in keys], 0)
+    summed = tf.split(strategy.reduce(tf.distribute.ReduceOp.SUM, packed, axis=None), sizes)
     result = dict(outputs)
-    for i, key in enumerate(keys):
-        result[key] = tf.cast(summed[i], outputs[key].dtype)
+    for key, value in zip(keys, summed):
+        result[key] = tf.cast(tf.reshape(value, outputs[key].shape), outputs[key].dtype)
     return result
 
 

@@ -30,6 +30,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
 
 from tf_nestpipe.sharding import partitioners
+from tf_nestpipe.strategy.ps_watch import UnreachablePsError, call_watching_ps
 from tf_nestpipe.sharding.fetch import RowFetcher, installed
 
 
@@ -257,10 +258,18 @@ def explain_ps_failure(error):
 
 @contextlib.contextmanager
 def _explaining_ps_failures():
-    """Re-raises a ps failure (as `ClusterCoordinator.schedule` / `join` report it) as a
-    `ParameterServerUnavailableError`; other errors pass unchanged."""
+    """Re-raises a ps failure (as `ClusterCoordinator.schedule` / `join` report it, or as the
+    ps watch finds it: `ps_watch`) as a `ParameterServerUnavailableError`; other errors pass
+    unchanged."""
     try:
         yield
+    except UnreachablePsError as error:
+        raise ParameterServerUnavailableError(
+            "%s while the coordinator waited (TensorFlow took the failure for a transient "
+            "one and kept retrying), so training stopped (the ps tasks hold the only copy of "
+            "the parameters). Restart the cluster (python -m tf_nestpipe.launch ... --restarts "
+            "N restarts it automatically) and resume from the last checkpoint with "
+            "DownpourTrainer.restore(directory)." % error) from error
     except Exception as error:  # pylint: disable=broad-except
         explained = explain_ps_failure(error)
         if explained is None:
@@ -286,6 +295,8 @@ class DownpourTrainer:
         self.local_optimizer = local_optimizer_from(strategy.local_optimizer)
         self.loss_fn = loss_fn
         self.optimizer = optimizer
+        # join() probes these while it waits (see ps_watch)
+        self._ps_addresses = list(getattr(strategy, "ps_addresses", None) or [])
         if model is None:  # `model`: a global model built in the scope already (tf_keras fit)
             with strategy.scope():
                 model = model_fn()
@@ -400,9 +411,12 @@ class DownpourTrainer:
 
     def join(self):
         """`coordinator.join()`; a ps failure is raised as a `ParameterServerUnavailableError`
-        that names the failed task and says how to resume (as `schedule` does)."""
+        that names the failed task and says how to resume (as `schedule` does), also when
+        TensorFlow took it for a transient failure and would retry forever: while it waits,
+        every ps address is probed, and one that refuses 3 probes in a row is a failure
+        (`ps_watch`)."""
         with _explaining_ps_failures():
-            self.coordinator.join()
+            call_watching_ps(self.coordinator.join, getattr(self, "_ps_addresses", None))
 
     def _manager(self, directory, max_to_keep=3):
         if directory not in self._managers:

@@ -13,6 +13,7 @@ MultiWorkerMirroredStrategy: the chief's file is the one to keep.
 """
 import contextlib
 
+from tf_nestpipe.sharding.row_shard import is_row_shard, row_shard_layout
 from tf_nestpipe.strategy.export import serving_trace
 from tf_nestpipe.strategy.row_shard_saving import whole_table_values
 
@@ -23,3 +24,19 @@ def keras_saving_context(serving=False):
     serving (see module)."""
     with whole_table_values(), (serving_trace() if serving else contextlib.nullcontext()):
         yield
+
+
+def check_load_by_name(model):
+    """Refuses `model.load_weights(path, by_name=True)` when `model` holds tables sharded over
+    more than one worker: tf_keras matches by name by comparing each variable's own shape (a
+    row shard's) with the file's whole table, so it raised a generic shape error (and with
+    `skip_mismatch=True` it would skip every table silently)."""
+    sharded = [v.name for v in getattr(model, "weights", [])
+               if is_row_shard(v) and row_shard_layout(v).num_shards > 1]
+    if sharded:
+        raise ValueError(
+            "load_weights(..., by_name=True) is not supported for row-sharded tables on more "
+            "than one worker (%s): load by topology instead (by_name=False, into a model built "
+            "like the one that saved the file), or save and restore with tf.train.Checkpoint / "
+            "tnp.ShardedCheckpoint, which match variables by object path on any worker count."
+            % ", ".join(sharded))

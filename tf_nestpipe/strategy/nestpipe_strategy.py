@@ -45,13 +45,29 @@ _checked_clusters = set()
 def check_cluster_at_startup(config, collectives, timeout=None):
     """Before TensorFlow starts its server: refuses roles we do not run (e.g. evaluator) and
     checks with every other task that all were given the same cluster (once per process; see
-    `tf_nestpipe.launch.cluster_check`)."""
+    `tf_nestpipe.launch.cluster_check`). Under Horovod the comparison runs after `hvd.init()`
+    instead (`check_horovod_cluster`)."""
     if config is None:
         return
     check_synchronous_roles(config)
+    if collectives != "horovod":
+        _agree_once(config, timeout)
+
+
+def check_horovod_cluster(config, timeout=None):
+    """`collectives="horovod"` with a `TF_CONFIG`: once `hvd.init()` found Horovod's size and
+    rank equal to it (`init_horovod`), the tasks compare their whole `TF_CONFIG` clusters with
+    the same start-up check (under Horovod nothing else binds the leader's `TF_CONFIG`
+    address), so a task given another cluster fails every task within the timeout, naming the
+    field. A no-op without `TF_CONFIG` (`horovodrun`: the cluster is Horovod's alone)."""
+    if config is not None:
+        _agree_once(config, timeout)
+
+
+def _agree_once(config, timeout):
     key = (cluster_check.fingerprint(config.cluster), config.task_type, config.task_index)
-    if collectives == "horovod" or key in _checked_clusters:
-        return  # Horovod checks its own rendezvous; a second strategy reuses the server
+    if key in _checked_clusters:
+        return  # a second strategy reuses the server
     cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
                                    timeout=timeout)
     _checked_clusters.add(key)
@@ -463,7 +479,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if cluster_resolver is None:
             # A clear TFConfigError for a malformed TF_CONFIG; a ClusterMismatchError within
             # `startup_timeout_seconds` (default 30 s) when the tasks disagree or cannot meet.
-            check_cluster_at_startup(parse_tf_config(), collectives, startup_timeout_seconds)
+            config = parse_tf_config()
+            check_cluster_at_startup(config, collectives, startup_timeout_seconds)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions(
@@ -471,6 +488,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
                                           collective_timeout_seconds, collectives,
                                           check_equal_shares))
+        if collectives == "horovod":  # after hvd.init() checked Horovod's size and rank
+            check_horovod_cluster(config, startup_timeout_seconds)
         self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
 
     @property

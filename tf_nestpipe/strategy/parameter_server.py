@@ -4,9 +4,25 @@ ops and DOWNPOUR update windows."""
 import tensorflow as tf
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
+from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
+
+_checked_ps_clusters = set()
+
+
+def check_ps_cluster_once(config):
+    """The chief's side of parameter-server mode's start-up check (once per process): every
+    worker and ps task (`python -m tf_nestpipe.server`) reports its `TF_CONFIG` cluster before
+    it serves; a disagreement, a duplicate or a task that never reports fails every task within
+    the start-up timeout, naming the field or address (`tf_nestpipe.launch.cluster_check`)."""
+    key = (cluster_check.fingerprint(config.cluster), config.task_type, config.task_index)
+    if key in _checked_ps_clusters:
+        return
+    cluster_check.agree_on_cluster(config.cluster, config.task_type, config.task_index,
+                                   roles=cluster_check.PS_MODE_ROLES)
+    _checked_ps_clusters.add(key)
 
 
 class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
@@ -36,8 +52,10 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
                     "tnp.ParameterServerStrategy needs a TF_CONFIG cluster with ps tasks (and a "
                     "chief running this script); start one with `python -m tf_nestpipe.launch "
                     "--workers N --ps K --chief -- python script.py`")
+            check_ps_cluster_once(config)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
-        num_ps = len(cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        self._nestpipe_ps_addresses = list(cluster_resolver.cluster_spec().as_dict().get("ps", []))
+        num_ps = len(self._nestpipe_ps_addresses)
         if hasattr(variable_partitioner, "bind"):
             variable_partitioner.bind(num_ps)
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
@@ -48,6 +66,11 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     def variable_partitioner(self):
         """The partitioner variables created in the scope are sharded with (or None)."""
         return self.extended._variable_partitioner  # pylint: disable=protected-access
+
+    @property
+    def ps_addresses(self):
+        """The ps tasks' addresses, in task order (from the cluster this strategy was built on)."""
+        return list(self._nestpipe_ps_addresses)
 
     @property
     def num_ps(self):
