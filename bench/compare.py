@@ -82,6 +82,10 @@ HOROVOD_NETEM = ("not run: Horovod on the emulated network needs tf_nestpipe.lau
 # the trace even at host_tracer_level 3), so Horovod rows have no exposure.
 NO_COMMUNICATION_SEEN = ("exposure n/a: the profile saw no collective (TF's profiler records no "
                          "event for Horovod's ops)")
+# A socket-mesh exchange (collectives "sockets") is an asynchronous op: its profiler event covers
+# its sends, not the wait for the peers' messages, so its exposure is not measured either.
+SOCKETS_NOT_TIMED = ("exposure n/a: a socket-mesh exchange is an asynchronous op, the profile "
+                     "times its sends only")
 
 
 # TF 2.21's profiler, stopping, can free an invalid pointer (core dump of a 4-worker dbp row:
@@ -335,7 +339,9 @@ def run_row(row, args, env):
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
-        if row["workers"] > 1 and not out.get("communication_ms"):
+        if row["workers"] > 1 and row.get("collectives") == "sockets":
+            extras.append(SOCKETS_NOT_TIMED)
+        elif row["workers"] > 1 and not out.get("communication_ms"):
             extras.append(NO_COMMUNICATION_SEEN)
         else:
             out["exposure"] = median("exposure_ratio")
@@ -420,7 +426,10 @@ def bound_text(row, single_ms):
         if beyond:
             parts.append("compute alone (%.1f ms, each worker's share of the same cores) exceeds "
                          "the need of %s" % (compute, ", ".join(beyond)))
-        if row.get("exposure") is None:
+        if row.get("collectives") == "sockets":
+            parts.append("the socket mesh's waits are not in the profile (asynchronous ops): "
+                         "the step minus compute bounds communication")
+        elif row.get("exposure") is None:
             parts.append("Horovod's communication is not in the profile (TF's profiler records "
                          "no event for Horovod's ops): the step minus compute bounds it")
     return "; ".join(parts)

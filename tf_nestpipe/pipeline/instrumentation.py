@@ -39,9 +39,9 @@ def is_op_event(name, op_type):
 
 def stage_of(op_type, name=""):
     """The pipeline stage of an op (the benchmark's emulated network latency counts as
-    communication)."""
+    communication; a socket-mesh exchange is asynchronous, so its event covers its sends only)."""
     if (op_type.startswith("Collective") or op_type.startswith("Nccl")
-            or EMULATED_LATENCY_OP in name):
+            or op_type.startswith("NestpipeSocket") or EMULATED_LATENCY_OP in name):
         return "communication"
     if op_type in _ROUTING_TYPES:
         return "routing"
