@@ -34,15 +34,32 @@ def test_traffic_and_bytes_by_hand():
 def test_auto_replicates_where_the_all_reduce_is_cheaper():
     plan = planner()
     small = plan.place(pl.TableSpec("small", 7, 16))
-    mid = plan.place(pl.TableSpec("mid", 50_000, 16))      # 3.2 MB: 6.4 ms > 3.14 ms
-    edge = plan.place(pl.TableSpec("edge", 20_000, 16))    # 1.28 MB: 2.56 ms < 3.14 ms
-    assert (small.placement, mid.placement, edge.placement) == (
-        pl.DATA_PARALLEL, pl.ROW_WISE, pl.DATA_PARALLEL)
+    edge = plan.place(pl.TableSpec("edge", 20_000, 16))    # 1.28 MB: 2.56 ms < 3 + 0.136 ms
+    mid = plan.place(pl.TableSpec("mid", 50_000, 16))      # 3.2 MB: 6.4 ms > 3.136 ms
+    # The exchange of dim 16 is paid now: a table joining it adds only its bytes (0.136 ms).
+    late = plan.place(pl.TableSpec("late", 20_000, 16))
+    other_dim = plan.place(pl.TableSpec("other_dim", 20_000, 8))  # its own exchange: 3.07 ms
+    assert [p.placement for p in (small, edge, mid, late, other_dim)] == [
+        pl.DATA_PARALLEL, pl.DATA_PARALLEL, pl.ROW_WISE, pl.ROW_WISE, pl.DATA_PARALLEL]
     assert "all-reduce" in small.reason
+    assert mid.traffic_ms == pytest.approx(3.136) and late.traffic_ms == pytest.approx(0.136)
     text = pl.render_plan(plan.plans, 2)
     for word in ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "small",
                  "data_parallel", "row_wise", "total"):
         assert word in text
+
+
+def test_tables_placed_together_share_one_exchange_decision():
+    """Placed at once, the group's cheapest plan: 20 mid tables replicated cost 20 x 2.56 ms,
+    row-wise 3 ms once + 20 x 0.136 ms (so do two: 5.12 > 3.27 ms; one alone is replicated,
+    above); tiny tables all replicated."""
+    plan = planner()
+    plans = plan.place_all([pl.TableSpec("m%d" % i, 20_000, 16) for i in range(20)])
+    assert {p.placement for p in plans} == {pl.ROW_WISE}
+    two = planner().place_all([pl.TableSpec("m%d" % i, 20_000, 16) for i in range(2)])
+    assert {p.placement for p in two} == {pl.ROW_WISE}
+    tiny = planner().place_all([pl.TableSpec("t%d" % i, 100, 16) for i in range(20)])
+    assert {p.placement for p in tiny} == {pl.DATA_PARALLEL}
 
 
 def test_requested_placements_override_auto_and_one_worker_keeps_one_shard():

@@ -7,8 +7,8 @@ usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--sn
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
   OUT_PREFIX.npz with every parameter and slot after the last step.
   --placement P places the tables (row_wise, data_parallel, or mixdp: table_a data_parallel,
-  table_b row_wise); --tf-format saves and restores plain tf.train.Checkpoints (whole tables)
-  in CKPT_DIR/tf-N instead of ShardedCheckpoint's per-worker files.
+  table_b row_wise); --also-tf saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N
+  next to every ShardedCheckpoint step, and --restore-tf restores the latest of those instead.
 """
 import os
 import signal
@@ -41,10 +41,10 @@ def main():
         model(ex.local_slice(batches[0], rank, workers)[0])
         optimizer.build(model.trainable_variables)
     position = tnp.data.InputPosition()  # global batches trained on: part of the checkpoint
-    checkpoint_class = TFCheckpoint if "--tf-format" in sys.argv else tnp.ShardedCheckpoint
-    checkpoint = checkpoint_class(strategy, model=model, optimizer=optimizer, input=position)
-    if "--restore" in sys.argv:
-        step = checkpoint.restore(ckpt_dir)
+    checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
+    tf_checkpoint = TFCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
+    if "--restore" in sys.argv or "--restore-tf" in sys.argv:
+        step = (tf_checkpoint if "--restore-tf" in sys.argv else checkpoint).restore(ckpt_dir)
         assert step == first, "restored step %d, expected %d" % (step, first)
         assert int(position.batches.numpy()) == first, int(position.batches.numpy())
         print("restored step", step, flush=True)
@@ -86,6 +86,8 @@ def main():
         preemption.step_end(step + 1)
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
+            if "--also-tf" in sys.argv:
+                tf_checkpoint.save(ckpt_dir, step + 1)
             print("saved step", step + 1, flush=True)
         if step + 1 == die_at and rank == 1 and not os.path.exists(marker):
             os.makedirs(ckpt_dir, exist_ok=True)

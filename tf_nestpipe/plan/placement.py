@@ -7,11 +7,14 @@ workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFl
   through the fused exchange (keys, rows and gradient all-to-alls).
 - `table_wise` (whole table on one worker) is not implemented: asking for it is refused.
 
-`placement="auto"` picks per table (`plan_table`): replicate when the table's marginal cost in
-the dense gradient all-reduce (its dense gradient's bytes) is lower than what its exchange would
-cost (the per-collective cost of the keys, rows and gradient all-to-alls plus their bytes, for
-`ids_per_step` looked-up ids), and when the replica with its optimizer slots fits the per-worker
-`memory_budget_bytes`; row_wise otherwise. The collective costs are the `tf_nestpipe.plan` cost
+`placement="auto"` picks per table (`Planner._choose`): replicate when the table's marginal cost
+in the dense gradient all-reduce (its dense gradient's bytes) is lower than what it adds to the
+fused exchange of its group (tables of one dim: the bytes of its keys, rows and gradient rows
+for `ids_per_step` looked-up ids, plus, for the group's first row-wise table, the fixed cost of
+the three all-to-alls), and when the replica with its optimizer slots fits the per-worker
+`memory_budget_bytes`; row_wise otherwise. The tables placed together (all those constructed
+before the first is built, see the strategy) are decided per group at once: all replicated, or
+each where it costs less with the exchange paid, whichever costs less in total. The collective costs are the `tf_nestpipe.plan` cost
 model's (`bench/results/plan_costs.json` when present, else the constants measured there on the
 2-core testbed, copied below).
 """
@@ -102,11 +105,13 @@ def table_bytes(table, workers, placement, optimizer_slots=DEFAULT_OPTIMIZER_SLO
     return rows * table.dim * table.value_bytes * (1 + optimizer_slots)
 
 
-def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_IDS_PER_STEP):
-    """(bytes a worker sends per step, modelled ms) for `table` under `placement`.
+def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_IDS_PER_STEP,
+            exchange_paid=False):
+    """(bytes a worker sends per step, modelled ms) that `table` adds under `placement`.
     data_parallel: its dense gradient in the dense all-reduce (whose fixed cost the dense
-    weights pay anyway); row_wise: three all-to-alls (keys, rows, gradient rows) of up to
-    `ids_per_step` distinct ids."""
+    weights pay anyway); row_wise: its share of the three all-to-alls (keys, rows, gradient
+    rows) of up to `ids_per_step` distinct ids, plus their fixed cost unless `exchange_paid`
+    (another row-wise table of its group, fused in the same exchange, pays it)."""
     if workers <= 1:
         return 0, 0.0
     collectives = collectives or default_collectives()
@@ -117,8 +122,16 @@ def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_ID
     keys = ids * 8
     rows = ids * table.dim * table.value_bytes
     params = collectives["all_to_all"]
-    ms = sum(collective_ms("all_to_all", params, workers, n) for n in (keys, rows, rows))
+    cost = _marginal_ms if exchange_paid else (
+        lambda p, kind, w, n: collective_ms(kind, p, w, n))
+    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, rows, rows))
     return keys + 2 * rows, ms
+
+
+def group_of(table):
+    """The exchange group of a row-wise table: tables of one dim and value size share one
+    fused exchange (its fixed cost is paid once)."""
+    return (table.dim, table.value_bytes)
 
 
 def check_placement(value, what):
@@ -191,38 +204,85 @@ class Planner:
 
     def place(self, table):
         """The `TablePlan` of `table` (recorded); PlacementError when it cannot fit."""
-        for plan in self.plans:
-            if plan.table.name == table.name and plan.table == table:
-                return plan  # a table built twice (e.g. rebuilt): the same decision
-        requested = self.requested(table.name)
-        if self.workers <= 1:
-            placement, reason = ROW_WISE, "one worker: nothing to place"
-        elif requested != AUTO:
-            placement, reason = requested, "requested"
-        else:
-            placement, reason = self._auto(table)
-        plan = self._plan(table, placement, reason)
-        self._check_budget(plan, requested)
-        self.plans.append(plan)
-        return plan
+        return self.place_all([table])[0]
+
+    def planned(self, name):
+        """The TablePlan of table `name` if it was placed, else None."""
+        return next((p for p in self.plans if p.table.name == name), None)
+
+    def place_all(self, tables):
+        """Places `tables` together (one decision for the tables of one exchange group: the
+        exchange's fixed cost is paid once); returns their TablePlans in order."""
+        new = []
+        for table in tables:
+            if self.planned(table.name) is None and all(t.name != table.name for t in new):
+                new.append(table)
+        choices = self._choose(new)
+        for table in new:
+            placement, reason = choices[table.name]
+            budget = self.memory_budget_bytes
+            if (placement == DATA_PARALLEL and reason != "requested" and budget is not None
+                    and self.used_bytes() + table_bytes(table, self.workers, DATA_PARALLEL,
+                                                        self.optimizer_slots) > budget):
+                placement, reason = ROW_WISE, "replica does not fit the budget"
+            plan = self._plan(table, placement, reason)
+            self._check_budget(plan, self.requested(table.name))
+            self.plans.append(plan)
+        return [self.planned(t.name) for t in tables]
+
+    def _paid(self, group):
+        return any(p.placement == ROW_WISE and group_of(p.table) == group for p in self.plans)
 
     def _plan(self, table, placement, reason):
-        nbytes, ms = traffic(table, self.workers, placement, self.collectives, self.ids_per_step)
+        nbytes, ms = traffic(table, self.workers, placement, self.collectives, self.ids_per_step,
+                             exchange_paid=self._paid(group_of(table)))
         return TablePlan(table, placement, reason,
                          table_bytes(table, self.workers, placement, self.optimizer_slots),
                          nbytes, ms)
 
-    def _auto(self, table):
-        dp = self._plan(table, DATA_PARALLEL, "")
-        rw = self._plan(table, ROW_WISE, "")
-        budget = self.memory_budget_bytes
-        if budget is not None and self.used_bytes() + dp.bytes_per_worker > budget:
-            return ROW_WISE, "replica does not fit the budget"
-        if dp.traffic_ms < rw.traffic_ms:
-            return DATA_PARALLEL, "all-reduce %.2f ms < all-to-all %.2f ms" % (
-                dp.traffic_ms, rw.traffic_ms)
-        return ROW_WISE, "all-to-all %.2f ms <= all-reduce %.2f ms" % (
-            rw.traffic_ms, dp.traffic_ms)
+    def _choose(self, tables):
+        """{name: (placement, reason)}: requested placements as asked; per exchange group, the
+        auto tables either all replicated, or each placed where it costs less with the group's
+        exchange paid, whichever costs less in total (the exchange's fixed cost counted once)."""
+        choices = {}
+        auto = {}
+        for table in tables:
+            requested = self.requested(table.name)
+            if self.workers <= 1:
+                choices[table.name] = (ROW_WISE, "one worker: nothing to place")
+            elif requested != AUTO:
+                choices[table.name] = (requested, "requested")
+            else:
+                auto.setdefault(group_of(table), []).append(table)
+        for group, members in auto.items():
+            paid = self._paid(group) or any(
+                choices.get(t.name, ("",))[0] == ROW_WISE and group_of(t) == group
+                for t in tables)
+            dp = {t.name: traffic(t, self.workers, DATA_PARALLEL, self.collectives)[1]
+                  for t in members}
+            rw = {t.name: traffic(t, self.workers, ROW_WISE, self.collectives,
+                                  self.ids_per_step, exchange_paid=True)[1] for t in members}
+            fixed = 0.0 if paid else (traffic(members[0], self.workers, ROW_WISE,
+                                              self.collectives, 0)[1])
+            mixed = {t.name: ROW_WISE if rw[t.name] < dp[t.name] else DATA_PARALLEL
+                     for t in members}
+            mixed_ms = sum(min(rw[n], dp[n]) for n in mixed) + (
+                fixed if ROW_WISE in mixed.values() else 0.0)
+            all_dp_ms = sum(dp.values())
+            replicate_all = all_dp_ms <= mixed_ms
+            for t in members:
+                n = t.name
+                if replicate_all and mixed[n] == ROW_WISE:
+                    choices[n] = (DATA_PARALLEL, "group: all-reduce +%.2f ms <= exchange "
+                                  "+%.2f ms" % (all_dp_ms, mixed_ms))
+                elif replicate_all or mixed[n] == DATA_PARALLEL:
+                    choices[n] = (DATA_PARALLEL, "all-reduce +%.2f ms <= all-to-all +%.2f ms"
+                                  % (dp[n], rw[n] + (0.0 if paid else fixed)))
+                else:
+                    choices[n] = (ROW_WISE, "all-to-all +%.2f ms < all-reduce +%.2f ms"
+                                  % (rw[n] + (0.0 if paid else fixed), dp[n]))
+                    paid = True  # the first row-wise table pays the exchange
+        return choices
 
     def _check_budget(self, plan, requested):
         budget = self.memory_budget_bytes
@@ -297,8 +357,7 @@ def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
     """Plans `tables` (TableSpecs, in build order) at once; returns the list of TablePlans."""
     planner = Planner(placement, workers, memory_budget_bytes, optimizer_slots, ids_per_step,
                       collectives)
-    for table in tables:
-        planner.place(table)
+    planner.place_all(list(tables))
     planner.check_names()
     return planner.plans
 

@@ -68,6 +68,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         # if the layer is first called outside the scope.
         current = tf.distribute.get_strategy()
         self._strategy = current if embedding_exchange_of(current) is not None else None
+        announce = getattr(getattr(self._strategy, "extended", None), "announce_table", None)
+        if announce is not None:
+            announce(self)  # planned with the tables constructed with it (see placement_of)
         # Parameter-server mode: the table is a ShardedVariable on the ps tasks, its rows laid
         # out by the strategy's partitioner ("div": contiguous ranges, "mod": round-robin).
         self._ps_row_order = None

@@ -101,13 +101,27 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         """A new planner for the tables built from now on (checks `placement` at once)."""
         self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes)
         self._nestpipe_plan_reported = False
+        self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
+
+    @staticmethod
+    def _table_spec(layer):
+        return TableSpec(layer.name, layer.vocab_size, layer.dim,
+                         tf.as_dtype(layer.dtype or tf.float32).size)
+
+    def announce_table(self, layer):
+        """Notes a `ShardedEmbedding` constructed in the scope: the tables of a model are
+        usually all constructed before the first is built, and are then placed together."""
+        self._nestpipe_announced.append(self._table_spec(layer))
 
     def placement_of(self, layer):
         """The placement of `layer`'s table ("data_parallel" or "row_wise"), decided by the
-        planner (tf_nestpipe.plan.placement) when the table is built."""
-        spec = TableSpec(layer.name, layer.vocab_size, layer.dim,
-                         tf.as_dtype(layer.dtype or tf.float32).size)
-        return self._nestpipe_planner.place(spec).placement
+        planner (tf_nestpipe.plan.placement) when the table is built, together with every table
+        constructed but not yet placed."""
+        spec = self._table_spec(layer)
+        pending = [t for t in self._nestpipe_announced if t.name != spec.name]
+        self._nestpipe_announced = []
+        placed = self._nestpipe_planner.place_all(pending + [spec])
+        return placed[-1].placement
 
     @property
     def placement_planner(self):
