@@ -71,6 +71,14 @@ def test_requested_placements_override_auto_and_one_worker_keeps_one_shard():
     assert one.place(pl.TableSpec("t", 7, 4)).placement == pl.ROW_WISE
 
 
+def test_a_table_placed_again_keeps_its_plan_unless_its_size_changed():
+    plan = planner()
+    first = plan.place(pl.TableSpec("t", 7, 16))
+    assert plan.place(pl.TableSpec("t", 7, 16)) is first and len(plan.plans) == 1
+    bigger = plan.place(pl.TableSpec("t", 500_000, 16))
+    assert bigger.placement == pl.ROW_WISE and plan.plans == [bigger]
+
+
 def test_auto_falls_back_to_row_wise_when_the_replica_does_not_fit():
     plan = planner(budget=150_000)
     t = plan.place(pl.TableSpec("t", 2_000, 4))  # replica 96,000 B fits

@@ -215,7 +215,12 @@ class Planner:
         exchange's fixed cost is paid once); returns their TablePlans in order."""
         new = []
         for table in tables:
-            if self.planned(table.name) is None and all(t.name != table.name for t in new):
+            previous = self.planned(table.name)
+            if previous is not None and previous.table != table:
+                # Another table of that name (a model rebuilt with other sizes): planned anew.
+                self.plans = [p for p in self.plans if p is not previous]
+                previous = None
+            if previous is None and all(t.name != table.name for t in new):
                 new.append(table)
         choices = self._choose(new)
         for table in new:

@@ -44,7 +44,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     the output is `ids.shape + [dim]` (ragged inputs need a combiner); `"sum"` / `"mean"` pool
     the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
     table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
-    gradient (`invalid_id_policy="zero"`).
+    gradient (`invalid_id_policy="zero"`). The strategy's planner places the table when it is
+    built (`self.placement`): "row_wise" (row shards, the exchange) or "data_parallel" (a
+    mirrored whole table, local gathers; see `NestPipeStrategy(placement=...)`).
     """
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",

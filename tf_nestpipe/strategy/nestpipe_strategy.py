@@ -4,7 +4,9 @@ Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredS
 replica per worker). Variables created by `tf_nestpipe.ShardedEmbedding` are *row shards*: plain
 worker-local variables holding only the rows this worker owns; their optimizer slots are
 worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
-all-to-all already delivered each owner the summed gradient of its rows.
+all-to-all already delivered each owner the summed gradient of its rows. A table the planner
+places `data_parallel` (issue 15) is a mirrored variable instead, its gradient made dense and
+all-reduced with the dense ones.
 """
 import contextlib
 import sys
