@@ -618,9 +618,10 @@ def parse_args(argv=None):
     parser.add_argument("--auto-timed-steps", type=int, default=5,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
-    parser.add_argument("--placement", default="row_wise",
-                        help="ours: NestPipeStrategy(placement=...): row_wise (default), "
-                             "data_parallel or auto (issue 15)")
+    parser.add_argument("--placement", nargs="+", default=["row_wise"],
+                        choices=["row_wise", "data_parallel", "auto"],
+                        help="ours: NestPipeStrategy(placement=...), one row each: row_wise "
+                             "(default), data_parallel and/or auto (issue 15)")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
     parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true",
@@ -653,9 +654,9 @@ def main(argv=None):
         if network != "loopback":
             parse_network(network)  # fail early on a malformed DELAYms:RATE
     rows = plan_rows(plan_from_args(args), args.pipelines, args.collectives)
-    for row in rows:
-        if row["system"] == "nestpipe":
-            row["placement"] = args.placement
+    rows = [dict(row, placement=placement) if row["system"] == "nestpipe" else row
+            for row in rows for placement in (args.placement if row["system"] == "nestpipe"
+                                              else [None])]
     env = {"load": os.getloadavg()[0], "horovod": False, "horovod_version": None,
            "launcher_horovod": launcher_has_horovod()}
     needs_horovod = any(uses_horovod(r) for r in rows)

@@ -179,6 +179,22 @@ def test_the_strategy_refuses_bad_placements_before_starting():
         tnp.NestPipeStrategy(placement="auto", memory_budget_bytes=-1)
 
 
+def test_the_strategy_refuses_a_table_over_the_memory_budget_when_it_is_built():
+    import tensorflow as tf
+
+    import tf_nestpipe as tnp
+
+    strategy = tnp.NestPipeStrategy(memory_budget_bytes=1000)
+    with strategy.scope():
+        small = tnp.ShardedEmbedding(10, 2, name="fits_budget")  # 10 x 2 x 4 x 3 = 240 bytes
+    small(tf.constant([1], tf.int64))
+    with strategy.scope():
+        big = tnp.ShardedEmbedding(1000, 2, name="over_budget")
+    with pytest.raises(pl.PlacementError, match="'over_budget'.*24000 bytes per worker.*holds "
+                                                "240 of its memory_budget_bytes=1000"):
+        big(tf.constant([1], tf.int64))
+
+
 def test_the_strategy_refuses_an_unknown_table_name_at_the_first_step():
     import tensorflow as tf
     import tf_keras

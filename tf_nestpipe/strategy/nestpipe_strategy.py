@@ -121,9 +121,11 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         constructed but not yet placed."""
         spec = self._table_spec(layer)
         pending = [t for t in self._nestpipe_announced if t.name != spec.name]
+        mine = next((i for i, t in enumerate(self._nestpipe_announced) if t.name == spec.name),
+                    len(pending))
         self._nestpipe_announced = []
-        placed = self._nestpipe_planner.place_all(pending + [spec])
-        return placed[-1].placement
+        pending.insert(mine, spec)  # in construction order
+        return self._nestpipe_planner.place_all(pending)[mine].placement
 
     @property
     def placement_planner(self):
