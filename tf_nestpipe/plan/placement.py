@@ -167,8 +167,9 @@ def parse_placement(placement):
 
 
 class Planner:
-    """Places tables one by one as they are built (`place`), in the same order on every worker
-    (the same model), keeping the bytes each worker holds under `memory_budget_bytes`."""
+    """Places tables as they are built (`place_all`: the tables constructed together; `place`:
+    one), in the same order on every worker (the same model), keeping the bytes each worker
+    holds under `memory_budget_bytes`; `plans` holds every decision in order."""
 
     def __init__(self, placement=AUTO, workers=1, memory_budget_bytes=None,
                  optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
