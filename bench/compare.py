@@ -532,7 +532,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms"]
+              "auto_choice", "auto_timings_ms", "placement"]
 
 
 def json_rows(rows):
