@@ -40,8 +40,7 @@ PIPELINE_RUNS = {
 # pipelines, fit, custom loops and strategy.run; they share the launches above too.
 PLACEMENT_RUNS = {
     2: ["fit:adam:dp", "direct:sgd:mixdp", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
-        "fit:sgd:mixed:mixdp:nested", "direct:adam:dp", "fit:adam:autoplace:auto",
-        "loop:sgd:mixed:autoplace"],
+        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace"],
     3: ["fit:adagrad:mixdp", "loop:adam:dp:dbp"],
 }
 
@@ -100,7 +99,7 @@ def exactness_results(tmp_path_factory):
     prefixes = {1: str(out / "ref")}
     for workers, worker_runs in runs.items():
         result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)]
-                        + worker_runs, timeout=1500)
+                        + worker_runs, timeout=2400)  # a hang guard: ~25 min loaded
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes
