@@ -154,7 +154,9 @@ def plan_rows(blocks, pipelines, collectives):
 def row_label(row):
     """Short name of a row's system, e.g. `nestpipe dbp/tf` or `mwms`."""
     if row["system"] == "nestpipe":
-        return "nestpipe %s/%s" % (row["pipeline"], row["collectives"])
+        placement = row.get("placement", "row_wise")
+        return "nestpipe %s/%s%s" % (row["pipeline"], row["collectives"],
+                                     "" if placement == "row_wise" else " " + placement)
     return row["system"]
 
 
@@ -184,7 +186,8 @@ def worker_argv(row, args):
             "--micro-batches", str(args.micro_batches), "--tables", args.tables,
             "--synthetic-tables", args.synthetic_tables,
             "--auto-timed-steps", str(args.auto_timed_steps),
-            "--profile-steps", str(profile_steps(row, args))]
+            "--profile-steps", str(profile_steps(row, args)),
+            "--placement", row.get("placement", "row_wise")]
 
 
 def profile_steps(row, args):
@@ -538,7 +541,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms"]
+              "auto_choice", "auto_timings_ms", "placement"]
 
 
 def json_rows(rows):
@@ -624,6 +627,10 @@ def parse_args(argv=None):
     parser.add_argument("--auto-timed-steps", type=int, default=5,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
+    parser.add_argument("--placement", nargs="+", default=["row_wise"],
+                        choices=["row_wise", "data_parallel", "auto"],
+                        help="ours: NestPipeStrategy(placement=...), one row each: row_wise "
+                             "(default), data_parallel and/or auto (issue 15)")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
     parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true",
@@ -656,6 +663,9 @@ def main(argv=None):
         if network != "loopback":
             parse_network(network)  # fail early on a malformed DELAYms:RATE
     rows = plan_rows(plan_from_args(args), args.pipelines, args.collectives)
+    rows = [dict(row, placement=placement) if row["system"] == "nestpipe" else row
+            for row in rows for placement in (args.placement if row["system"] == "nestpipe"
+                                              else [None])]
     env = {"load": os.getloadavg()[0], "horovod": False, "horovod_version": None,
            "launcher_horovod": launcher_has_horovod()}
     needs_horovod = any(uses_horovod(r) for r in rows)

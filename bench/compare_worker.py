@@ -320,6 +320,8 @@ def run_fit(args, data):
         if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}
+        if args.placement != "row_wise":  # table placement (issue 15)
+            options["placement"] = args.placement
         strategy = tnp.NestPipeStrategy(**options)
         rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"
     with strategy.scope():
@@ -534,6 +536,8 @@ def main():
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
     parser.add_argument("--wire-dtype", default="fp32",
                         help="nestpipe: FORWARD-BACKWARD wire dtypes, e.g. int8-bf16 (issue 19)")
+    parser.add_argument("--placement", default="row_wise",
+                        help="nestpipe: row_wise, data_parallel or auto (issue 15)")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="dlrm: held-out global batches for the AUC after training")
     args = parser.parse_args()

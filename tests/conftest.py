@@ -35,6 +35,15 @@ PIPELINE_RUNS = {
         "fit:adam:mixed:fwp", "fit:sgd:mixed:auto"],
 }
 
+# Table placement (issue 15, a run's ":dp" / ":mixdp" / ":autoplace" option): every table
+# replicated, table_a replicated and the others row-wise, and the planner's choice, under the
+# pipelines, fit, custom loops and strategy.run; they share the launches above too.
+PLACEMENT_RUNS = {
+    2: ["fit:adam:dp", "direct:sgd:mixdp", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
+        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace"],
+    3: ["fit:adagrad:mixdp", "loop:adam:dp:dbp"],
+}
+
 
 def reference_of(run):
     """The single-process reference run of a run: its MODE:OPTIMIZER and model (":mixed")."""
@@ -77,11 +86,12 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
 @pytest.fixture(scope="session")
 def exactness_results(tmp_path_factory):
     """Trains the exactness model in one process without pipeline (the reference of every run)
-    and, in one launch per cluster size, every run of EXACTNESS_RUNS and PIPELINE_RUNS on 2 and 3
+    and, in one launch per cluster size, every run of EXACTNESS_RUNS, PIPELINE_RUNS and
+    PLACEMENT_RUNS on 2 and 3
     workers. Returns the file prefixes {1: reference, 2: ..., 3: ...} (see `load_run`)."""
     out = tmp_path_factory.mktemp("exactness")
     program = os.path.join(PROGRAMS, "exactness.py")
-    runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] for w in (2, 3)}
+    runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] + PLACEMENT_RUNS[w] for w in (2, 3)}
     references = sorted(set(reference_of(r) for r in runs[2] + runs[3]))
     ref = run_command([sys.executable, program, str(out / "ref"), str(EXACTNESS_STEPS)]
                       + references)
@@ -89,7 +99,7 @@ def exactness_results(tmp_path_factory):
     prefixes = {1: str(out / "ref")}
     for workers, worker_runs in runs.items():
         result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)]
-                        + worker_runs, timeout=1500)
+                        + worker_runs, timeout=2400)  # a hang guard: ~25 min loaded
         assert result.returncode == 0, result.stdout[-6000:]
         prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes

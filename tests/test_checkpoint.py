@@ -31,6 +31,14 @@ def checkpoint_runs(tmp_path_factory):
     run(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"])
     run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
     run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
+    # Table placement (issue 15): row-wise on 3 -> table_a replicated on 2 (and its export);
+    # every table replicated on 2 -> row-wise on 2 (ShardedCheckpoint) and on 3 (tf format).
+    run(2, [str(out / "to_mixdp"), ckpt, "10", "15", "--restore", "--placement", "mixdp",
+            "--export", str(out / "saved_model_mixdp")])
+    run(2, [str(out / "dp"), str(out / "ckpt_dp"), "0", "10", "--placement", "data_parallel",
+            "--also-tf", "--save-at", "5"])
+    run(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"])
+    run(3, [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"])
     # The Dual-Buffer Pipeline: uninterrupted, and resumed from step 5 on 3 workers.
     run(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp", "--save-at", "5"])
     run(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore", "--dbp"])
@@ -69,6 +77,15 @@ def test_three_to_one_worker_reshards_rows_and_slots(checkpoint_runs):
         assert json.load(f)["num_workers"] == 3
 
 
+def test_checkpoints_restore_under_another_placement(checkpoint_runs):
+    full = np.load(checkpoint_runs / "full.npz")
+    full_10 = np.load(checkpoint_runs / "full.10.npz")
+    _assert_same(full, np.load(checkpoint_runs / "to_mixdp.npz"))  # row-wise 3 -> mixed 2
+    _assert_same(full_10, np.load(checkpoint_runs / "dp.npz"))  # replicated trains the same
+    _assert_same(full_10, np.load(checkpoint_runs / "dp_to_rw.npz"))  # ShardedCheckpoint 2 -> 2
+    _assert_same(full_10, np.load(checkpoint_runs / "dp_tf_to_rw.npz"))  # tf format 2 -> 3
+
+
 SERVE = """
 import sys
 import numpy as np
@@ -87,6 +104,14 @@ print("max_diff", float(np.abs(out - data["predictions"]).max()), "rows", out.sh
 def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
     result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model"),
                           str(checkpoint_runs / "restarted.predictions.npz")])
+    assert result.returncode == 0, result.stdout[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
+    assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
+
+
+def test_an_export_with_a_replicated_table_serves_without_the_plugin(checkpoint_runs):
+    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model_mixdp"),
+                          str(checkpoint_runs / "to_mixdp.predictions.npz")])
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")

@@ -16,7 +16,8 @@ from conftest import PROGRAMS, run_command
 from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
-LAUNCHER_RUNS = ["none/loop:sgd", "none/loop:adagrad", "none/fit:adagrad"]
+# ":mixdp": table_a replicated (its gradient in hvd.allreduce), table_b row-wise (issue 15).
+LAUNCHER_RUNS = ["none/loop:sgd", "none/loop:adagrad", "none/fit:adagrad", "none/fit:adam:mixdp"]
 HOROVODRUN_RUNS = ["dbp/loop:adagrad"]
 
 

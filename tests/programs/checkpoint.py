@@ -6,6 +6,9 @@ usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--sn
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
   OUT_PREFIX.npz with every parameter and slot after the last step.
+  --placement P places the tables (row_wise, data_parallel, or mixdp: table_a data_parallel,
+  table_b row_wise); --also-tf saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N
+  next to every ShardedCheckpoint step, and --restore-tf restores the latest of those instead.
 """
 import os
 import signal
@@ -24,7 +27,11 @@ import tf_nestpipe as tnp  # noqa: E402
 def main():
     prefix, ckpt_dir, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     save_at = [int(a) for a in sys.argv[sys.argv.index("--save-at") + 1:]] if "--save-at" in sys.argv else []
-    strategy = tnp.NestPipeStrategy()
+    placement = sys.argv[sys.argv.index("--placement") + 1] if "--placement" in sys.argv else (
+        "row_wise")
+    if placement == "mixdp":
+        placement = {"table_a": "data_parallel", "table_b": "row_wise"}
+    strategy = tnp.NestPipeStrategy(placement=placement)
     rank, workers = strategy.worker_index, strategy.num_workers
     with strategy.scope():
         model = ex.TinyRanker()
@@ -35,8 +42,9 @@ def main():
         optimizer.build(model.trainable_variables)
     position = tnp.data.InputPosition()  # global batches trained on: part of the checkpoint
     checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
-    if "--restore" in sys.argv:
-        step = checkpoint.restore(ckpt_dir)
+    tf_checkpoint = TFCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
+    if "--restore" in sys.argv or "--restore-tf" in sys.argv:
+        step = (tf_checkpoint if "--restore-tf" in sys.argv else checkpoint).restore(ckpt_dir)
         assert step == first, "restored step %d, expected %d" % (step, first)
         assert int(position.batches.numpy()) == first, int(position.batches.numpy())
         print("restored step", step, flush=True)
@@ -78,6 +86,8 @@ def main():
         preemption.step_end(step + 1)
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
+            if "--also-tf" in sys.argv:
+                tf_checkpoint.save(ckpt_dir, step + 1)
             print("saved step", step + 1, flush=True)
         if step + 1 == die_at and rank == 1 and not os.path.exists(marker):
             os.makedirs(ckpt_dir, exist_ok=True)
@@ -91,6 +101,27 @@ def main():
         export(strategy, model, sys.argv[sys.argv.index("--export") + 1], batches[0],
                prefix + ".predictions.npz")
     print("done", first, last, flush=True)
+
+
+class TFCheckpoint:
+    """ShardedCheckpoint's save / restore on plain tf.train.Checkpoints (whole tables), one per
+    step in DIRECTORY/tf-STEP (worker 0's file is the checkpoint; the others write to scratch)."""
+
+    def __init__(self, strategy, **objects):
+        self.strategy = strategy
+        self.checkpoint = tf.train.Checkpoint(**objects)
+
+    def save(self, directory, step):
+        rank = self.strategy.worker_index
+        prefix = os.path.join(directory, "tf-%d" % step if rank == 0 else
+                              ".scratch-%d/tf-%d" % (rank, step))
+        self.checkpoint.write(prefix)  # a collective: every worker writes
+
+    def restore(self, directory):
+        steps = [int(n[3:].split(".")[0]) for n in os.listdir(directory)
+                 if n.startswith("tf-") and n.endswith(".index")]
+        self.checkpoint.read(os.path.join(directory, "tf-%d" % max(steps))).assert_consumed()
+        return max(steps)
 
 
 def export(strategy, model, directory, batch, path):
@@ -139,6 +170,9 @@ def write_parameters(strategy, model, optimizer, path):
         slot = [v for v in optimizer.variables()
                 if v.name.startswith("accumulator/") and layer.embeddings.name in v.name][0]
         local = tf.convert_to_tensor(slot)
+        if layer.layout.num_shards == 1:  # data_parallel (or one worker): the whole slot
+            slots["slot/" + name] = local.numpy()
+            continue
         pad = layer.layout.max_local_rows - layer.layout.local_rows
         gathered = (strategy.extended.collectives.all_gather(
             tf.pad(local, [[0, pad], [0, 0]]), "test/slots_" + name).numpy()

@@ -9,7 +9,8 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   micro-batches), dbp, fwp, nested, auto (the run's pipeline; none without; auto under fit
   only), nosync (skip the buffer
   sync on purpose), mixed (the model gets a ShardedEmbeddingCollection of another dim: two
-  exchange groups)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
+  exchange groups), dp (every table data_parallel: replicated, no exchange), mixdp (table_a
+  data_parallel, the other tables row_wise), autoplace (placement="auto")}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
   through tnp.TrainPipeline: the fused exchange, with look-ahead under dbp / nested; 3
   micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
   own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
@@ -249,12 +250,29 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False):
             "stats/drains": stats.drains, "stats/rows_requested": stats.rows_requested,
             "stats/first_lookup_rows": stats.first_lookup_rows,
             "stats/exchanges": stats.exchanges}
+        for layer in model._flatten_layers():  # pylint: disable=protected-access
+            if isinstance(layer, tnp.ShardedEmbedding) and layer.placement is not None:
+                extra["stats/placement/" + layer.name] = layer.placement
         if auto_choice is not None:
             extra["stats/auto_choice"] = auto_choice
         # Keys exchanges that needed the overflow round, in this launch so far (all runs).
         extra["stats/overflow_rounds"] = strategy.extended.embedding_exchange.overflow_rounds()
         np.savez(out_path, **tables, **{"dense/%d" % i: v for i, v in enumerate(dense)}, **extra)
     print("saved", mode, opt_name, flush=True)
+
+
+def placement_of_run(options):
+    """The strategy's table placement for a run's options (see the module docstring)."""
+    if "dp" in options:
+        return "data_parallel"
+    if "autoplace" in options:
+        return "auto"
+    if "mixdp" in options:
+        mixed = {"table_a": "data_parallel", "table_b": "row_wise"}
+        if "mixed" in options:
+            mixed["fields_fused"] = "row_wise"
+        return mixed
+    return "row_wise"
 
 
 def main():
@@ -273,6 +291,7 @@ def main():
         strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested", "auto")),
                                  "none")
         strategy.unsafe_skip_buffer_sync = "nosync" in options
+        strategy.placement = placement_of_run(options)
         train(strategy, batches, mode, opt_name,
               "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)),
               mixed="mixed" in options)

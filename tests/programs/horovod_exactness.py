@@ -5,7 +5,8 @@ or `horovodrun --gloo -np N python horovod_exactness.py`; compare its .npz files
 single-process reference of `exactness.py` (same model, same global batches).
 
 usage: horovod_exactness.py OUT_PREFIX STEPS PIPELINE/MODE:OPTIMIZER [...] [--check-splits]
-  e.g. none/loop:sgd dbp/loop:adagrad; writes OUT_PREFIX.PIPELINE.MODE.OPTIMIZER.npz (worker 0).
+  e.g. none/loop:sgd dbp/loop:adagrad none/fit:adam:mixdp (a table placement option of
+  exactness.py); writes OUT_PREFIX.PIPELINE.MODE.OPTIMIZER[.OPTION].npz (worker 0).
   --check-splits first sends uneven counts through the strategy's all-to-all and checks that
   only the data entries travel (prints "variable splits ok").
 """
@@ -66,7 +67,7 @@ def main():
     surface_dir = sys.argv[sys.argv.index("--surface") + 1] if "--surface" in sys.argv else None
     for spec in [a for a in sys.argv[3:] if not a.startswith("--") and a != surface_dir]:
         pipeline, run = spec.split("/")
-        mode, opt_name = run.split(":")
+        mode, opt_name, *options = run.split(":")  # options: a placement (exactness.py)
         if pipeline not in strategies:
             strategies[pipeline] = tnp.NestPipeStrategy(collectives="horovod", pipeline=pipeline,
                                                         micro_batches=3)
@@ -77,8 +78,9 @@ def main():
         if check_splits:
             check_variable_splits(strategy)
             check_splits = False
+        strategy.placement = exactness.placement_of_run(options)
         exactness.train(strategy, batches, mode, opt_name,
-                        "%s.%s.%s.%s.npz" % (prefix, pipeline, mode, opt_name))
+                        "%s.%s.%s.npz" % (prefix, pipeline, ".".join([mode, opt_name] + options)))
     if "--surface" in sys.argv:  # the tf_keras surface paths on the "none" strategy
         import horovod_surface  # pylint: disable=import-outside-toplevel
 

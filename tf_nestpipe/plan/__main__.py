@@ -1,8 +1,12 @@
-"""`python -m tf_nestpipe.plan [--measure] [--measure-runs] [--validate compare.json] ...`"""
+"""`python -m tf_nestpipe.plan [--measure] [--measure-runs] [--validate compare.json] ...`, and
+`python -m tf_nestpipe.plan placement (--table NAME:ROWS:DIM ... | --model MODULE:FUNCTION)
+[--workers 2] [--placement auto] [--memory-budget-bytes N]`: the table placement a
+NestPipeStrategy would choose, without training."""
 import argparse
 import os
 import sys
 
+from tf_nestpipe.plan import placement as placement_lib
 from tf_nestpipe.plan import report
 from tf_nestpipe.plan.costs import CostsError, build_scenarios, load_costs
 from tf_nestpipe.plan.model import ModelError
@@ -64,8 +68,70 @@ def build_parser():
     return parser
 
 
+def build_placement_parser():
+    """The command line of `python -m tf_nestpipe.plan placement`."""
+    parser = argparse.ArgumentParser(
+        prog="python -m tf_nestpipe.plan placement",
+        description="Show the table placement NestPipeStrategy(placement=...) would choose "
+                    "(tf_nestpipe.plan.placement), without training.")
+    parser.add_argument("--table", action="append", default=[], metavar="NAME:ROWS:DIM",
+                        help="a table (repeat for several, in build order)")
+    parser.add_argument("--model", metavar="MODULE:FUNCTION",
+                        help="a function returning a tf_keras model (built outside any "
+                             "strategy) whose ShardedEmbedding tables are planned")
+    parser.add_argument("--workers", type=int, default=2)
+    parser.add_argument("--placement", default="auto",
+                        help="auto, data_parallel, row_wise, or NAME=PLACEMENT,... (others auto)")
+    parser.add_argument("--memory-budget-bytes", type=int, default=None)
+    parser.add_argument("--optimizer-slots", type=int, default=placement_lib.DEFAULT_OPTIMIZER_SLOTS)
+    parser.add_argument("--ids-per-step", type=int, default=placement_lib.DEFAULT_IDS_PER_STEP,
+                        help="distinct ids a worker looks up per table and step (row_wise cost)")
+    return parser
+
+
+def _parse_placement_arg(text):
+    if "=" not in text:
+        return text
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    return {name.strip(): value.strip() for name, value in pairs}
+
+
+def _model_tables(spec):
+    import importlib
+
+    module, _, function = spec.partition(":")
+    if not function:
+        raise placement_lib.PlacementError("--model takes MODULE:FUNCTION, got %r" % spec)
+    model = getattr(importlib.import_module(module), function)()
+    return list(placement_lib.model_tables(model).values())
+
+
+def placement_main(argv):
+    """`python -m tf_nestpipe.plan placement ...`: prints the plan; 2 with a one-line error."""
+    args = build_placement_parser().parse_args(argv)
+    try:
+        tables = [placement_lib.parse_table_arg(t) for t in args.table]
+        if args.model:
+            tables += _model_tables(args.model)
+        if not tables:
+            raise placement_lib.PlacementError("give the tables: --table NAME:ROWS:DIM or "
+                                               "--model MODULE:FUNCTION")
+        plans = placement_lib.plan_tables(tables, args.workers,
+                                          _parse_placement_arg(args.placement),
+                                          args.memory_budget_bytes, args.optimizer_slots,
+                                          args.ids_per_step)
+    except placement_lib.PlacementError as e:
+        print("error: %s" % e, file=sys.stderr)
+        return 2
+    print(placement_lib.render_plan(plans, args.workers))
+    return 0
+
+
 def main(argv=None):
     """Runs the CLI; returns the exit code (2 with a one-line error for bad costs or inputs)."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["placement"]:
+        return placement_main(argv[1:])
     args = build_parser().parse_args(argv)
     try:
         if args.measure:

@@ -12,7 +12,7 @@ from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.initializers import RowShardInitializer
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
-from tf_nestpipe.sharding.row_shard import creating_row_shard
+from tf_nestpipe.sharding.row_shard import creating_row_shard, mark_replicated_table
 from tf_nestpipe.sharding.tables import FusedTables
 
 COMBINERS = (None, "sum", "mean")
@@ -24,6 +24,16 @@ def embedding_exchange_of(strategy):
     return getattr(getattr(strategy, "extended", None), "embedding_exchange", None)
 
 INVALID_ID_POLICIES = ("error", "zero")
+# The placement (chosen by the strategy's planner, tf_nestpipe.plan.placement) under which the
+# table is an ordinary mirrored variable on every worker, looked up with a local gather.
+DATA_PARALLEL = "data_parallel"
+
+
+def placement_of(strategy, layer):
+    """The placement `strategy` gives `layer`'s table ("row_wise" for a strategy without a
+    planner)."""
+    place = getattr(getattr(strategy, "extended", None), "placement_of", None)
+    return place(layer) if place is not None else "row_wise"
 
 
 class ShardedEmbedding(tf_keras.layers.Layer):
@@ -34,7 +44,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     the output is `ids.shape + [dim]` (ragged inputs need a combiner); `"sum"` / `"mean"` pool
     the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
     table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
-    gradient (`invalid_id_policy="zero"`).
+    gradient (`invalid_id_policy="zero"`). The strategy's planner places the table when it is
+    built (`self.placement`): "row_wise" (row shards, the exchange) or "data_parallel" (a
+    mirrored whole table, local gathers; see `NestPipeStrategy(placement=...)`).
     """
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
@@ -53,10 +65,14 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         self.invalid_id_policy = invalid_id_policy
         self.embeddings_initializer = tf_keras.initializers.get(embeddings_initializer)
         self.layout = None
+        self.placement = None  # set when built under a NestPipeStrategy
         # The strategy whose scope the layer was created in; its variables are built there even
         # if the layer is first called outside the scope.
         current = tf.distribute.get_strategy()
         self._strategy = current if embedding_exchange_of(current) is not None else None
+        announce = getattr(getattr(self._strategy, "extended", None), "announce_table", None)
+        if announce is not None:
+            announce(self)  # planned with the tables constructed with it (see placement_of)
         # Parameter-server mode: the table is a ShardedVariable on the ps tasks, its rows laid
         # out by the strategy's partitioner ("div": contiguous ranges, "mod": round-robin).
         self._ps_row_order = None
@@ -77,9 +93,14 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             self._strategy = tf.distribute.get_strategy()
         scope = creation = contextlib.nullcontext()
         if self._strategy is not None:
-            self.layout = ShardLayout(self.vocab_size, self.dim, self._strategy.num_workers,
-                                      self._strategy.worker_index)
-            creation = creating_row_shard(self.layout)
+            self.placement = placement_of(self._strategy, self)
+            if self.placement == DATA_PARALLEL:
+                # The whole table, mirrored on every worker like a dense weight.
+                self.layout = ShardLayout(self.vocab_size, self.dim)
+            else:
+                self.layout = ShardLayout(self.vocab_size, self.dim, self._strategy.num_workers,
+                                          self._strategy.worker_index)
+                creation = creating_row_shard(self.layout)
             # Re-enter the scope only when called outside it (entering is illegal in a replica).
             if not tf.distribute.has_strategy():
                 scope = self._strategy.scope()
@@ -90,6 +111,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                 name="embeddings", shape=(self.layout.local_rows, self.dim),
                 initializer=RowShardInitializer(self.embeddings_initializer, self.layout),
                 trainable=True)
+        if self.placement == DATA_PARALLEL:
+            mark_replicated_table(self.embeddings, self.name)
         if self.exchanged:
             embedding_exchange_of(self._strategy).register(self)
         super().build(input_shape)

@@ -36,3 +36,18 @@ def creating_row_shard(layout):
         yield
     finally:
         _creation_state.layout = previous
+
+
+# --- replicated (data-parallel) tables (issue 15) ----------------------------------------------
+_REPLICATED_ATTR = "_nestpipe_replicated_table"
+
+
+def mark_replicated_table(variable, name):
+    """Records on `variable` (a mirrored variable) that it is the whole table `name` replicated
+    on every worker: its gradient is made dense and joins the dense all-reduce."""
+    setattr(variable, _REPLICATED_ATTR, name)
+
+
+def replicated_table_name(variable):
+    """The table name of a replicated (data-parallel) table variable, else None."""
+    return getattr(variable, _REPLICATED_ATTR, None)

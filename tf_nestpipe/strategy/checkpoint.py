@@ -22,6 +22,7 @@ import tensorflow as tf
 from tensorflow.python.checkpoint import graph_view
 from tensorflow.python.trackable import trackable_utils
 
+from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
 from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
@@ -104,19 +105,27 @@ class ShardedCheckpoint:
         # Every worker checks every table against all files before reading any: a table of
         # another size is refused on all of them (never restored wrongly on some).
         _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)
-        if saved_workers == workers:
+        variables = _variable_keys(self.checkpoint)
+        if saved_workers == workers and _same_placement(variables, readers[rank]):
             with local_shard_serialization():
                 self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
         available = set(readers[0].get_variable_to_shape_map())
+        shapes = [reader.get_variable_to_shape_map() for reader in readers]
         missing = []
-        for variable, key in _variable_keys(self.checkpoint):
+        for variable, key in variables:
             if key not in available:
                 missing.append(key)
                 continue
             layout = row_shard_layout(variable)
+            if layout is None and _saved_row_sharded(variable, key, shapes):
+                # A replicated (data-parallel) table written row-wise: its whole value.
+                layout = ShardLayout(int(variable.shape[0]), 1)
             if layout is None:
                 value = readers[0].get_tensor(key)
+            elif _saved_whole(key, shapes, layout):
+                # A table written replicated, restored row-wise: this worker's rows of it.
+                value = readers[0].get_tensor(key)[layout.global_ids()]
             else:
                 value = _reshard_rows([reader.get_tensor(key) for reader in readers], layout)
             variable.assign(value)
@@ -147,6 +156,36 @@ def read_manifest(path):
     return manifest
 
 
+def _same_placement(variables, reader):
+    """Whether every variable has the shape this worker's file holds for it (the tables were
+    placed as when written, so the file restores as it is)."""
+    shapes = reader.get_variable_to_shape_map()
+    return all(key not in shapes or list(shapes[key]) == variable.shape.as_list()
+               for variable, key in variables)
+
+
+def _saved_rows(key, shapes):
+    return [int(shape[key][0]) if shape[key] else 0 for shape in shapes]
+
+
+def _saved_whole(key, shapes, layout):
+    """Whether a table (or slot) of `layout.vocab_size` rows was written whole by every
+    worker (a replicated, data-parallel table) rather than as row shards."""
+    rows = _saved_rows(key, shapes)
+    return len(rows) > 1 and all(r == layout.vocab_size for r in rows)
+
+
+def _saved_row_sharded(variable, key, shapes):
+    """Whether a whole (mirrored) variable was written as row shards: a replicated table (or
+    slot) whose table was row-wise when the checkpoint was written."""
+    if variable.shape.rank is None or variable.shape.rank < 1 or not all(
+            key in shape for shape in shapes):
+        return False
+    rows = _saved_rows(key, shapes)
+    return len(rows) > 1 and rows[0] != int(variable.shape[0]) and sum(rows) == int(
+        variable.shape[0])
+
+
 def _check_table_sizes(variables, readers, step, directory):
     """Refuses to restore a row-shard variable (table or slot) from a checkpoint of a table of
     another size: the old table's rows are the sum of its per-worker shards' rows."""
@@ -155,7 +194,9 @@ def _check_table_sizes(variables, readers, step, directory):
         layout = row_shard_layout(variable)
         if layout is None or any(key not in shape for shape in shapes):
             continue  # missing keys are reported by the restore itself
-        old_rows = sum(int(shape[key][0]) if shape[key] else 0 for shape in shapes)
+        old_rows = sum(_saved_rows(key, shapes))
+        if _saved_whole(key, shapes, layout):
+            old_rows = layout.vocab_size  # written replicated: every file holds the table
         old_tail = list(shapes[0][key][1:])
         new_tail = variable.shape.as_list()[1:]
         if old_rows != layout.vocab_size or old_tail != new_tail:

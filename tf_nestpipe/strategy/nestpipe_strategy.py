@@ -4,7 +4,9 @@ Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredS
 replica per worker). Variables created by `tf_nestpipe.ShardedEmbedding` are *row shards*: plain
 worker-local variables holding only the rows this worker owns; their optimizer slots are
 worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
-all-to-all already delivered each owner the summed gradient of its rows.
+all-to-all already delivered each owner the summed gradient of its rows. A table the planner
+places `data_parallel` (issue 15) is a mirrored variable instead, its gradient made dense and
+all-reduced with the dense ones.
 """
 import contextlib
 import sys
@@ -23,8 +25,10 @@ from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
+from tf_nestpipe.plan.placement import Planner, TableSpec, render_plan
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
-from tf_nestpipe.sharding.row_shard import is_row_shard, row_shard_being_created, row_shard_layout
+from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
+                                            row_shard_being_created, row_shard_layout)
 from tf_nestpipe.strategy import equal_shares
 from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
@@ -114,6 +118,64 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._open_socket_mesh(collectives)
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
+
+    # --- table placement (issue 15) -----------------------------------------------------------
+    def set_placement(self, placement, memory_budget_bytes):
+        """A new planner for the tables built from now on (checks `placement` at once)."""
+        self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes)
+        self._nestpipe_plan_reported = False
+        self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
+
+    @staticmethod
+    def _table_spec(layer):
+        return TableSpec(layer.name, layer.vocab_size, layer.dim,
+                         tf.as_dtype(layer.dtype or tf.float32).size)
+
+    def announce_table(self, layer):
+        """Notes a `ShardedEmbedding` constructed in the scope: the tables of a model are
+        usually all constructed before the first is built, and are then placed together."""
+        self._nestpipe_announced.append(self._table_spec(layer))
+
+    def placement_of(self, layer):
+        """The placement of `layer`'s table ("data_parallel" or "row_wise"), decided by the
+        planner (tf_nestpipe.plan.placement) when the table is built, together with every table
+        constructed but not yet placed."""
+        spec = self._table_spec(layer)
+        pending = [t for t in self._nestpipe_announced if t.name != spec.name]
+        mine = next((i for i, t in enumerate(self._nestpipe_announced) if t.name == spec.name),
+                    len(pending))
+        self._nestpipe_announced = []
+        pending.insert(mine, spec)  # in construction order
+        return self._nestpipe_planner.place_all(pending)[mine].placement
+
+    @property
+    def placement_planner(self):
+        """The `Planner` holding every table's `TablePlan` so far."""
+        return self._nestpipe_planner
+
+    def _report_placement(self):
+        """Once all tables are built (the first gradient aggregation): refuses a placement
+        dict naming an unknown table and prints the plan on worker 0."""
+        if self._nestpipe_plan_reported:
+            return
+        self._nestpipe_planner.check_names()
+        self._nestpipe_plan_reported = True
+        plans = self._nestpipe_planner.plans
+        if plans and self._num_workers > 1 and self._id_in_cluster == 0:
+            print(render_plan(plans, self._num_workers), flush=True)
+
+    @staticmethod
+    def _dense_gradient(value):
+        """A replicated table's gradient as a dense tensor (an IndexedSlices summed into its
+        rows), so it joins the dense all-reduce: exact, and the same update as one process's."""
+        if isinstance(value, _dist_values.DistributedValues):
+            return distribute_utils.regroup(
+                tuple(NestPipeExtended._dense_gradient(v) for v in value.values))
+        if isinstance(value, tf.IndexedSlices):
+            return tf.math.unsorted_segment_sum(value.values, value.indices,
+                                                value.dense_shape[0])
+        return value
+    # --- end of table placement --------------------------------------------------------------
 
     # --- equal shares of the global batch (issue 17) ---------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
@@ -307,6 +369,10 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- gradient aggregation --------------------------------------------------------------
     def _batch_reduce_to(self, reduce_op, value_destination_pairs, options):
         pairs = list(value_destination_pairs)
+        if any(getattr(d, "trainable", False) for _, d in pairs):
+            self._report_placement()
+        pairs = [(self._dense_gradient(v) if replicated_table_name(d) else v, d)
+                 for v, d in pairs]
         check = self._equal_shares_check(pairs)  # issue 17: no update from unequal shares
         pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
@@ -439,6 +505,15 @@ class NestPipeStrategy(distribute_lib.Strategy):
     dataset batched without `drop_remainder=True`) is refused on every worker before it runs
     (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
     differ from one process's.
+    `placement` says how each `ShardedEmbedding` table is laid out (issue 15, see
+    `tf_nestpipe.plan.placement`): "row_wise" (default: row-sharded, looked up through the
+    fused exchange), "data_parallel" (a mirrored variable on every worker: local gathers, its
+    gradient in the dense all-reduce), "auto" (the planner picks per table from its size and the
+    measured collective costs) or a dict {table name: placement or "auto"} (tables it does not
+    name: "auto"). "table_wise" is refused: not implemented. `memory_budget_bytes` bounds the
+    bytes per worker of all tables with their optimizer slots (2 slots assumed): a table that
+    does not fit is refused with its name, its bytes and what to change. The plan is printed on
+    worker 0 at the first training step (`placement_plan()` returns it).
     `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
     for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
     "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
@@ -451,7 +526,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
                  collectives="auto", auto_warmup_steps=1, auto_timed_steps=5,
-                 startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32"):
+                 startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
+                 placement="row_wise", memory_budget_bytes=None):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -464,6 +540,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1:
             raise ValueError("auto_warmup_steps must be >= 0 and auto_timed_steps >= 1, got %r "
                              "and %r" % (auto_warmup_steps, auto_timed_steps))
+        Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
         # --- issue 19: compressed exchanges (checked before the cluster starts) ---
@@ -491,6 +568,35 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if collectives == "horovod":  # after hvd.init() checked Horovod's size and rank
             check_horovod_cluster(config, startup_timeout_seconds)
         self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
+        self._placement, self._memory_budget_bytes = placement, memory_budget_bytes
+        self.extended.set_placement(placement, memory_budget_bytes)  # issue 15
+
+    @property
+    def placement(self):
+        """How tables built from now on are placed: "row_wise", "data_parallel", "auto" or a
+        dict {table name: placement}; settable (a new plan for the tables built after)."""
+        return self._placement
+
+    @placement.setter
+    def placement(self, value):
+        self.extended.set_placement(value, self._memory_budget_bytes)
+        self._placement = value
+
+    @property
+    def memory_budget_bytes(self):
+        """The per-worker bytes the tables and their optimizer slots may take (None: no
+        limit); settable like `placement`."""
+        return self._memory_budget_bytes
+
+    @memory_budget_bytes.setter
+    def memory_budget_bytes(self, value):
+        self.extended.set_placement(self._placement, value)
+        self._memory_budget_bytes = value
+
+    def placement_plan(self):
+        """The `TablePlan` of every table built so far (table, placement, bytes per worker,
+        expected traffic per step), in build order."""
+        return list(self.extended.placement_planner.plans)
 
     @property
     def check_equal_shares(self):

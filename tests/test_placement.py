@@ -1,0 +1,256 @@
+"""Table placement (issue 15): the planner's rule by hand, its errors, the strategy's checks, the
+CLI, and data-parallel / mixed / auto placements on 2 and 3 workers equal to one process (runs
+of the shared exactness launches, see conftest.PLACEMENT_RUNS)."""
+import numpy as np
+import pytest
+
+from conftest import PLACEMENT_RUNS, load_run
+from tf_nestpipe.plan import __main__ as cli
+from tf_nestpipe.plan import placement as pl
+from tf_nestpipe.plan.model import CollectiveParams
+
+# Hand-sized costs: every all-to-all costs 1 ms + 1 ms per MB, an all-reduce 5 ms + 2 ms per MB
+# (the 5 ms are paid by the dense weights anyway: a replicated table adds only its bytes).
+COSTS = {"all_to_all": CollectiveParams(0.0, 0.0, 0.0, "ring", {2: (1.0, 1.0)}),
+         "all_reduce": CollectiveParams(0.0, 0.0, 0.0, "ring", {2: (5.0, 2.0)})}
+
+
+def planner(placement="auto", budget=None, slots=2, ids=1000):
+    return pl.Planner(placement, 2, budget, slots, ids, COSTS)
+
+
+def test_traffic_and_bytes_by_hand():
+    table = pl.TableSpec("t", 10_000, 16)  # 640,000 bytes
+    assert pl.traffic(table, 2, pl.DATA_PARALLEL, COSTS) == (640_000, pytest.approx(2 * 0.64))
+    # 1000 ids: keys 8,000 B, rows and gradient rows 64,000 B each; three 1 ms all-to-alls.
+    nbytes, ms = pl.traffic(table, 2, pl.ROW_WISE, COSTS, ids_per_step=1000)
+    assert nbytes == 8_000 + 2 * 64_000
+    assert ms == pytest.approx(3 * 1.0 + (8_000 + 2 * 64_000) / 1e6)
+    assert pl.table_bytes(table, 2, pl.DATA_PARALLEL, 2) == 640_000 * 3
+    assert pl.table_bytes(table, 2, pl.ROW_WISE, 1) == 320_000 * 2
+    assert pl.traffic(table, 1, pl.ROW_WISE, COSTS) == (0, 0.0)  # one worker: no collective
+
+
+def test_auto_replicates_where_the_all_reduce_is_cheaper():
+    plan = planner()
+    small = plan.place(pl.TableSpec("small", 7, 16))
+    edge = plan.place(pl.TableSpec("edge", 20_000, 16))    # 1.28 MB: 2.56 ms < 3 + 0.136 ms
+    mid = plan.place(pl.TableSpec("mid", 50_000, 16))      # 3.2 MB: 6.4 ms > 3.136 ms
+    # The exchange of dim 16 is paid now: a table joining it adds only its bytes (0.136 ms).
+    late = plan.place(pl.TableSpec("late", 20_000, 16))
+    other_dim = plan.place(pl.TableSpec("other_dim", 20_000, 8))  # its own exchange: 3.07 ms
+    assert [p.placement for p in (small, edge, mid, late, other_dim)] == [
+        pl.DATA_PARALLEL, pl.DATA_PARALLEL, pl.ROW_WISE, pl.ROW_WISE, pl.DATA_PARALLEL]
+    assert "all-reduce" in small.reason
+    assert mid.traffic_ms == pytest.approx(3.136) and late.traffic_ms == pytest.approx(0.136)
+    text = pl.render_plan(plan.plans, 2)
+    for word in ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "small",
+                 "data_parallel", "row_wise", "total"):
+        assert word in text
+
+
+def test_tables_placed_together_share_one_exchange_decision():
+    """Placed at once, the group's cheapest plan: 20 mid tables replicated cost 20 x 2.56 ms,
+    row-wise 3 ms once + 20 x 0.136 ms (so do two: 5.12 > 3.27 ms; one alone is replicated,
+    above); tiny tables all replicated."""
+    plan = planner()
+    plans = plan.place_all([pl.TableSpec("m%d" % i, 20_000, 16) for i in range(20)])
+    assert {p.placement for p in plans} == {pl.ROW_WISE}
+    two = planner().place_all([pl.TableSpec("m%d" % i, 20_000, 16) for i in range(2)])
+    assert {p.placement for p in two} == {pl.ROW_WISE}
+    tiny = planner().place_all([pl.TableSpec("t%d" % i, 100, 16) for i in range(20)])
+    assert {p.placement for p in tiny} == {pl.DATA_PARALLEL}
+
+
+def test_requested_placements_override_auto_and_one_worker_keeps_one_shard():
+    plan = planner({"small": "row_wise", "mid": "data_parallel"})
+    assert plan.place(pl.TableSpec("small", 7, 16)).placement == pl.ROW_WISE
+    assert plan.place(pl.TableSpec("mid", 50_000, 16)).placement == pl.DATA_PARALLEL
+    assert plan.place(pl.TableSpec("other", 7, 16)).placement == pl.DATA_PARALLEL  # auto
+    one = pl.Planner("data_parallel", 1, collectives=COSTS)
+    assert one.place(pl.TableSpec("t", 7, 4)).placement == pl.ROW_WISE
+
+
+def test_a_table_placed_again_keeps_its_plan_unless_its_size_changed():
+    plan = planner()
+    first = plan.place(pl.TableSpec("t", 7, 16))
+    assert plan.place(pl.TableSpec("t", 7, 16)) is first and len(plan.plans) == 1
+    bigger = plan.place(pl.TableSpec("t", 500_000, 16))
+    assert bigger.placement == pl.ROW_WISE and plan.plans == [bigger]
+
+
+def test_auto_falls_back_to_row_wise_when_the_replica_does_not_fit():
+    plan = planner(budget=150_000)
+    t = plan.place(pl.TableSpec("t", 2_000, 4))  # replica 96,000 B fits
+    u = plan.place(pl.TableSpec("u", 2_000, 4))  # a second replica would not; its shard does
+    assert (t.placement, u.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
+    assert u.reason == "replica does not fit the budget"
+    assert plan.used_bytes() == 96_000 + 48_000
+
+
+def test_a_table_that_does_not_fit_is_refused_with_the_fix():
+    plan = planner("data_parallel", budget=50_000)
+    with pytest.raises(pl.PlacementError) as error:
+        plan.place(pl.TableSpec("big", 2_000, 4))
+    message = str(error.value)
+    for part in ("'big'", "2000 rows x 4", "96000 bytes per worker", "memory_budget_bytes=50000",
+                 "at least 96000", "'row_wise' (48000 bytes per worker)", "more workers"):
+        assert part in message
+    with pytest.raises(pl.PlacementError, match="'huge'.*chosen by auto"):
+        planner(budget=50_000).place(pl.TableSpec("huge", 100_000, 4))
+
+
+def test_a_budget_that_fits_is_no_error():
+    """Positive control of the budget check: the same table under a budget just large enough."""
+    assert planner("data_parallel", budget=96_000).place(
+        pl.TableSpec("big", 2_000, 4)).placement == pl.DATA_PARALLEL
+
+
+@pytest.mark.parametrize("placement,match", [
+    ("bogus", "unknown placement 'bogus'"),
+    ("table_wise", "'table_wise' is not implemented"),
+    ("column_wise", "'column_wise' is not implemented"),
+    ({"t": "replicated"}, r"placement\['t'\]: unknown placement 'replicated'"),
+    ({"t": "table_wise"}, r"placement\['t'\]: placement 'table_wise' is not implemented"),
+    (3, "placement must be 'auto'"),
+    ({"": "row_wise"}, "keys must be table"),
+])
+def test_bad_placements_are_refused(placement, match):
+    with pytest.raises(pl.PlacementError, match=match):
+        pl.parse_placement(placement)
+
+
+def test_bad_budget_is_refused():
+    with pytest.raises(pl.PlacementError, match="memory_budget_bytes must be a positive"):
+        pl.Planner("auto", 2, memory_budget_bytes=0)
+
+
+def test_unknown_table_names_are_refused_once_tables_are_known():
+    plan = planner({"table_a": "data_parallel", "tabel_b": "row_wise"})
+    plan.place(pl.TableSpec("table_a", 7, 4))
+    plan.place(pl.TableSpec("table_b", 7, 4))
+    with pytest.raises(pl.PlacementError, match="'tabel_b'.*tables are 'table_a', 'table_b'"):
+        plan.check_names()
+    good = planner({"table_a": "data_parallel"})  # positive control
+    good.place(pl.TableSpec("table_a", 7, 4))
+    good.check_names()
+
+
+def test_default_collectives_come_from_the_cost_model():
+    costs = pl.default_collectives()
+    assert set(costs) == {"all_to_all", "all_reduce"}
+    assert costs["all_to_all"].measured and 2 in costs["all_to_all"].measured
+
+
+def test_cli_shows_a_plan_without_training(capsys):
+    assert cli.main(["placement", "--table", "small:7:16", "--table", "big:2000000:16",
+                     "--workers", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "small" in out and "data_parallel" in out and "big" in out and "row_wise" in out
+    assert cli.main(["placement", "--table", "big:2000000:16", "--placement", "big=data_parallel",
+                     "--memory-budget-bytes", "1000000"]) == 2
+    assert "'big'" in capsys.readouterr().err
+    assert cli.main(["placement", "--table", "bad"]) == 2
+    assert "NAME:ROWS:DIM" in capsys.readouterr().err
+
+
+def _tiny_model():
+    import tf_keras
+
+    import tf_nestpipe as tnp
+
+    inputs = tf_keras.Input([2], dtype="int64")
+    out = tnp.ShardedEmbedding(30, 4, name="cli_table")(inputs)
+    return tf_keras.Model(inputs, out)
+
+
+def test_cli_plans_a_models_tables(capsys):
+    assert cli.main(["placement", "--model", "test_placement:_tiny_model", "--workers", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "cli_table" in out and "30" in out and "data_parallel" in out
+
+
+def test_the_strategy_refuses_bad_placements_before_starting():
+    import tf_nestpipe as tnp
+
+    with pytest.raises(pl.PlacementError, match="'table_wise' is not implemented"):
+        tnp.NestPipeStrategy(placement="table_wise")
+    with pytest.raises(pl.PlacementError, match="memory_budget_bytes"):
+        tnp.NestPipeStrategy(placement="auto", memory_budget_bytes=-1)
+
+
+def test_the_strategy_refuses_a_table_over_the_memory_budget_when_it_is_built():
+    import tensorflow as tf
+
+    import tf_nestpipe as tnp
+
+    strategy = tnp.NestPipeStrategy(memory_budget_bytes=1000)
+    with strategy.scope():
+        small = tnp.ShardedEmbedding(10, 2, name="fits_budget")  # 10 x 2 x 4 x 3 = 240 bytes
+    small(tf.constant([1], tf.int64))
+    with strategy.scope():
+        big = tnp.ShardedEmbedding(1000, 2, name="over_budget")
+    with pytest.raises(pl.PlacementError, match="'over_budget'.*24000 bytes per worker.*holds "
+                                                "240 of its memory_budget_bytes=1000"):
+        big(tf.constant([1], tf.int64))
+
+
+def test_the_strategy_refuses_an_unknown_table_name_at_the_first_step():
+    import tensorflow as tf
+    import tf_keras
+
+    import tf_nestpipe as tnp
+
+    strategy = tnp.NestPipeStrategy(placement={"no_such_table": "data_parallel"})
+    with strategy.scope():
+        table = tnp.ShardedEmbedding(10, 2, name="known_table")
+        optimizer = tf_keras.optimizers.SGD(0.1)
+
+    def step():
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(table(tf.constant([1, 2], tf.int64)))
+        optimizer.apply_gradients(zip(tape.gradient(loss, table.trainable_variables),
+                                      table.trainable_variables))
+
+    # Raised while the step is traced (tf.function reports it as its StagingError).
+    with pytest.raises(Exception, match="'no_such_table'.*'known_table'"):
+        strategy.run(tf.function(step))
+    strategy.placement = {"known_table": "data_parallel"}  # positive control
+    with strategy.scope():
+        table = tnp.ShardedEmbedding(10, 2, name="known_table")
+    strategy.run(tf.function(step))
+    assert [p.table.name for p in strategy.placement_plan()] == ["known_table"]
+
+
+# --- exactness on 2 and 3 workers (the shared exactness launches) --------------------------
+CASES = [(w, run) for w, runs in sorted(PLACEMENT_RUNS.items()) for run in runs]
+
+
+def expected_placements(run):
+    """The placement each table of a run must have had (see exactness.placement_of_run)."""
+    options = run.split(":")[2:]
+    names = ["table_a", "table_b"] + (["fields_fused"] if "mixed" in options else [])
+    if "mixdp" in options:
+        return {n: ("data_parallel" if n == "table_a" else "row_wise") for n in names}
+    return {n: "data_parallel" for n in names}  # dp, and auto for these tiny tables
+
+
+@pytest.mark.parametrize("workers,run", CASES, ids=["%dw-%s" % c for c in CASES])
+def test_placements_match_single_process(exactness_results, workers, run):
+    from conftest import reference_of
+
+    ref = load_run(exactness_results[1], reference_of(run))
+    got = load_run(exactness_results[workers], run)
+    params = [n for n in ref.files if not n.startswith("stats/")]
+    assert sorted(params) == sorted(n for n in got.files if not n.startswith("stats/"))
+    for name in params:
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
+    placed = {k[len("stats/placement/"):]: str(got[k]) for k in got.files
+              if k.startswith("stats/placement/")}
+    assert placed == expected_placements(run)
+    if run.split(":")[0] in ("loop", "fit"):
+        # Replicated tables never enter the fused exchange: one per group of row-wise tables.
+        groups = {"d4" if n != "fields_fused" else "d3" for n, p in placed.items()
+                  if p == "row_wise"}
+        micro = 3 if {"fwp", "nested"} & set(run.split(":")) else 1  # a round per micro-batch
+        assert int(got["stats/exchanges"]) == micro * len(groups)

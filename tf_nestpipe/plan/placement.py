@@ -1,0 +1,390 @@
+"""Table placement: the one rule that decides, per embedding table, how it is laid out over the
+workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFlow.
+
+- `data_parallel`: the table is an ordinary mirrored variable on every worker; lookups are local
+  gathers (no all-to-all) and its gradient, made dense, joins the dense gradient all-reduce.
+- `row_wise`: the table is row-sharded (id k on worker k mod W) and every step's lookups go
+  through the fused exchange (keys, rows and gradient all-to-alls).
+- `table_wise` (whole table on one worker) is not implemented: asking for it is refused.
+
+`placement="auto"` picks per table (`Planner._choose`): replicate when the table's marginal cost
+in the dense gradient all-reduce (its dense gradient's bytes) is lower than what it adds to the
+fused exchange of its group (tables of one dim: the bytes of its keys, rows and gradient rows
+for `ids_per_step` looked-up ids, plus, for the group's first row-wise table, the fixed cost of
+the three all-to-alls), and when the replica with its optimizer slots fits the per-worker
+`memory_budget_bytes`; row_wise otherwise. The tables placed together (all those constructed
+before the first is built, see the strategy) are decided per group at once: all replicated, or
+each where it costs less with the exchange paid, whichever costs less in total. The collective costs are the `tf_nestpipe.plan` cost
+model's (`bench/results/plan_costs.json` when present, else the constants measured there on the
+2-core testbed, copied below).
+"""
+import dataclasses
+import math
+import os
+from typing import Dict, Optional
+
+from tf_nestpipe.plan.model import CollectiveParams, collective_ms
+
+DATA_PARALLEL = "data_parallel"
+ROW_WISE = "row_wise"
+TABLE_WISE = "table_wise"
+COLUMN_WISE = "column_wise"
+AUTO = "auto"
+PLACEMENTS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE)
+SUPPORTED = (DATA_PARALLEL, ROW_WISE)
+# Optimizer slots per table element the planner assumes (Adam's two; Adagrad has one, SGD none):
+# the optimizer is not known when a table is built, so the budget is checked for the largest.
+DEFAULT_OPTIMIZER_SLOTS = 2
+# Looked-up ids per worker, step and table the auto rule assumes for a row-wise exchange.
+DEFAULT_IDS_PER_STEP = 1024
+# The collectives one row-wise exchange issues per step: keys, rows, and the gradient's rows.
+ALL_TO_ALLS_PER_EXCHANGE = 3
+
+# Measured on the testbed (bench/results/plan_costs.json, 2026-11-30, ring on 2 shared cores):
+# per kind, the fit over worker counts and the per-W (intercept ms, ms per MB) of the sweeps.
+_TESTBED = {
+    "all_to_all": CollectiveParams(0.0, 1.5155, 3.0952, "ring",
+                                   {2: (0.8335, 1.2723), 4: (4.5804, 2.9888)}),
+    "all_reduce": CollectiveParams(0.0, 1.4175, 4.0126, "ring",
+                                   {2: (1.8768, 2.4858), 4: (8.2493, 7.9847)}),
+}
+_COSTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "bench", "results", "plan_costs.json")
+
+
+class PlacementError(ValueError):
+    """A placement that cannot be used: an unknown placement or table name, an unimplemented
+    placement, or tables that do not fit the memory budget. The message says what to change."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TableSpec:
+    """One embedding table as the planner sees it: `rows` x `dim` values of `value_bytes`."""
+
+    name: str
+    rows: int
+    dim: int
+    value_bytes: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class TablePlan:
+    """The planner's decision for one table: its placement, why, its bytes per worker (table +
+    optimizer slots) and the expected traffic per step (bytes and modelled ms)."""
+
+    table: TableSpec
+    placement: str
+    reason: str
+    bytes_per_worker: int
+    traffic_bytes: int
+    traffic_ms: float
+
+
+def default_collectives():
+    """`{"all_to_all", "all_reduce"}` CollectiveParams: the costs file's fit with its per-W
+    sweeps when the file is there and readable, else the testbed constants above."""
+    try:
+        from tf_nestpipe.plan.costs import load_costs, measured_collectives
+
+        params = measured_collectives(load_costs(_COSTS_FILE), per_workers=True)
+        return {kind: params[kind] for kind in ("all_to_all", "all_reduce")}
+    except Exception:  # pylint: disable=broad-except
+        return dict(_TESTBED)
+
+
+def _marginal_ms(params, kind, workers, nbytes):
+    """The per-byte part of one collective (what adding `nbytes` to a collective that runs
+    anyway costs)."""
+    return collective_ms(kind, params, workers, nbytes) - collective_ms(kind, params, workers, 0)
+
+
+def table_bytes(table, workers, placement, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS):
+    """Bytes one worker holds for `table` (its rows and their optimizer slots) under
+    `placement`: the whole table replicated, or the largest row shard."""
+    rows = table.rows if placement == DATA_PARALLEL else -(-table.rows // workers)
+    return rows * table.dim * table.value_bytes * (1 + optimizer_slots)
+
+
+def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_IDS_PER_STEP,
+            exchange_paid=False):
+    """(bytes a worker sends per step, modelled ms) that `table` adds under `placement`.
+    data_parallel: its dense gradient in the dense all-reduce (whose fixed cost the dense
+    weights pay anyway); row_wise: its share of the three all-to-alls (keys, rows, gradient
+    rows) of up to `ids_per_step` distinct ids, plus their fixed cost unless `exchange_paid`
+    (another row-wise table of its group, fused in the same exchange, pays it)."""
+    if workers <= 1:
+        return 0, 0.0
+    collectives = collectives or default_collectives()
+    if placement == DATA_PARALLEL:
+        nbytes = table.rows * table.dim * table.value_bytes
+        return nbytes, _marginal_ms(collectives["all_reduce"], "all_reduce", workers, nbytes)
+    ids = min(int(ids_per_step), table.rows)
+    keys = ids * 8
+    rows = ids * table.dim * table.value_bytes
+    params = collectives["all_to_all"]
+    cost = _marginal_ms if exchange_paid else (
+        lambda p, kind, w, n: collective_ms(kind, p, w, n))
+    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, rows, rows))
+    return keys + 2 * rows, ms
+
+
+def group_of(table):
+    """The exchange group of a row-wise table: tables of one dim and value size share one
+    fused exchange (its fixed cost is paid once)."""
+    return (table.dim, table.value_bytes)
+
+
+def check_placement(value, what):
+    """`value` if it is a placement tnp implements; PlacementError naming `what` otherwise."""
+    if value == TABLE_WISE or value == COLUMN_WISE:
+        raise PlacementError(
+            "%s: placement %r is not implemented in tf_nestpipe yet (only %s are): use "
+            "'row_wise' for a table too big to replicate, 'data_parallel' for a small one, or "
+            "'auto'" % (what, value, " and ".join(repr(p) for p in SUPPORTED)))
+    if value not in SUPPORTED:
+        raise PlacementError("%s: unknown placement %r; use one of %s or 'auto'"
+                             % (what, value, ", ".join(repr(p) for p in SUPPORTED)))
+    return value
+
+
+def parse_placement(placement):
+    """Checks a strategy's `placement` argument: "auto", one placement for every table, or a
+    dict {table name: placement or "auto"}. Returns it (dicts copied)."""
+    if isinstance(placement, str):
+        return placement if placement == AUTO else check_placement(placement, "placement")
+    if isinstance(placement, dict):
+        out = {}
+        for name, value in placement.items():
+            if not isinstance(name, str) or not name:
+                raise PlacementError("placement dict keys must be table (layer) names, got %r"
+                                     % (name,))
+            out[name] = value if value == AUTO else check_placement(
+                value, "placement[%r]" % name)
+        return out
+    raise PlacementError("placement must be 'auto', one of %s, or a dict {table name: "
+                         "placement}; got %r" % (", ".join(repr(p) for p in SUPPORTED),
+                                                 placement))
+
+
+class Planner:
+    """Places tables as they are built (`place_all`: the tables constructed together; `place`:
+    one), in the same order on every worker (the same model), keeping the bytes each worker
+    holds under `memory_budget_bytes`; `plans` holds every decision in order."""
+
+    def __init__(self, placement=AUTO, workers=1, memory_budget_bytes=None,
+                 optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
+                 collectives=None):
+        self.placement = parse_placement(placement)
+        self.workers = int(workers)
+        if memory_budget_bytes is not None and int(memory_budget_bytes) <= 0:
+            raise PlacementError("memory_budget_bytes must be a positive number of bytes per "
+                                 "worker or None, got %r" % (memory_budget_bytes,))
+        self.memory_budget_bytes = None if memory_budget_bytes is None else int(
+            memory_budget_bytes)
+        self.optimizer_slots = int(optimizer_slots)
+        self.ids_per_step = int(ids_per_step)
+        self._collectives = collectives
+        self.plans = []  # TablePlan per table, in placement order
+
+    @property
+    def collectives(self):
+        """The collective cost parameters the auto rule uses."""
+        if self._collectives is None:
+            self._collectives = default_collectives()
+        return self._collectives
+
+    def used_bytes(self):
+        """Bytes per worker of the tables placed so far."""
+        return sum(p.bytes_per_worker for p in self.plans)
+
+    def requested(self, name):
+        """What the strategy's `placement` asks for table `name` ("auto" if it does not say)."""
+        if isinstance(self.placement, dict):
+            return self.placement.get(name, AUTO)
+        return self.placement
+
+    def place(self, table):
+        """The `TablePlan` of `table` (recorded); PlacementError when it cannot fit."""
+        return self.place_all([table])[0]
+
+    def planned(self, name):
+        """The TablePlan of table `name` if it was placed, else None."""
+        return next((p for p in self.plans if p.table.name == name), None)
+
+    def place_all(self, tables):
+        """Places `tables` together (one decision for the tables of one exchange group: the
+        exchange's fixed cost is paid once); returns their TablePlans in order."""
+        new = []
+        for table in tables:
+            previous = self.planned(table.name)
+            if previous is not None and previous.table != table:
+                # Another table of that name (a model rebuilt with other sizes): planned anew.
+                self.plans = [p for p in self.plans if p is not previous]
+                previous = None
+            if previous is None and all(t.name != table.name for t in new):
+                new.append(table)
+        choices = self._choose(new)
+        for table in new:
+            placement, reason = choices[table.name]
+            budget = self.memory_budget_bytes
+            if (placement == DATA_PARALLEL and reason != "requested" and budget is not None
+                    and self.used_bytes() + table_bytes(table, self.workers, DATA_PARALLEL,
+                                                        self.optimizer_slots) > budget):
+                placement, reason = ROW_WISE, "replica does not fit the budget"
+            plan = self._plan(table, placement, reason)
+            self._check_budget(plan, self.requested(table.name))
+            self.plans.append(plan)
+        return [self.planned(t.name) for t in tables]
+
+    def _paid(self, group):
+        return any(p.placement == ROW_WISE and group_of(p.table) == group for p in self.plans)
+
+    def _plan(self, table, placement, reason):
+        nbytes, ms = traffic(table, self.workers, placement, self.collectives, self.ids_per_step,
+                             exchange_paid=self._paid(group_of(table)))
+        return TablePlan(table, placement, reason,
+                         table_bytes(table, self.workers, placement, self.optimizer_slots),
+                         nbytes, ms)
+
+    def _choose(self, tables):
+        """{name: (placement, reason)}: requested placements as asked; per exchange group, the
+        auto tables either all replicated, or each placed where it costs less with the group's
+        exchange paid, whichever costs less in total (the exchange's fixed cost counted once)."""
+        choices = {}
+        auto = {}
+        for table in tables:
+            requested = self.requested(table.name)
+            if self.workers <= 1:
+                choices[table.name] = (ROW_WISE, "one worker: nothing to place")
+            elif requested != AUTO:
+                choices[table.name] = (requested, "requested")
+            else:
+                auto.setdefault(group_of(table), []).append(table)
+        for group, members in auto.items():
+            paid = self._paid(group) or any(
+                choices.get(t.name, ("",))[0] == ROW_WISE and group_of(t) == group
+                for t in tables)
+            dp = {t.name: traffic(t, self.workers, DATA_PARALLEL, self.collectives)[1]
+                  for t in members}
+            rw = {t.name: traffic(t, self.workers, ROW_WISE, self.collectives,
+                                  self.ids_per_step, exchange_paid=True)[1] for t in members}
+            fixed = 0.0 if paid else (traffic(members[0], self.workers, ROW_WISE,
+                                              self.collectives, 0)[1])
+            mixed = {t.name: ROW_WISE if rw[t.name] < dp[t.name] else DATA_PARALLEL
+                     for t in members}
+            mixed_ms = sum(min(rw[n], dp[n]) for n in mixed) + (
+                fixed if ROW_WISE in mixed.values() else 0.0)
+            all_dp_ms = sum(dp.values())
+            replicate_all = all_dp_ms <= mixed_ms
+            for t in members:
+                n = t.name
+                if replicate_all and mixed[n] == ROW_WISE:
+                    choices[n] = (DATA_PARALLEL, "group: all-reduce +%.2f ms <= exchange "
+                                  "+%.2f ms" % (all_dp_ms, mixed_ms))
+                elif replicate_all or mixed[n] == DATA_PARALLEL:
+                    choices[n] = (DATA_PARALLEL, "all-reduce +%.2f ms <= all-to-all +%.2f ms"
+                                  % (dp[n], rw[n] + (0.0 if paid else fixed)))
+                else:
+                    choices[n] = (ROW_WISE, "all-to-all +%.2f ms < all-reduce +%.2f ms"
+                                  % (rw[n] + (0.0 if paid else fixed), dp[n]))
+                    paid = True  # the first row-wise table pays the exchange
+        return choices
+
+    def _check_budget(self, plan, requested):
+        budget = self.memory_budget_bytes
+        if budget is None or self.used_bytes() + plan.bytes_per_worker <= budget:
+            return
+        t = plan.table
+        fixes = ["raise memory_budget_bytes (now %d) to at least %d"
+                 % (budget, self.used_bytes() + plan.bytes_per_worker)]
+        if plan.placement == DATA_PARALLEL:
+            fixes.append("place it 'row_wise' (%d bytes per worker)" % table_bytes(
+                t, self.workers, ROW_WISE, self.optimizer_slots))
+        fixes.append("train on more workers")
+        raise PlacementError(
+            "table %r (%d rows x %d, %s%s) needs %d bytes per worker (table + %d optimizer "
+            "slots), but every worker already holds %d of its memory_budget_bytes=%d for the "
+            "tables placed before it (%s): %s"
+            % (t.name, t.rows, t.dim, plan.placement,
+               "" if requested == plan.placement else ", chosen by auto", plan.bytes_per_worker,
+               self.optimizer_slots, self.used_bytes(), budget,
+               ", ".join(p.table.name for p in self.plans) or "none", "; or ".join(fixes)))
+
+    def unknown_names(self, names):
+        """The table names the placement dict gives that are not among `names`."""
+        if not isinstance(self.placement, dict):
+            return []
+        return sorted(set(self.placement) - set(names))
+
+    def check_names(self):
+        """Refuses a placement dict naming a table the model does not have (checked once all
+        tables are built: at the first gradient aggregation)."""
+        unknown = self.unknown_names([p.table.name for p in self.plans])
+        if unknown:
+            raise PlacementError(
+                "placement names table(s) %s, but the model's tables are %s: fix the names "
+                "(a table's name is its ShardedEmbedding layer's name; a "
+                "ShardedEmbeddingCollection's table is '<name>_fused')"
+                % (", ".join(repr(n) for n in unknown),
+                   ", ".join(repr(p.table.name) for p in self.plans) or "none"))
+
+
+def render_plan(plans, workers):
+    """The plan as a text table: table, rows, dim, placement, bytes per worker, traffic/step."""
+    header = ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "model ms",
+              "why")
+    lines = [header]
+    for p in plans:
+        lines.append((p.table.name, str(p.table.rows), str(p.table.dim), p.placement,
+                      _human(p.bytes_per_worker), _human(p.traffic_bytes),
+                      "%.2f" % p.traffic_ms, p.reason))
+    lines.append(("total", "", "", "", _human(sum(p.bytes_per_worker for p in plans)),
+                  _human(sum(p.traffic_bytes for p in plans)),
+                  "%.2f" % sum(p.traffic_ms for p in plans), ""))
+    widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
+    text = ["tf_nestpipe placement on %d worker(s):" % workers]
+    for k, row in enumerate(lines):
+        text.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if k == 0:
+            text.append("  " + "  ".join("-" * w for w in widths))
+    return "\n".join(text)
+
+
+def _human(nbytes):
+    if nbytes < 1024:
+        return "%d B" % nbytes
+    exponent = min(int(math.log(nbytes, 1024)), 3)
+    return "%.1f %s" % (nbytes / 1024 ** exponent, ("B", "KiB", "MiB", "GiB")[exponent])
+
+
+def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
+                optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
+                collectives=None):
+    """Plans `tables` (TableSpecs, in build order) at once; returns the list of TablePlans."""
+    planner = Planner(placement, workers, memory_budget_bytes, optimizer_slots, ids_per_step,
+                      collectives)
+    planner.place_all(list(tables))
+    planner.check_names()
+    return planner.plans
+
+
+def model_tables(model) -> Dict[str, TableSpec]:
+    """The TableSpecs of every `ShardedEmbedding` of a tf_keras model (built or not), by name
+    (imports tf_nestpipe's layers: only for `python -m tf_nestpipe.plan --placement`)."""
+    from tf_nestpipe.sharding.embedding import ShardedEmbedding
+
+    found = {}
+    for layer in model._flatten_layers():  # pylint: disable=protected-access
+        if isinstance(layer, ShardedEmbedding):
+            found[layer.name] = TableSpec(layer.name, layer.vocab_size, layer.dim)
+    return found
+
+
+def parse_table_arg(text) -> Optional[TableSpec]:
+    """'name:rows:dim' -> TableSpec (PlacementError for anything else)."""
+    parts = text.split(":")
+    try:
+        name, rows, dim = parts
+        return TableSpec(name, int(rows), int(dim))
+    except ValueError:
+        raise PlacementError("--table takes NAME:ROWS:DIM, got %r" % text) from None
