@@ -23,7 +23,7 @@ def _started_as_launcher(argv=None):
 
 if not _started_as_launcher():
     from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
-    from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
+    from tf_nestpipe.sharding import (DynamicEmbedding, ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                       ShardLayout)
     from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
                                       LocalAdagrad, LocalSGD, NestPipeStrategy,
@@ -54,6 +54,7 @@ __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
     "DownpourTrainer",
+    "DynamicEmbedding",
     "ExactnessReport",
     "FixedShardsPartitioner",
     "LocalAdagrad",
