@@ -30,6 +30,7 @@ import tf_keras
 from tf_nestpipe.ops.dynamic_table import STAT_NAMES, DynamicTable
 from tf_nestpipe.sharding.dynamic_init import check_dynamic_initializer, initial_rows
 from tf_nestpipe.sharding.dynamic_lookup import dynamic_lookup
+from tf_nestpipe.sharding.dynamic_state import DynamicTableSaveable, all_gather_ragged
 from tf_nestpipe.sharding.dynamic_slots import FreshSlots, mark_dynamic_rows
 from tf_nestpipe.sharding.embedding import COMBINERS, embedding_exchange_of
 from tf_nestpipe.sharding.fetch import current_fetcher
@@ -77,20 +78,23 @@ class DynamicEmbedding(tf_keras.layers.Layer):
         self.capacity_per_worker = int(capacity_per_worker)
         self.admission, self.eviction, self.ttl_steps = int(admission), eviction, int(ttl_steps)
         self.counter_capacity = counter_capacity
-        self._table_resource = [DynamicTable(
+        # Held by a plain object, untracked: a SavedModel of the Keras model must not need the
+        # custom op (tnp.export_saved_model serves the table with core ops).
+        self._table_holder = _Holder(DynamicTable(
             self.capacity_per_worker, admit_after=self.admission, policy=eviction,
-            ttl=self.ttl_steps, counter_capacity=counter_capacity, name=self.name)]
+            ttl=self.ttl_steps, counter_capacity=counter_capacity, name=self.name))
         # Every worker's slots as one "table" of capacity * W rows (slot s of worker i is row
         # s * W + i): the row variable is a row shard of it, never all-reduced.
         self.layout = ShardLayout(self.capacity_per_worker * self.num_workers, self.dim,
                                   self.num_workers, self.worker_index)
         self._fresh = FreshSlots(exchange.collectives.device, self.name)
+        self.table_state = DynamicTableSaveable(self)  # checkpointed beside the rows
         self._training_graphs = []
 
     @property
     def table(self):
         """This worker's `ops.DynamicTable` (kept out of Keras tracking: see `checkpointed`)."""
-        return self._table_resource[0]
+        return self._table_holder.table
 
     def build(self, input_shape):
         scope = self._strategy.scope() if not tf.distribute.has_strategy() else contextlib.nullcontext()
@@ -142,14 +146,10 @@ class DynamicEmbedding(tf_keras.layers.Layer):
         self._training_graphs.append(graph)
 
     def _lookup(self, flat_ids, training):
-        fetcher = current_fetcher()
-        if training:
-            layer = _TrainingLookup(self)
-            rows = fetcher.lookup_dynamic(layer, flat_ids)
-            return rows
-        return dynamic_lookup(lambda ids: self.owner_rows(ids, False), flat_ids, self.dim,
-                              self.num_workers, self.worker_index, self.collectives(),
-                              "nestpipe/dynamic/" + self.name + "/infer")
+        # The installed fetcher decides: the lookup itself (no pipeline, the step of a DBP
+        # pipeline), zeros (a route pass: dynamic tables are not prefetched), a core-op gather
+        # (export) or a refusal naming the fix (sharding/fetch.py).
+        return current_fetcher().lookup_dynamic(_LookupView(self, training), flat_ids)
 
     def call(self, inputs, training=None):
         return self._embed(inputs, bool(training))
@@ -212,8 +212,8 @@ class DynamicEmbedding(tf_keras.layers.Layer):
         collective: every worker calls it at the same point). NumPy arrays."""
         state = self.table.export()
         rows = tf.gather(self.rows, state.entries[:, 0])
-        ids, rows = _all_gather_ragged([state.ids, rows], self.collectives(), self.num_workers,
-                                       "nestpipe/dynamic_full/" + self.name)
+        (ids, rows), _ = all_gather_ragged([state.ids, rows], self.collectives(),
+                                           self.num_workers, "nestpipe/dynamic_full/" + self.name)
         order = np.argsort(ids, kind="stable")
         return ids[order], rows[order]
 
@@ -228,33 +228,25 @@ class DynamicEmbedding(tf_keras.layers.Layer):
         return config
 
 
-class _TrainingLookup:
-    """The layer as a fetcher sees it for a training lookup (`direct_lookup` admits)."""
+class _Holder:
+    """Keeps the table resource out of Keras / checkpoint tracking."""
 
-    def __init__(self, layer):
-        self._layer = layer
+    def __init__(self, table):
+        self.table = table
+
+
+class _LookupView:
+    """The layer as a fetcher sees it for one lookup: `direct_lookup` admits when training."""
+
+    def __init__(self, layer, training):
+        self.layer = layer
+        self.training = training
         self.name = layer.name
         self.dim = layer.dim
         self.rows = layer.rows
 
     def direct_lookup(self, flat_ids):
-        self._layer._check_once_per_step()  # pylint: disable=protected-access
-        return self._layer.direct_lookup(flat_ids, training=True)
-
-
-def _all_gather_ragged(tensors, collectives, num_workers, tag):
-    """Concatenates, over the workers, tensors of one leading length that differs per worker
-    (eager; NumPy results)."""
-    if num_workers == 1:
-        return [np.asarray(t) for t in tensors]
-    count = tf.shape(tensors[0], out_type=tf.int64)[:1]
-    counts = collectives.all_gather(count, tag + "/counts").numpy()
-    largest = int(max(counts.max(), 1))
-    out = []
-    for k, t in enumerate(tensors):
-        t = tf.convert_to_tensor(t)
-        padded = tf.pad(t, [[0, largest - int(t.shape[0])]] + [[0, 0]] * (t.shape.rank - 1))
-        gathered = collectives.all_gather(padded, "%s/%d" % (tag, k)).numpy()
-        out.append(np.concatenate([gathered[i * largest:i * largest + counts[i]]
-                                   for i in range(num_workers)], axis=0))
-    return out
+        if not self.training:
+            return self.layer.direct_lookup(flat_ids, training=False)
+        self.layer._check_once_per_step()  # pylint: disable=protected-access
+        return self.layer.direct_lookup(flat_ids, training=True)

@@ -23,6 +23,7 @@ from tensorflow.python.checkpoint import graph_view
 from tensorflow.python.trackable import trackable_utils
 
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
 MANIFEST = "manifest.json"
@@ -108,6 +109,13 @@ class ShardedCheckpoint:
             with local_shard_serialization():
                 self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
+        dynamic = [v.name for v, _ in _variable_keys(self.checkpoint) if fresh_slots_of(v)]
+        if dynamic:
+            raise ValueError(
+                "checkpoint step %d of %s was written on %d workers and holds dynamic tables "
+                "(%s); restoring them on %d workers (moving ids, rows and optimizer slots to new "
+                "owners) is not supported yet: restore on %d workers."
+                % (step, directory, saved_workers, ", ".join(dynamic), workers, saved_workers))
         available = set(readers[0].get_variable_to_shape_map())
         missing = []
         for variable, key in _variable_keys(self.checkpoint):

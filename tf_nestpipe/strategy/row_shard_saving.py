@@ -25,6 +25,7 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.checkpoint import tensor_callable
 
+from tf_nestpipe.sharding.dynamic_state import set_local_serialization_check
 from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
 
@@ -45,6 +46,9 @@ def local_shard_serialization():
 
 def _saving_local_rows():
     return getattr(_state, "local", False)
+
+
+set_local_serialization_check(_saving_local_rows)  # dynamic tables' hash-table state too
 
 
 @contextlib.contextmanager
