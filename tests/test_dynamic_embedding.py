@@ -76,6 +76,18 @@ def test_two_workers_equal_reference(dynamic_results, run):
                    reference(2))
 
 
+def test_positive_control_stale_optimizer_slots_are_caught(monkeypatch):
+    """Without the reset of reused slots' optimizer state the comparison fails."""
+    from tf_nestpipe.sharding.dynamic_slots import FreshSlots
+
+    monkeypatch.setattr(FreshSlots, "reset_ops", lambda self: [])
+    _, model, emb = program.train("loop", program.make_batches())
+    ids, rows = emb.full_table()
+    kernel, bias = [v.numpy() for v in model.trainable_variables if "rows" not in v.name]
+    with pytest.raises(AssertionError):
+        assert_matches(ids, rows, kernel, bias, emb.global_table_stats(), reference(1))
+
+
 def test_reference_differs_across_worker_counts_under_eviction():
     """Positive control: the comparison sees the owners' capacities (1 vs 2 workers differ)."""
     one, two = reference(1).full_table(), reference(2).full_table()
@@ -132,12 +144,22 @@ def test_restore_on_another_worker_count_is_refused(dynamic_results):
         model, _ = program.build_model()
         optimizer = tf_keras.optimizers.Adagrad(program.LR)
     model(tf.constant([[1, 2]], tf.int64))
-    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="workers"):
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="another number of workers"):
         tf.train.Checkpoint(model=model, optimizer=optimizer).read(
             prefix + ".ckpt/ckpt").assert_existing_objects_matched()
     with pytest.raises(ValueError, match="dynamic tables"):
         tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer).restore(
             prefix + ".ckpt_sharded")
+
+
+def test_fit_logs_the_counters(dynamic_results):
+    """tnp.DynamicTableStats logs every worker's counters summed: the reference's."""
+    _, stdout = dynamic_results
+    line = re.search(r"\[worker:0\] DynamicEmbedding 'dyn' epoch 1: (.*)", stdout)
+    assert line, stdout[-2000:]
+    logged = dict(kv.split("=") for kv in line.group(1).strip().split(", "))
+    for name, value in reference(2).stats().items():
+        assert int(logged[name]) == value, (name, logged)
 
 
 def test_frozen_window_pipeline_is_refused(dynamic_results):

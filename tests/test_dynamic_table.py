@@ -193,3 +193,27 @@ def test_string_ids_use_the_documented_hash():
     ids, _ = layer.full_table()
     want = tf.strings.to_hash_bucket_fast(["a", "b"], 2 ** 63 - 1).numpy()
     assert sorted(ids.tolist()) == sorted(want.tolist())
+
+
+def test_two_training_lookups_in_one_step_are_refused():
+    with tnp.NestPipeStrategy().scope():
+        layer = tnp.DynamicEmbedding(2, name="twice")
+
+    @tf.function
+    def step(ids):
+        return layer(ids, training=True) + layer(ids, training=True)
+
+    with pytest.raises(ValueError, match="twice in one training step"):
+        step(tf.constant([1, 2], tf.int64))
+    # positive control: one lookup per step traces
+    layer2 = None
+    with tnp.NestPipeStrategy().scope():
+        layer2 = tnp.DynamicEmbedding(2, name="once")
+    tf.function(lambda ids: layer2(ids, training=True))(tf.constant([1, 2], tf.int64))
+
+
+def test_inference_never_admits():
+    with tnp.NestPipeStrategy().scope():
+        layer = tnp.DynamicEmbedding(2, embeddings_initializer="ones", name="infer")
+    assert layer(tf.constant([5, 6], tf.int64)).numpy().tolist() == [[0, 0], [0, 0]]
+    assert layer.table_stats()["size"] == 0 and layer.table_stats()["step"] == 0

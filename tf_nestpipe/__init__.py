@@ -29,7 +29,7 @@ if not _started_as_launcher():
                                       LocalAdagrad, LocalSGD, NestPipeStrategy,
                                       ParameterServerStrategy)
     from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
-    from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
+    from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore, DynamicTableStats  # noqa: E402
     from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
     from tf_nestpipe.strategy.exactness_check import ExactnessReport, check_exactness  # noqa: E402
     from tf_nestpipe.strategy.global_candidates import global_in_batch_candidates  # noqa: E402
@@ -55,6 +55,7 @@ __all__ = [
     "CommunicationImplementation",
     "DownpourTrainer",
     "DynamicEmbedding",
+    "DynamicTableStats",
     "ExactnessReport",
     "FixedShardsPartitioner",
     "LocalAdagrad",

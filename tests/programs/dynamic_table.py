@@ -80,12 +80,13 @@ def run_loop(strategy, model, optimizer, batches):
         step(ids, y)
 
 
-def checkpoint_continuation(prefix, directory):
+def checkpoint_continuation(prefix, directory, strategy=None):
     """Trains half the batches, saves a tf.train.Checkpoint, trains the rest; a fresh model
     restored from the checkpoint trains the rest too. Saves both tables."""
     batches = make_batches()
     first, rest = batches[:STEPS // 2], batches[STEPS // 2:]
-    strategy = tnp.NestPipeStrategy(pipeline="none")
+    strategy = strategy or tnp.NestPipeStrategy()
+    strategy.pipeline = "none"
     with strategy.scope():
         model, emb = build_model()
         optimizer = tf_keras.optimizers.Adagrad(LR)
@@ -121,10 +122,11 @@ def checkpoint_continuation(prefix, directory):
     del path
 
 
-def train(run, batches):
-    """Trains a fresh model with `run`; returns (model, layer)."""
-    pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp"}.get(run, "none")
-    strategy = tnp.NestPipeStrategy(pipeline=pipeline)
+def train(run, batches, strategy=None):
+    """Trains a fresh model with `run` (on `strategy`, one process has one: its pipeline is set
+    per run, as tests/programs/exactness.py does); returns (strategy, model, layer)."""
+    strategy = strategy or tnp.NestPipeStrategy()
+    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp"}.get(run, "none")
     with strategy.scope():
         model, emb = build_model()
         optimizer = tf_keras.optimizers.Adagrad(LR)
@@ -133,7 +135,8 @@ def train(run, batches):
         run_loop(strategy, model, optimizer, batches)
     else:
         model.compile(optimizer=optimizer, loss="mse")
-        model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0)
+        model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0,
+                  callbacks=[tnp.DynamicTableStats()])  # logs the counters summed over workers
     return strategy, model, emb
 
 
@@ -168,13 +171,14 @@ def export(strategy, model, emb, prefix):
 def main(argv):
     prefix, runs = argv[1], argv[2:]
     batches = make_batches()
+    strategy = tnp.NestPipeStrategy()
     for run in runs:
         if run == "checkpoint":
-            checkpoint_continuation(prefix, prefix + ".ckpt")
+            checkpoint_continuation(prefix, prefix + ".ckpt", strategy)
             print("done checkpoint", flush=True)
             continue
         try:
-            strategy, model, emb = train(run, batches)
+            _, model, emb = train(run, batches, strategy)
         except ValueError as e:
             if run != "fit_fwp":
                 raise

@@ -12,6 +12,7 @@ import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
 _ATTR = "_nestpipe_dynamic_slots"
+_COMPANION_ATTR = "_nestpipe_dynamic_companion"
 
 
 class FreshSlots:
@@ -40,6 +41,7 @@ class FreshSlots:
                              "non-constant initial value; reused slots cannot be reset"
                              % variable.name)
         self._companions.append((variable, initial))
+        setattr(variable, _COMPANION_ATTR, True)
 
     def reset_ops(self):
         """Ops resetting every registered companion at the recorded fresh slots."""
@@ -59,3 +61,8 @@ def mark_dynamic_rows(variable, fresh_slots):
 def fresh_slots_of(variable):
     """The `FreshSlots` of a dynamic table's row variable, else None."""
     return getattr(variable, _ATTR, None)
+
+
+def is_dynamic_table_variable(variable):
+    """True for a dynamic table's row variable or one of its optimizer slots."""
+    return fresh_slots_of(variable) is not None or getattr(variable, _COMPANION_ATTR, False)

@@ -102,6 +102,14 @@ class ShardedCheckpoint:
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
                    for k in range(saved_workers)]
+        dynamic = [] if saved_workers == workers else [
+            v.name for v, _ in _variable_keys(self.checkpoint) if fresh_slots_of(v)]  # rows
+        if dynamic:
+            raise ValueError(
+                "checkpoint step %d of %s was written on %d workers and holds dynamic tables "
+                "(%s); restoring them on %d workers (moving ids, rows and optimizer slots to new "
+                "owners) is not supported yet: restore on %d workers."
+                % (step, directory, saved_workers, ", ".join(dynamic), workers, saved_workers))
         # Every worker checks every table against all files before reading any: a table of
         # another size is refused on all of them (never restored wrongly on some).
         _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)
@@ -109,13 +117,6 @@ class ShardedCheckpoint:
             with local_shard_serialization():
                 self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
-        dynamic = [v.name for v, _ in _variable_keys(self.checkpoint) if fresh_slots_of(v)]
-        if dynamic:
-            raise ValueError(
-                "checkpoint step %d of %s was written on %d workers and holds dynamic tables "
-                "(%s); restoring them on %d workers (moving ids, rows and optimizer slots to new "
-                "owners) is not supported yet: restore on %d workers."
-                % (step, directory, saved_workers, ", ".join(dynamic), workers, saved_workers))
         available = set(readers[0].get_variable_to_shape_map())
         missing = []
         for variable, key in _variable_keys(self.checkpoint):
