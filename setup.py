@@ -8,6 +8,7 @@ from setuptools import Extension, find_packages, setup
 from setuptools.command.build_ext import build_ext
 
 OP_SOURCES = [
+    "ops/dynamic_table_ops.cc",
     "ops/gather_ops.cc",
     "ops/init_ops.cc",
     "ops/pipeline_ops.cc",

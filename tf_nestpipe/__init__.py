@@ -23,13 +23,13 @@ def _started_as_launcher(argv=None):
 
 if not _started_as_launcher():
     from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
-    from tf_nestpipe.sharding import (ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
+    from tf_nestpipe.sharding import (DynamicEmbedding, ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                       ShardLayout)
     from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
                                       LocalAdagrad, LocalSGD, NestPipeStrategy,
                                       ParameterServerStrategy)
     from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
-    from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore  # noqa: E402
+    from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore, DynamicTableStats  # noqa: E402
     from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
     from tf_nestpipe.strategy.exactness_check import ExactnessReport, check_exactness  # noqa: E402
     from tf_nestpipe.strategy.global_candidates import global_in_batch_candidates  # noqa: E402
@@ -54,6 +54,8 @@ __all__ = [
     "ClusterConfig",
     "CommunicationImplementation",
     "DownpourTrainer",
+    "DynamicEmbedding",
+    "DynamicTableStats",
     "ExactnessReport",
     "FixedShardsPartitioner",
     "LocalAdagrad",

@@ -1,5 +1,7 @@
 """Python wrappers, shape contracts and gradients of the tf_nestpipe custom ops."""
 from tf_nestpipe.ops.buffer_sync import buffer_sync, sync_plan
+from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
+                                          dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
@@ -9,7 +11,11 @@ from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows, 
 
 __all__ = [
     "HALF_MAX",
+    "DynamicTable",
+    "DynamicTableState",
     "decode_int8_rows",
+    "dynamic_owner",
+    "dynamic_row_init",
     "encode_int8_rows",
     "int8_words",
     "saturate_to_half",

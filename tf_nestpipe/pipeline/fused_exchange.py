@@ -91,6 +91,10 @@ class RouteRecorder(_WindowAware):
         self.lookups.append((self._rounds.place(layer), layer, layer.checked_ids(flat_ids)))
         return tf.zeros([tf.size(flat_ids), layer.dim], layer.embeddings.dtype)
 
+    def lookup_dynamic(self, layer, flat_ids):
+        # Not prefetched: the dynamic table looks up (and admits) in the compute pass only.
+        return tf.zeros([tf.size(flat_ids), layer.dim], layer.rows.dtype)
+
 
 def _window_rounds(fused_by_round):
     """One frozen window's dedup: `fused_by_round` (fused ids of each round, in order) ->
@@ -192,6 +196,11 @@ class BufferReader(_WindowAware):
                 [self._buffer_rows(group, k) for k in upto], axis=0)
         start, end = self._take(group, flat_ids)
         return tf.gather(self._window_rows[(group, key)], buffers.window_inverse[start:end])
+
+    def lookup_dynamic(self, layer, flat_ids):
+        if self.windowed:
+            return super().lookup_dynamic(layer, flat_ids)  # refused: one step, many lookups
+        return layer.direct_lookup(flat_ids)  # synchronous, in the step itself
 
     def untaken(self):
         """(group, round) of the buffers the compute pass did not read."""

@@ -23,11 +23,25 @@ class RowFetcher(abc.ABC):
     def lookup(self, layer, flat_ids):
         """Rows `[n, layer.dim]` of the int64 vector `flat_ids` (already checked) of `layer`."""
 
+    def lookup_dynamic(self, layer, flat_ids):
+        """Rows of a `DynamicEmbedding` lookup (raw int64 ids). Dynamic tables are never
+        prefetched: a fetcher that can let the table look up synchronously in the pass it
+        traces (`layer.direct_lookup`) overrides this; by default the lookup is refused."""
+        raise ValueError(
+            "DynamicEmbedding '%s' cannot look up under %s: dynamic tables admit and evict ids "
+            "once per training step, synchronously. Use pipeline='none' or 'dbp' (the dynamic "
+            "table then looks up in the step itself), not a frozen window / micro-batches "
+            "(fwp, nested), DOWNPOUR or a SavedModel trace (export with "
+            "tnp.export_saved_model)." % (layer.name, type(self).__name__))
+
 
 class DirectFetcher(RowFetcher):
     """The layer's own lookup, nothing deferred or shared with other lookups."""
 
     def lookup(self, layer, flat_ids):
+        return layer.direct_lookup(flat_ids)
+
+    def lookup_dynamic(self, layer, flat_ids):
         return layer.direct_lookup(flat_ids)
 
 

@@ -24,6 +24,7 @@ from tensorflow.python.trackable import trackable_utils
 
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
+from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
 MANIFEST = "manifest.json"
@@ -102,6 +103,14 @@ class ShardedCheckpoint:
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
                    for k in range(saved_workers)]
+        dynamic = [] if saved_workers == workers else [
+            v.name for v, _ in _variable_keys(self.checkpoint) if fresh_slots_of(v)]  # rows
+        if dynamic:
+            raise ValueError(
+                "checkpoint step %d of %s was written on %d workers and holds dynamic tables "
+                "(%s); restoring them on %d workers (moving ids, rows and optimizer slots to new "
+                "owners) is not supported yet: restore on %d workers."
+                % (step, directory, saved_workers, ", ".join(dynamic), workers, saved_workers))
         # Every worker checks every table against all files before reading any: a table of
         # another size is refused on all of them (never restored wrongly on some).
         _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)

@@ -14,9 +14,11 @@ as the whole table (see `row_shard_saving`), so that SavedModel too serves witho
 """
 import contextlib
 
+import numpy as np
 import tensorflow as tf
 
 from tf_nestpipe.sharding import fetch
+from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
 from tf_nestpipe.sharding.embedding import ShardedEmbedding
 from tf_nestpipe.strategy import keras_private
 
@@ -30,6 +32,11 @@ class _FullTableFetcher(fetch.RowFetcher):
 
     def lookup(self, layer, flat_ids):
         return tf.gather(self._tables[id(layer)], flat_ids)
+
+    def lookup_dynamic(self, layer, flat_ids):
+        # A core static hash table id -> row index; unknown ids -> the appended zero row.
+        index, rows = self._tables[id(layer.layer)]
+        return tf.gather(rows, index.lookup(flat_ids))
 
 
 class _OwnTableFetcher(fetch.RowFetcher):
@@ -68,6 +75,22 @@ def _sharded_layers(model):
             if isinstance(layer, ShardedEmbedding)]
 
 
+def _dynamic_layers(model):
+    return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+            if isinstance(layer, DynamicEmbedding)]
+
+
+def _dynamic_serving_table(layer, ids, rows):
+    """`(index, rows)` serving a dynamic table with core ops: a `tf.lookup.StaticHashTable` from
+    each admitted id to its row and `[n + 1, dim]` rows whose last one (unknown ids) is zero."""
+    index = tf.lookup.StaticHashTable(
+        tf.lookup.KeyValueTensorInitializer(tf.constant(ids, tf.int64),
+                                            tf.range(len(ids), dtype=tf.int64)),
+        default_value=len(ids))
+    padded = np.concatenate([rows, np.zeros((1, layer.dim), rows.dtype)], axis=0)
+    return index, tf.Variable(padded, trainable=False, name=layer.name + "_rows")
+
+
 def _flat_signature(input_signature):
     """Flat TensorSpecs for a signature: ragged features as <name>_values, <name>_row_splits."""
     flat = []
@@ -85,6 +108,7 @@ def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs:
     model itself: saving it would trace its distributed call), with a `serve` function."""
     module = tf.Module()
     shards = {id(layer.embeddings) for layer in _sharded_layers(model)}
+    shards |= {id(layer.rows) for layer in _dynamic_layers(model)}
     module.dense_variables = [v for v in model.variables if id(v) not in shards]
     module.tables = list(tables_by_layer.values())
     names = sorted(input_signature)
@@ -149,6 +173,7 @@ def export_saved_model(model, path, input_signature=None, strategy=None):
         input_signature, pack = infer_input_signature(model)
     layers = _sharded_layers(model)
     full = [layer.full_table() for layer in layers]  # collectives, in the same order everywhere
+    dynamic = [(layer, layer.full_table()) for layer in _dynamic_layers(model)]
     if strategy is None:
         strategy = getattr(model, "distribute_strategy", None)
     worker = getattr(strategy, "worker_index", 0)
@@ -156,6 +181,8 @@ def export_saved_model(model, path, input_signature=None, strategy=None):
         return path
     tables = {id(layer): tf.Variable(table, trainable=False, name=layer.name + "_full_table")
               for layer, table in zip(layers, full)}
+    tables.update({id(layer): _dynamic_serving_table(layer, ids, rows)
+                   for layer, (ids, rows) in dynamic})
     module = _serving_module(model, tables, input_signature, pack)
     tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
     return path

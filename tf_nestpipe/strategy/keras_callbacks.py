@@ -1,6 +1,7 @@
 """tf_keras callbacks that need to know about `NestPipeStrategy`."""
 import tf_keras
 
+from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
 
 
@@ -12,3 +13,37 @@ class BackupAndRestore(tf_keras.callbacks.BackupAndRestore):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._supported_strategies = tuple(self._supported_strategies) + (NestPipeStrategy,)
+
+
+class DynamicTableStats(tf_keras.callbacks.Callback):
+    """Reports the counters of every `DynamicEmbedding` of the model at the end of each epoch
+    (every `every_n_steps` train batches too, if given): summed over the workers (a collective:
+    fit runs callbacks on every worker), logged as one line per table and added to the epoch's
+    `logs` as `<table>/<counter>` (so a `TensorBoard` callback placed after this one records
+    them). Counters: size, admitted, evicted, expired, refused, pending, pending_dropped."""
+
+    def __init__(self, every_n_steps=None, log=print):
+        super().__init__()
+        self.every_n_steps = every_n_steps
+        self.log = log
+        self.history = []
+
+    def _tables(self):
+        return [layer for layer in self.model._flatten_layers()  # pylint: disable=protected-access
+                if isinstance(layer, DynamicEmbedding)]
+
+    def _report(self, when, logs):
+        for layer in self._tables():
+            stats = layer.global_table_stats()
+            self.history.append((when, layer.name, stats))
+            self.log("DynamicEmbedding '%s' %s: %s" % (layer.name, when, ", ".join(
+                "%s=%d" % kv for kv in stats.items())))
+            if logs is not None:
+                logs.update({"%s/%s" % (layer.name, k): float(v) for k, v in stats.items()})
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.every_n_steps and (batch + 1) % self.every_n_steps == 0:
+            self._report("step %d" % (batch + 1), None)
+
+    def on_epoch_end(self, epoch, logs=None):
+        self._report("epoch %d" % (epoch + 1), logs)

@@ -26,6 +26,7 @@ from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_confi
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
 from tf_nestpipe.plan.placement import Planner, TableSpec, render_plan
+from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
                                             row_shard_being_created, row_shard_layout)
@@ -318,6 +319,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 kwargs["initial_value"], layout, kwargs.get("name") or "a table")
         with tf.device(self.worker_devices[0]):
             variable = next_creator(**kwargs)
+        dynamic = fresh_slots_of(colocate_with) if colocate_with is not None else None
+        if dynamic is not None:  # an optimizer slot of a dynamic table's rows
+            dynamic.register_companion(variable)
         # Its checkpoints hold the whole table, so tf.train.Checkpoint and tf_keras callbacks
         # lose no worker's rows (see row_shard_saving).
         return make_checkpointable(variable, layout, self._nestpipe_collectives)
@@ -354,7 +358,10 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _update(self, var, fn, args, kwargs, group):
         if isinstance(var, _dist_values.DistributedVariable):
             return super()._update(var, fn, args, kwargs, group)
-        with tf.device(var.device), distribute_lib.UpdateContext(0):
+        dynamic = fresh_slots_of(var)
+        resets = dynamic.reset_ops() if dynamic is not None else []
+        with tf.device(var.device), distribute_lib.UpdateContext(0), \
+                tf.control_dependencies(resets):
             result = fn(var, *distribute_utils.select_replica(0, args),
                         **distribute_utils.select_replica(0, kwargs))
         if group:

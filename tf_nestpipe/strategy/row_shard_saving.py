@@ -25,6 +25,8 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.checkpoint import tensor_callable
 
+from tf_nestpipe.sharding.dynamic_slots import is_dynamic_table_variable
+from tf_nestpipe.sharding.dynamic_state import set_local_serialization_check
 from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
 
@@ -45,6 +47,9 @@ def local_shard_serialization():
 
 def _saving_local_rows():
     return getattr(_state, "local", False)
+
+
+set_local_serialization_check(_saving_local_rows)  # dynamic tables' hash-table state too
 
 
 @contextlib.contextmanager
@@ -86,6 +91,15 @@ class _RowShardSaving:
         layout = row_shard_layout(self)
         value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
         rows = value.shape[0] if value.shape.rank else None
+        if is_dynamic_table_variable(self) and rows is not None and rows != (
+                layout.local_rows if _saving_local_rows() else layout.vocab_size):
+            raise ValueError(
+                "cannot restore %s, a DynamicEmbedding's rows (or their optimizer slot): the "
+                "checkpoint holds %d rows, %d per worker on this run's %d workers. It was "
+                "written with another number of workers (or capacity_per_worker); restoring a "
+                "dynamic table on another worker count is not supported yet: restore on the "
+                "saving worker count with the same capacity_per_worker."
+                % (self.name, rows, layout.local_rows, layout.num_shards))
         check_restored_rows(self.name, rows, layout, local=_saving_local_rows())
         if not _saving_local_rows() and layout.num_shards > 1:
             with tf.device(self.device):
