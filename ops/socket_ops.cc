@@ -85,7 +85,11 @@ bool WriteAll(int fd, const struct iovec* iov_in, int iovcnt) {
   std::vector<struct iovec> iov(iov_in, iov_in + iovcnt);
   size_t first = 0;
   while (first < iov.size()) {
-    ssize_t sent = ::writev(fd, &iov[first], static_cast<int>(iov.size() - first));
+    struct msghdr message = {};
+    message.msg_iov = &iov[first];
+    message.msg_iovlen = iov.size() - first;
+    // MSG_NOSIGNAL: a peer that died gives EPIPE here, not a SIGPIPE that kills this process.
+    ssize_t sent = ::sendmsg(fd, &message, MSG_NOSIGNAL);
     if (sent < 0) {
       if (errno == EINTR) continue;
       return false;
@@ -470,8 +474,13 @@ class Mesh {
       }
       peer->Heard();
       if (header.type == kHeartbeat) continue;
+      if (header.nbytes < 0 || header.count < 0) {
+        Fail(errors::Internal("nestpipe sockets: worker ", peer->index(), " (",
+                              peer->address(), ") sent a malformed message header"));
+        return;
+      }
       std::vector<char> payload(header.nbytes);
-      if (header.nbytes < 0 || !ReadAll(peer->fd(), payload.data(), payload.size())) {
+      if (!ReadAll(peer->fd(), payload.data(), payload.size())) {
         Fail(errors::Unavailable("nestpipe sockets: the connection to worker ", peer->index(),
                                  " (", peer->address(), ") broke in the middle of a message"));
         return;
