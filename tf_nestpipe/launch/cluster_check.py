@@ -254,6 +254,15 @@ def _linger(server, problem):
         conn.close()
 
 
+def _not_a_leader(me, leader, address):
+    """The error for an address whose process takes reports and never answers them."""
+    return ClusterMismatchError(
+        "%s: the process at the leader %s's address %s did not answer the start-up "
+        "check: it is not a tf_nestpipe task starting up (it started already, so this "
+        "process may duplicate a running task, or another program holds the port)."
+        % (_name(me), _name(leader), address))
+
+
 def _report(cluster, me, timeout):
     """A non-leader's side: report to the leader until it answers or the timeout passes."""
     leader = leader_of(cluster)
@@ -263,8 +272,11 @@ def _report(cluster, me, timeout):
     hello = {"role": me[0], "index": me[1], "cluster": cluster, "pid": os.getpid(),
              "fingerprint": fingerprint(cluster)}
     last_error = None
+    closed_unanswered = False  # something at the address took a report and closed, no answer
     while True:
         remaining = deadline - time.time()
+        if remaining <= 0 and closed_unanswered:
+            raise _not_a_leader(me, leader, address)
         if remaining <= 0:
             raise ClusterMismatchError(
                 "%s timed out after %.0f s joining the cluster: nobody answered at the leader "
@@ -285,6 +297,14 @@ def _report(cluster, me, timeout):
             answer, last_error = None, str(error)
         finally:
             conn.close()
+        if answer is None:
+            # A relay or proxy in front of a leader that does not listen yet accepts and closes:
+            # retry until the deadline; only then is it a process that is not ours.
+            closed_unanswered, last_error = True, "closed without an answer"
+            time.sleep(0.2)
+            continue
+        if answer is _TIMED_OUT and closed_unanswered:
+            raise _not_a_leader(me, leader, address)
         if answer is _TIMED_OUT:
             raise ClusterMismatchError(
                 "%s: the leader %s at %s took the report but gave no verdict within %.0f s (it "
@@ -292,12 +312,6 @@ def _report(cluster, me, timeout):
                 "Start every task, or raise $%s." % (_name(me), _name(leader), address,
                                                    timeout + _VERDICT_GRACE,
                                                    STARTUP_TIMEOUT_ENV))
-        if answer is None:
-            raise ClusterMismatchError(
-                "%s: the process at the leader %s's address %s did not answer the start-up "
-                "check: it is not a tf_nestpipe task starting up (it started already, so this "
-                "process may duplicate a running task, or another program holds the port)."
-                % (_name(me), _name(leader), address))
         if not answer.get("ok"):
             error = ClusterMismatchError("%s: %s" % (_name(me), answer.get("error")))
             error.leader_verdict = True  # the leader answered: the cluster is wrong
