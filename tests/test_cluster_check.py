@@ -23,14 +23,21 @@ def _cluster(workers, ports=None):
 
 
 def _run_tasks(tasks, timeout=5.0):
-    """Runs agree_on_cluster for every (cluster, index) in threads; returns each one's
+    """Runs agree_on_cluster for every (cluster, index) worker in threads; returns each one's
     (error message or "ok", seconds)."""
+    return _run_agreements([(cluster, "worker", index) for cluster, index in tasks], timeout,
+                           cluster_check.TRAINING_ROLES)
+
+
+def _run_agreements(tasks, timeout, roles):
+    """Runs agree_on_cluster(roles=roles) for every (cluster, role, index) in threads, 50 ms
+    apart; returns each one's (error message or "ok", seconds)."""
     results = [None] * len(tasks)
 
-    def one(position, cluster, index):
+    def one(position, cluster, role, index):
         start = time.time()
         try:
-            agree_on_cluster(cluster, "worker", index, timeout=timeout)
+            agree_on_cluster(cluster, role, index, timeout=timeout, roles=roles)
             results[position] = ("ok", time.time() - start)
         except ClusterMismatchError as error:
             results[position] = (str(error), time.time() - start)
@@ -214,25 +221,8 @@ def _ps_cluster(ports=None):
 
 
 def _run_ps_tasks(tasks, timeout=5.0):
-    """Like `_run_tasks` for (cluster, role, index) with PS_MODE_ROLES."""
-    results = [None] * len(tasks)
-
-    def one(position, cluster, role, index):
-        start = time.time()
-        try:
-            agree_on_cluster(cluster, role, index, timeout=timeout,
-                             roles=cluster_check.PS_MODE_ROLES)
-            results[position] = ("ok", time.time() - start)
-        except ClusterMismatchError as error:
-            results[position] = (str(error), time.time() - start)
-
-    threads = [threading.Thread(target=one, args=(i,) + t) for i, t in enumerate(tasks)]
-    for thread in threads:
-        thread.start()
-        time.sleep(0.05)
-    for thread in threads:
-        thread.join(timeout + 20)
-    return results
+    """`_run_tasks` for (cluster, role, index) tasks with PS_MODE_ROLES."""
+    return _run_agreements(tasks, timeout, cluster_check.PS_MODE_ROLES)
 
 
 def test_ps_mode_tasks_given_the_same_cluster_agree():  # positive control of the two below
