@@ -717,10 +717,6 @@ class SocketAllToAllOp : public AsyncOpKernel {
       ctx->SetStatus(status);
       done();
     };
-    if (capacity == 0 || input.NumElements() == 0) {
-      // Nothing to carry, but the call still pairs with the peers' (it takes a sequence number).
-      ex->entry_bytes = 0;
-    }
     mesh->AllToAll(ctx->input(3).scalar<int64>()(), input.tensor_data().data(), send.data(),
                    std::move(ex));
   }

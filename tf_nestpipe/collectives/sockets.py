@@ -128,9 +128,9 @@ class SocketCollectives(Collectives):
         received = []
 
         def issue(key, token):
-            del token  # TensorFlow's token; the socket op takes the stream's resource below
-            out, counts = socket_all_to_all(tensor, send_counts, fill, key,
-                                            self._ordering_token(self.current_stream()).handle)
+            if token is None:  # eager: `_chained` passes no token, the op still takes one
+                token = self._ordering_token(self.current_stream()).handle
+            out, counts = socket_all_to_all(tensor, send_counts, fill, key, token)
             received.append(counts)
             return out
 
