@@ -164,7 +164,8 @@ def test_auto_trains_every_batch_once_in_order_and_keeps_the_agreed_fastest():
         agreed.append(times)
         return [t * 1.0 for t in times]  # one worker: its own times
 
-    auto = AutoPipeline(candidates, agree, warmup_steps=1, timed_steps=2, log=logged.append)
+    auto = AutoPipeline(candidates, agree, warmup_steps=1, timed_steps=2, log=logged.append,
+                        rounds=1)
     iterator = iter(range(100))
     outputs = [auto.progress(iterator) for _ in range(20)]
     assert outputs == list(range(20))  # no batch skipped or repeated, in order
@@ -181,7 +182,7 @@ def test_auto_takes_the_slowest_workers_view():
     candidates = [("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))]
     # Locally "a" looks fastest, but another worker was slow with it: the agreed times decide.
     auto = AutoPipeline(candidates, lambda times: [1.0, 0.5], warmup_steps=0, timed_steps=1,
-                        log=lambda text: None)
+                        log=lambda text: None, rounds=1)
     iterator = iter(range(10))
     for _ in range(3):
         auto.progress(iterator)
@@ -193,11 +194,68 @@ def test_auto_keeps_the_baseline_unless_another_mode_is_clearly_faster():
         trained = []
         auto = AutoPipeline([("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))],
                             lambda times, agreed=agreed: agreed, warmup_steps=0, timed_steps=1,
-                            log=lambda text: None, margin=0.05)
+                            log=lambda text: None, margin=0.05, rounds=1)
         iterator = iter(range(10))
         auto.progress(iterator)
         auto.progress(iterator)
         assert auto.choice == choice, agreed
+
+
+class _LoadDrift:
+    """A machine whose load falls after `busy_steps` steps: every step before is `extra`
+    seconds slower, whichever candidate runs it."""
+
+    def __init__(self, busy_steps, extra):
+        self.steps, self.busy_steps, self.extra = 0, busy_steps, extra
+
+    def pipeline(self, name, trained, seconds, lookahead=0):
+        drift = self
+
+        class Drifting(_FakePipeline):
+            def progress(self, iterator):
+                drift.steps += 1
+                slow = drift.extra if drift.steps <= drift.busy_steps else 0.0
+                self.seconds = seconds + slow
+                return super().progress(iterator)
+
+        return Drifting(name, trained, lookahead, seconds)
+
+
+def _drift_probe(rounds):
+    """auto over a fast baseline and a slower look-ahead mode, while the machine is busy
+    during the first round's baseline steps only."""
+    trained = []
+    drift = _LoadDrift(busy_steps=3, extra=0.03)
+    candidates = [("none", drift.pipeline("none", trained, 0.002)),
+                  ("ahead", drift.pipeline("ahead", trained, 0.01, lookahead=1))]
+    auto = AutoPipeline(candidates, lambda times: times, warmup_steps=0, timed_steps=3,
+                        log=lambda text: None, rounds=rounds, settle_steps=1)
+    iterator = iter(range(1000))
+    outputs = [auto.progress(iterator) for _ in range(auto.probe_steps_bound + 5)]
+    assert outputs == list(range(len(outputs)))  # interleaving skips and repeats nothing
+    assert [b for _, b in trained] == outputs
+    return auto, trained
+
+
+def test_auto_interleaves_rounds_so_a_load_change_does_not_decide():
+    # Positive control: one round charges the busy start to the baseline, and auto picks the
+    # slower mode.
+    auto, _ = _drift_probe(rounds=1)
+    assert auto.choice == "ahead"
+    # Three rounds: the baseline's median is of its later, quiet steps too.
+    auto, trained = _drift_probe(rounds=3)
+    assert auto.choice == "none"
+    # Round two re-enters the look-ahead mode after its held batches were drained.
+    names = [n for n, _ in trained]
+    assert names.count("ahead") > 2 * (1 + 3)
+    assert sorted(auto.timings_ms) == ["ahead", "none"]
+
+
+def test_auto_candidates_micro_batch_counts_and_labels():
+    from tf_nestpipe.pipeline.auto import Candidate, auto_candidates
+    assert [str(c) for c in auto_candidates((4, 2, 1, 2))] == [
+        "none", "fwp(M=2)", "fwp(M=4)", "dbp", "nested(M=2)", "nested(M=4)"]
+    assert auto_candidates((2, 4), micro_batching=False) == [Candidate("none"), Candidate("dbp")]
 
 
 def test_auto_refuses_empty_probes():
@@ -205,3 +263,5 @@ def test_auto_refuses_empty_probes():
         AutoPipeline([], lambda t: t, timed_steps=0)
     with pytest.raises(ValueError, match="margin < 1"):
         AutoPipeline([], lambda t: t, margin=1.5)
+    with pytest.raises(ValueError, match="rounds >= 1"):
+        AutoPipeline([], lambda t: t, rounds=0)

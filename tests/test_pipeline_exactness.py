@@ -81,8 +81,9 @@ def test_nested_matches_unpipelined_single_process(exactness_results, workers, r
 
 @pytest.mark.parametrize("workers,run", _cases("auto"), ids=["%dw-%s" % c for c in _cases("auto")])
 def test_auto_matches_unpipelined_single_process_and_chooses(exactness_results, workers, run):
-    """fit's default: each candidate trains 3 steps (1 untimed + 2 timed; dbp's and nested's
-    held batches are trained before the next), then the agreed fastest: 20 exact steps."""
+    """fit's default: two interleaved probe rounds (each candidate 1 timed step, after a
+    settling one in the second; dbp's and nested's held batches are trained before the next,
+    and they prime again in round two), then the agreed fastest: 20 exact steps."""
     got = load_run(exactness_results[workers], run)
     _assert_params_equal(_ref(exactness_results, run), got)
     assert "stats/auto_choice" in got.files  # every candidate was timed and one was chosen
@@ -120,3 +121,10 @@ def test_unknown_pipelines_are_refused():
         tnp.NestPipeStrategy(pipeline="turbo")
     with pytest.raises(ValueError, match="micro_batches must be >= 1"):
         tnp.NestPipeStrategy(pipeline="fwp", micro_batches=0)
+    with pytest.raises(ValueError, match="auto_probe_rounds >= 1"):
+        tnp.NestPipeStrategy(auto_probe_rounds=0)
+    with pytest.raises(ValueError, match="auto_micro_batches must be"):
+        tnp.NestPipeStrategy(auto_micro_batches=(0, 2))
+    with pytest.raises(ValueError, match="auto_micro_batches must be"):
+        tnp.NestPipeStrategy(auto_micro_batches=())
+    assert tnp.NestPipeStrategy(micro_batches=8).auto_micro_batches == (2, 8)

@@ -237,7 +237,7 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False):
         pipeline = getattr(model, "_nestpipe_pipeline", None)
         stats = pipeline.stats if pipeline is not None else None
         if getattr(pipeline, "choice", None) is not None:
-            auto_choice = tnp.pipeline.AUTO_CANDIDATES.index(pipeline.choice)
+            auto_choice = tnp.pipeline.AUTO_CANDIDATES.index(pipeline.choice.mode)
     tables = model_tables(model)
     # Dense weights by position: Keras name suffixes depend on how many models a process built.
     dense = [v.numpy() for v in model.trainable_variables
@@ -278,8 +278,10 @@ def placement_of_run(options):
 def main():
     prefix, steps = sys.argv[1], int(sys.argv[2])
     runs = [a for a in sys.argv[3:] if not a.startswith("--")]
-    # auto: 1 + 2 steps per candidate, so that its probe and choice fit in the runs' 20 steps.
-    strategy = tnp.NestPipeStrategy(micro_batches=3, auto_timed_steps=2)
+    # auto: none, fwp, dbp, nested (M=3), in 2 interleaved rounds of 1 timed step each (the
+    # second after a settling step), so that its probe and choice fit in the runs' 20 steps.
+    strategy = tnp.NestPipeStrategy(micro_batches=3, auto_warmup_steps=0, auto_timed_steps=1,
+                                    auto_probe_rounds=2, auto_micro_batches=(3,))
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5

@@ -1,44 +1,78 @@
-"""`pipeline="auto"`: the first steps of training try each pipeline on real batches, time them,
-and every worker switches to the one that was fastest on the slowest worker.
+"""`pipeline="auto"`: the first steps of training try each pipeline (and micro-batch count) on
+real batches, time them, and every worker switches to the one that was fastest on the slowest
+worker.
 
 Every mode is exact (it trains the model a non-pipelined run trains), so the probe *is* training:
 no batch is skipped or repeated. Switching away from a look-ahead mode first trains the batches
-it holds, one per step, reading nothing (`TrainPipeline.progress_held`). The first
-`warmup_steps` of each candidate (tracing, first-call costs) are not timed; the candidate's
-time is the median of its next `timed_steps`. The workers agree on one choice by an all-gather
-of their medians (the max over workers decides, as a synchronous step waits for the slowest).
-The first candidate is the baseline (none): another is chosen only if it is faster by more
-than `margin` (a fraction), so timing noise does not trade the baseline for an equal mode.
+it holds, one per step, reading nothing (`TrainPipeline.progress_held`); those steps are not
+timed. The probe runs in `rounds`: each round runs every candidate for `timed_steps` timed
+steps, after `warmup_steps` untimed ones in the first round (tracing, first-call costs) and
+`settle_steps` in later ones (a look-ahead mode primes again). Interleaving the candidates over
+rounds spreads a change of the machine's load (other jobs, a slow start) over all of them
+instead of charging it to whichever candidate ran then. A candidate's time is the median of all
+its timed steps; the workers agree by an all-gather of their medians (the max over workers
+decides, as a synchronous step waits for the slowest). The first candidate is the baseline
+(none): another is chosen only if it is faster by more than `margin` (a fraction), so timing
+noise does not trade the baseline for an equal mode.
 """
 import statistics
 import sys
 import time
+from typing import NamedTuple
 
 import tensorflow as tf
 
+from tf_nestpipe.pipeline.modes import AUTO_CANDIDATES, MICRO_BATCHED
+
+
+class Candidate(NamedTuple):
+    """A configuration `auto` tries: a pipeline mode and its micro-batch count (1 for the modes
+    that do not micro-batch)."""
+
+    mode: str
+    micro_batches: int = 1
+
+    def __str__(self):
+        return self.mode if self.micro_batches == 1 else "%s(M=%d)" % (self.mode, self.micro_batches)
+
 
 class AutoPipeline:
-    """Runs training steps through `candidates` (`[(name, pipeline)]`, each with `progress` and
-    `progress_held`), then through the fastest. `agree(times)` returns the per-candidate times
-    as every worker must judge them (e.g. the max over workers); `log(text)` reports the choice."""
+    """Runs training steps through `candidates` (`[(name, pipeline)]`, each pipeline with
+    `progress` and `progress_held`; a name is any label, e.g. a `Candidate`), then through the
+    fastest. `agree(times)` returns the per-candidate times as every worker must judge them
+    (e.g. the max over workers); `log(text)` reports the choice."""
 
-    def __init__(self, candidates, agree, warmup_steps=1, timed_steps=5, log=None, margin=0.05):
-        if warmup_steps < 0 or timed_steps < 1 or not 0 <= margin < 1:
-            raise ValueError("auto pipeline needs warmup_steps >= 0, timed_steps >= 1 and "
-                             "0 <= margin < 1, got %r, %r and %r"
-                             % (warmup_steps, timed_steps, margin))
+    def __init__(self, candidates, agree, warmup_steps=1, timed_steps=4, log=None, margin=0.05,
+                 rounds=3, settle_steps=1):
+        if (warmup_steps < 0 or timed_steps < 1 or rounds < 1 or settle_steps < 0
+                or not 0 <= margin < 1):
+            raise ValueError("auto pipeline needs warmup_steps >= 0, timed_steps >= 1, "
+                             "rounds >= 1, settle_steps >= 0 and 0 <= margin < 1, got %r, %r, "
+                             "%r, %r and %r" % (warmup_steps, timed_steps, rounds, settle_steps,
+                                                margin))
         self._margin = margin
         self._candidates = list(candidates)
         self._agree = agree
         self._warmup = warmup_steps
+        self._settle = settle_steps
         self._timed = timed_steps
+        self._rounds = rounds
         self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
-        self._index = 0  # candidate being probed
-        self._steps = 0  # steps the current candidate ran
+        self._round = 0  # probe round
+        self._index = 0  # candidate being probed in this round
+        self._steps = 0  # steps the current candidate ran in this round
         self._times = {name: [] for name, _ in self._candidates}
         self._held = None  # a look-ahead pipeline whose held batches are trained first
         self.choice = None  # the chosen candidate's name, once agreed
-        self.timings_ms = None  # {name: agreed median ms/step}
+        self.timings_ms = None  # {str(name): agreed median ms/step}
+
+    @property
+    def probe_steps_bound(self):
+        """An upper bound on the steps the probe takes before the choice (held batches
+        included, two per switch)."""
+        per_round = [(self._warmup if r == 0 else self._settle) + self._timed + 2
+                     for r in range(self._rounds)]
+        return len(self._candidates) * sum(per_round)
 
     @property
     def pipeline(self):
@@ -68,9 +102,10 @@ class AutoPipeline:
         tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, outputs)
         elapsed = time.perf_counter() - start
         self._steps += 1
-        if self._steps > self._warmup:
+        untimed = self._warmup if self._round == 0 else self._settle
+        if self._steps > untimed:
             self._times[name].append(elapsed)
-        if self._steps == self._warmup + self._timed:
+        if self._steps == untimed + self._timed:
             self._next_candidate(pipeline)
         return outputs
 
@@ -78,21 +113,38 @@ class AutoPipeline:
         self._steps = 0
         self._index += 1
         if self._index == len(self._candidates):
-            self._choose()
-        if self.choice is None or self.pipeline is not pipeline:
+            self._index = 0
+            self._round += 1
+            if self._round == self._rounds:
+                self._choose()
+        if self.pipeline is not pipeline:
             self._held = pipeline  # its look-ahead batches come next
 
     def _choose(self):
         names = [name for name, _ in self._candidates]
         local = [statistics.median(self._times[name]) for name in names]
         agreed = self._agree(local)
-        self.timings_ms = {name: 1e3 * t for name, t in zip(names, agreed)}
+        self.timings_ms = {str(name): 1e3 * t for name, t in zip(names, agreed)}
         best = min(range(len(names)), key=lambda i: agreed[i])
         if agreed[best] > agreed[0] * (1 - self._margin):
             best = 0  # not clearly faster than the baseline
         self.choice = names[best]
-        self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d timed steps "
-                  "(slowest worker) %s; another mode than %r needs to be %.0f%% faster" % (
-                      self.choice, self._timed, ", ".join(
-                          "%s %.1f" % (name, self.timings_ms[name]) for name in names),
-                      names[0], 100 * self._margin))
+        self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d rounds of %d "
+                  "timed steps (slowest worker) %s; another mode than %r needs to be %.0f%% "
+                  "faster" % (str(self.choice), self._rounds, self._timed, ", ".join(
+                      "%s %.1f" % (name, ms) for name, ms in self.timings_ms.items()),
+                      str(names[0]), 100 * self._margin))
+
+
+def auto_candidates(micro_batch_choices, micro_batching=True):
+    """The `Candidate`s `auto` tries, in order: `AUTO_CANDIDATES`' modes, the micro-batching
+    ones once per count in `micro_batch_choices` (counts below 2 are none's configuration and
+    skipped); without `micro_batching` (an overridden train step) only none and dbp."""
+    counts = sorted({int(m) for m in micro_batch_choices if int(m) >= 2})
+    candidates = []
+    for mode in AUTO_CANDIDATES:
+        if mode not in MICRO_BATCHED:
+            candidates.append(Candidate(mode))
+        elif micro_batching:
+            candidates.extend(Candidate(mode, m) for m in counts)
+    return candidates

@@ -27,10 +27,10 @@ import tensorflow as tf
 import tf_keras
 from tf_keras.src.engine import training as keras_training
 
-from tf_nestpipe.pipeline.auto import AutoPipeline
+from tf_nestpipe.pipeline.auto import AutoPipeline, auto_candidates
 from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
-from tf_nestpipe.pipeline.modes import AUTO_CANDIDATES, LOOKAHEAD, MICRO_BATCHED
+from tf_nestpipe.pipeline.modes import LOOKAHEAD, MICRO_BATCHED
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 
 _ORIGINAL = keras_training.Model.make_train_function
@@ -98,13 +98,12 @@ def make_train_function(self, force=False):
         return self.train_function
     if strategy.pipeline == "auto":
         # Micro-batching needs tf_keras's standard train step (it splits the batch itself).
-        candidates = [name for name in AUTO_CANDIDATES
-                      if name not in MICRO_BATCHED or _standard_train_step(self)]
+        candidates = auto_candidates(strategy.auto_micro_batches, _standard_train_step(self))
         pipeline = AutoPipeline(
-            [(name, _train_pipeline(self, strategy, name)) for name in candidates],
+            [(c, _train_pipeline(self, strategy, c.mode, c.micro_batches)) for c in candidates],
             agree=lambda times: _slowest_worker(strategy, times),
             warmup_steps=strategy.auto_warmup_steps, timed_steps=strategy.auto_timed_steps,
-            log=lambda text: _log(strategy, text))
+            rounds=strategy.auto_probe_rounds, log=lambda text: _log(strategy, text))
     else:
         pipeline = _train_pipeline(self, strategy, strategy.pipeline)
     self._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
@@ -112,11 +111,13 @@ def make_train_function(self, force=False):
     return self.train_function
 
 
-def _train_pipeline(model, strategy, pipeline):
-    """The `TrainPipeline` of `model`'s fit under `pipeline` (none, fwp, dbp or nested)."""
+def _train_pipeline(model, strategy, pipeline, micro_batches=None):
+    """The `TrainPipeline` of `model`'s fit under `pipeline` (none, fwp, dbp or nested); the
+    micro-batching modes split each batch into `micro_batches` (default: the strategy's)."""
     if pipeline in MICRO_BATCHED:
         _check_standard_train_step(model, pipeline)
-        micro_batches, cluster = strategy.micro_batches, strategy.cluster_samples
+        micro_batches = micro_batches or strategy.micro_batches
+        cluster = strategy.cluster_samples
         step_fn = _counting_step(
             model, lambda data: _frozen_window_train_step(model, data, micro_batches, cluster))
 

@@ -483,10 +483,13 @@ class NestPipeStrategy(distribute_lib.Strategy):
     has; `strategy.run` loops exchange each table on its own.
     `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
-    `pipeline="auto"` (default) tries none, fwp, dbp and nested on the first steps of `fit`
-    (`auto_warmup_steps` untimed + `auto_timed_steps` timed steps each, every one exact
-    training) and continues with the fastest (another mode than none only if it is more than
-    5% faster on the slowest worker), logging the timings.
+    `pipeline="auto"` (default) tries none, fwp, dbp and nested (fwp and nested with each
+    micro-batch count of `auto_micro_batches`, default 2 and `micro_batches`) on the first steps
+    of `fit`, interleaved over `auto_probe_rounds` rounds (each round `auto_timed_steps` timed
+    steps per candidate, after `auto_warmup_steps` untimed ones in the first round and one in
+    later ones; every step is exact training) and continues with the fastest by median (another
+    mode than none only if it is more than 5% faster on the slowest worker), logging the
+    timings (see `tf_nestpipe.pipeline.auto`).
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
@@ -497,7 +500,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
     `collectives="auto"` (default) carries the embedding exchange's all-to-alls on a direct TCP
     mesh between the workers opened at start-up (`tf_nestpipe.collectives.sockets`: one
     message per peer with the real split sizes, tens of microseconds instead of the ~1-3 ms of
-    a TensorFlow CPU collective; the dense all-reduce stays TensorFlow's), falling back to
+    a TensorFlow CPU collective; the dense gradient and metric sums ride on it too, summed in
+    worker order), falling back to
     TensorFlow's collectives, with a line on worker 0 saying why, when the workers cannot reach
     each other's mesh ports (or on GPU); "sockets" insists on the mesh, "tf" never tries it.
     `collectives="horovod"` runs every cross-worker exchange through Horovod (Gloo): the
@@ -532,7 +536,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="auto", auto_warmup_steps=1, auto_timed_steps=5,
+                 collectives="auto", auto_warmup_steps=1, auto_timed_steps=4,
+                 auto_probe_rounds=3, auto_micro_batches=None,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
                  placement="row_wise", memory_budget_bytes=None):
         if collectives not in COLLECTIVES:
@@ -544,9 +549,15 @@ class NestPipeStrategy(distribute_lib.Strategy):
             raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
         if int(micro_batches) < 1:
             raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
-        if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1:
-            raise ValueError("auto_warmup_steps must be >= 0 and auto_timed_steps >= 1, got %r "
-                             "and %r" % (auto_warmup_steps, auto_timed_steps))
+        if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1 or int(auto_probe_rounds) < 1:
+            raise ValueError("auto_warmup_steps must be >= 0, auto_timed_steps >= 1 and "
+                             "auto_probe_rounds >= 1, got %r, %r and %r"
+                             % (auto_warmup_steps, auto_timed_steps, auto_probe_rounds))
+        if auto_micro_batches is None:
+            auto_micro_batches = (2, int(micro_batches))
+        if not auto_micro_batches or any(int(m) < 1 for m in auto_micro_batches):
+            raise ValueError("auto_micro_batches must be micro-batch counts >= 1 (those >= 2 are "
+                             "tried with fwp and nested), got %r" % (auto_micro_batches,))
         Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
@@ -555,6 +566,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
         self.auto_timed_steps = int(auto_timed_steps)
+        self.auto_probe_rounds = int(auto_probe_rounds)
+        self.auto_micro_batches = tuple(int(m) for m in auto_micro_batches)
         self.micro_batches = int(micro_batches)
         self.cluster_samples = bool(cluster_samples)
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
