@@ -19,6 +19,7 @@ import contextlib
 
 import tensorflow as tf
 
+from tf_nestpipe import ops
 from tf_nestpipe.pipeline import clustering
 from tf_nestpipe.sharding.fetch import RowFetcher, current_fetcher, installed
 
@@ -75,7 +76,9 @@ def windowed_lookup(cache, name, ids, lookup, dim, dtype):
     cache.keys[name], cache.rows[name] = keys, rows
     order = tf.argsort(keys)
     position = tf.gather(order, tf.searchsorted(tf.gather(keys, order), unique))
-    return tf.gather(tf.gather(rows, position), inverse)
+    # gather_rows: a dense segment-sum gradient (tf.gather's IndexedSlices would be densified
+    # again by every earlier lookup's gradient).
+    return ops.gather_rows(rows, tf.gather(position, inverse))
 
 
 def batch_size_of(batch):

@@ -23,6 +23,7 @@ from typing import NamedTuple
 
 import tensorflow as tf
 
+from tf_nestpipe import ops
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.sharding.fetch import RowFetcher
 
@@ -195,7 +196,10 @@ class BufferReader(_WindowAware):
             self._window_rows[(group, key)] = tf.concat(
                 [self._buffer_rows(group, k) for k in upto], axis=0)
         start, end = self._take(group, flat_ids)
-        return tf.gather(self._window_rows[(group, key)], buffers.window_inverse[start:end])
+        # gather_rows, not tf.gather: its gradient is a dense segment-sum into the window's rows
+        # (tf.gather's IndexedSlices were densified again per micro-batch and buffer, which
+        # doubled FWP's compute in the bandwidth-bound cell's profile).
+        return ops.gather_rows(self._window_rows[(group, key)], buffers.window_inverse[start:end])
 
     def lookup_dynamic(self, layer, flat_ids):
         if self.windowed:
