@@ -306,9 +306,9 @@ def run_profiled_round(run_once):
     return result
 
 
-def run_row(row, args, env):
-    """Runs one row (in a fresh emulated network when its network is not loopback) and returns
-    the row dict with its measurements, or with the reason in `note` when it did not run."""
+def row_runner(row, args, env):
+    """(the row's result dict so far, a function that runs one round of the row: in a fresh
+    emulated network when its network is not loopback)."""
     out = empty_result(row, args, SYSTEM_NOTES[row["system"]], "ok")
     spec = parse_network(row["network"]) if row["network"] not in ("-", "loopback") else None
     profiled = profile_steps(row, args) > 0
@@ -320,14 +320,61 @@ def run_row(row, args, env):
             out["rtt_ms"] = round_trip_ms(net)
             return run_command(row_command(row, args, net, env), args.row_timeout, profiled)
 
+    return out, lambda: run_profiled_round(run_once)
+
+
+def run_rounds(row, args, out, rounds):
+    """The row dict with its measurements over `rounds()` (the list of its rounds' results),
+    or with the reason in `note` when it did not run."""
     try:
-        results = [run_profiled_round(run_once) for _ in range(args.rounds)]
+        results = rounds()
     except NotRun as e:
         return dict(empty_result(row, args, str(e), "not run"), **{
             k: v for k, v in out.items() if k == "rtt_ms"})
     except Exception as e:  # pylint: disable=broad-except  (a failed row must not stop the run)
         return dict(empty_result(row, args, str(e).splitlines()[0][:400], "failed"), **{
             k: v for k, v in out.items() if k == "rtt_ms"})
+    return summarize_rounds(row, args, out, results)
+
+
+def run_row(row, args, env):
+    """Runs the rounds of one row one after another and returns the row dict with its
+    measurements, or with the reason in `note` when it did not run."""
+    out, run_once = row_runner(row, args, env)
+    return run_rounds(row, args, out, lambda: [run_once() for _ in range(args.rounds)])
+
+
+def run_interleaved(rows, args, env):
+    """`--interleave`: round r of every row runs before round r+1 of any, so that a change of
+    the machine's load during the run is spread over all rows instead of the rows run then;
+    returns the row dicts. A row that fails a round runs no more rounds."""
+    runners = [row_runner(row, args, env) for row in rows]
+    results, errors = [[] for _ in rows], [None] * len(rows)
+    for r in range(args.rounds):
+        for i, (row, (_, run_once)) in enumerate(zip(rows, runners)):
+            if errors[i] is not None:
+                continue
+            print("[round %d/%d, %d/%d] %s %s/%s/%s W=%d ..." % (
+                r + 1, args.rounds, i + 1, len(rows), row_label(row), row["model"], row["data"],
+                row["network"], row["workers"]), flush=True)
+            try:
+                results[i].append(run_once())
+                print("    -> %.1f ms/step" % results[i][-1]["ms_median"], flush=True)
+            except Exception as e:  # pylint: disable=broad-except  (reported by run_rounds)
+                errors[i] = e
+                print("    -> failed: %s" % str(e).splitlines()[0][:300], flush=True)
+
+    def rounds_of(i):
+        if errors[i] is not None:
+            raise errors[i]
+        return results[i]
+
+    return [run_rounds(row, args, out, lambda i=i: rounds_of(i))
+            for i, (row, (out, _)) in enumerate(zip(rows, runners))]
+
+
+def summarize_rounds(row, args, out, results):
+    """The row dict `out` with the medians over its rounds' `results`."""
     median = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
     out.update(ms_median=median("ms_median"), ms_p90=median("ms_p90"), steps=results[0]["steps"])
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
@@ -336,7 +383,7 @@ def run_row(row, args, env):
         if key in first:
             out[key] = median(key)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
-                "auto_timings_ms"):
+                "auto_timings_ms", "auto_probe_steps"):
         if key in first:
             out[key] = first[key]
     extras = []
@@ -447,6 +494,8 @@ def collectives_text(row):
     text = "%d (%d)" % (row["collectives_per_step"], row.get("exchanges", 0))
     if row.get("auto_choice"):
         text += ", auto chose %s" % row["auto_choice"]
+        if row.get("auto_probe_steps"):
+            text += " after a %d-step probe (not timed)" % row["auto_probe_steps"]
     return text
 
 
@@ -473,7 +522,7 @@ def markdown(rows, args, env, seconds):
             env["horovod_text"]),
         "",
         "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
-        "of the per-step wall times; %d round(s), median of the rounds); samples/s = global "
+        "of the per-step wall times; %d round(s)%s, median of the rounds); samples/s = global "
         "batch / median step. Synthetic: Zipf Criteo-profile click log, 26 tables (Criteo "
         "Kaggle sizes x %g), 13 dense features; MovieLens-1M: 7 single-hot features + mean-pooled "
         "genres. Embedding dim %d, Adagrad %g. DLRM = examples/dlrm.py's model; DCN = TFRS "
@@ -483,7 +532,9 @@ def markdown(rows, args, env, seconds):
         "collectives run. vs X = row samples/s / X's samples/s (same model, data, network, "
         "workers). Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
         "replicated. bench/compare_worker.py describes each system." % (
-            args.global_batch, args.steps, args.warmup, args.rounds, args.table_scale, args.dim,
+            args.global_batch, args.steps, args.warmup, args.rounds,
+            " interleaved (round r of every row before round r+1)" if args.interleave else "",
+            args.table_scale, args.dim,
             LEARNING_RATE, args.profile_steps, TARGET_WORKERS, TARGETS["efficiency"], TARGETS["mwms"],
             TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
         "| system | model | data | network | W | ms/step median | p90 | samples/s | E | exposure "
@@ -541,7 +592,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms", "placement"]
+              "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement"]
 
 
 def json_rows(rows):
@@ -615,6 +666,9 @@ def parse_args(argv=None):
     parser.add_argument("--steps", type=int, default=50, help="timed steps per row")
     parser.add_argument("--warmup", type=int, default=10, help="untimed steps first")
     parser.add_argument("--rounds", type=int, default=1, help="runs per row (median taken)")
+    parser.add_argument("--interleave", action="store_true",
+                        help="run round r of every row before round r+1 of any (load changes "
+                             "spread over all rows)")
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
@@ -624,7 +678,7 @@ def parse_args(argv=None):
                              "per field (the model written the natural Keras way)")
     parser.add_argument("--synthetic-tables", default="",
                         help="synthetic: N:ROWS (N tables of ROWS rows) instead of the Criteo profile")
-    parser.add_argument("--auto-timed-steps", type=int, default=5,
+    parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
     parser.add_argument("--placement", nargs="+", default=["row_wise"],
@@ -688,6 +742,11 @@ def main(argv=None):
         len(rows), env["horovod_text"], env["launcher_horovod"]), flush=True)
     started = time.perf_counter()
     done = []
+    if args.interleave:
+        runnable = [row for row in rows if not (movielens_error and row["data"] == "movielens-1m")]
+        done = [empty_result(row, args, movielens_error, "failed") for row in rows
+                if row not in runnable] + run_interleaved(runnable, args, env)
+        rows = []
     for i, row in enumerate(rows):
         print("[%d/%d] %s %s/%s/%s W=%d ..." % (i + 1, len(rows), row_label(row), row["model"],
                                                row["data"], row["network"], row["workers"]),

@@ -338,13 +338,29 @@ def run_fit(args, data):
     timer = dlrm.StepTimer()
     exchange = strategy.extended.embedding_exchange if kind == "sharded" else None
     before = exchange.wire_stats() if exchange is not None else None
-    model.fit(dataset, epochs=1, steps_per_epoch=args.warmup + args.steps, callbacks=[timer],
-              verbose=0)
-    result = summarize(timer.times, args.warmup)
+    callbacks = [timer]
+    if kind == "sharded" and args.pipeline == "auto":
+        # auto's probe is not the mode it chose: warm-up and timing start after the choice.
+        settled = AutoSettled(args.warmup + args.steps)
+        callbacks.append(settled)
+        steps = args.warmup + args.steps + AUTO_PROBE_STEPS_LIMIT
+    else:
+        settled, steps = None, args.warmup + args.steps
+    model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)
+    if args.times_out and rank == 0:
+        with open(args.times_out, "w") as f:
+            json.dump([1e3 * t for t in timer.times], f)
+    probe = settled.probe_steps if settled is not None else 0
+    if settled is not None and probe is None:
+        raise RuntimeError("pipeline='auto' made no choice within %d steps"
+                           % AUTO_PROBE_STEPS_LIMIT)
+    result = summarize(timer.times[probe:], args.warmup)
     result.update(pipeline_facts(model))
+    if probe:
+        result["auto_probe_steps"] = probe
     if exchange is not None:
         after = exchange.wire_stats()
-        steps = args.warmup + args.steps
+        steps = len(timer.times)
         result["wire_dtype"] = str(exchange.wire.dtype)
         result["wire_bytes_per_step"] = {k: (after[k] - before[k]) / steps
                                          for k in after if k != "clamped"}
@@ -353,8 +369,28 @@ def run_fit(args, data):
         result["auc"] = held_out_auc(args, strategy, model, data)
     profiling = None
     if args.system == "nestpipe" and args.profile_steps:
-        profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps)  # noqa: E731
+        profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps,  # noqa: E731
+                                           args.trace)
     return rank, workers, result, profiling
+
+
+AUTO_PROBE_STEPS_LIMIT = 400  # steps an auto row may take to choose before it is an error
+
+
+class AutoSettled(tf_keras.callbacks.Callback):
+    """Under pipeline="auto": notes the step at which the probe chose (`probe_steps`) and stops
+    fit `steps_after` steps later, so that a row's warm-up and timed steps are the chosen mode's."""
+
+    def __init__(self, steps_after):
+        super().__init__()
+        self.steps_after = steps_after
+        self.probe_steps = None
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.probe_steps is None and self.model._nestpipe_pipeline.choice is not None:  # pylint: disable=protected-access
+            self.probe_steps = batch + 1
+        if self.probe_steps is not None and batch + 1 - self.probe_steps >= self.steps_after:
+            self.model.stop_training = True
 
 
 def pipeline_facts(model):
@@ -368,7 +404,7 @@ def pipeline_facts(model):
         facts["collectives_per_step"] = pipeline.stats.collectives.total
         facts["collectives_detail"] = pipeline.stats.collectives.describe()
     if getattr(pipeline, "choice", None) is not None:
-        facts["auto_choice"] = pipeline.choice
+        facts["auto_choice"] = str(pipeline.choice)
         facts["auto_timings_ms"] = pipeline.timings_ms
     return facts
 
@@ -399,11 +435,11 @@ def held_out_auc(args, strategy, model, data):
                                 return_dict=True)["auc"])
 
 
-def profiling_pass(strategy, model, dataset, steps):
+def profiling_pass(strategy, model, dataset, steps, trace=""):
     """`steps` more steps on every worker, profiled on rank 0: its communication and exposure,
     or `profile_error` naming why the profile failed. Every worker returns together."""
     try:
-        result = profile(model, dataset, steps, "", enabled=strategy.worker_index == 0)
+        result = profile(model, dataset, steps, trace, enabled=strategy.worker_index == 0)
     except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
         result = {"profile_error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])}
     # Rank 0 reads its trace for seconds after the last step; a Horovod-collectives rank that
@@ -530,9 +566,14 @@ def main():
                         help="nestpipe: one collection, or one ShardedEmbedding layer per field")
     parser.add_argument("--synthetic-tables", default="",
                         help="synthetic: N:ROWS tables of ROWS rows instead of the Criteo profile")
-    parser.add_argument("--auto-timed-steps", type=int, default=5,
+    parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="nestpipe pipeline=auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
+    parser.add_argument("--times-out", default="",
+                        help="write rank 0's per-step wall times (ms, every fit step) to this JSON")
+    parser.add_argument("--trace", default="",
+                        help="nestpipe with --profile-steps: write rank 0's profiled steps to "
+                             "this Chrome trace (chrome://tracing, Perfetto)")
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
     parser.add_argument("--wire-dtype", default="fp32",
                         help="nestpipe: FORWARD-BACKWARD wire dtypes, e.g. int8-bf16 (issue 19)")

@@ -205,3 +205,37 @@ def test_run_command_without_result_names_the_error(tmp_path, monkeypatch):
     script.write_text("raise ValueError('bad table')\n")
     with pytest.raises(RuntimeError, match="bad table"):
         compare.run_command([sys.executable, str(script)], 30, True)
+
+
+def test_interleave_runs_round_r_of_every_row_before_round_r_plus_1(monkeypatch):
+    args = compare.parse_args(["--rounds", "3", "--steps", "5", "--warmup", "1",
+                               "--profile-steps", "0", "--interleave"])
+    rows = [dict(system="nestpipe", pipeline=p, collectives="sockets", model="dlrm",
+                 data="synthetic", network="loopback", workers=2, placement="row_wise")
+            for p in ("none", "dbp", "fwp")]
+    order = []
+
+    def fake_runner(row, args, env):
+        calls = []
+
+        def run_once():
+            calls.append(1)
+            order.append(row["pipeline"])
+            if row["pipeline"] == "fwp" and len(calls) == 2:
+                raise RuntimeError("worker 1 died")
+            return {"ms_median": {"none": 10.0, "dbp": 12.0}.get(row["pipeline"], 9.0) + len(calls),
+                    "ms_p90": 20.0, "steps": 5}
+
+        return compare.empty_result(row, args, "", "ok"), run_once
+
+    monkeypatch.setattr(compare, "row_runner", fake_runner)
+    done = compare.run_interleaved(rows, args, {})
+    # Rounds interleave; the row that failed its second round runs no third.
+    assert order == ["none", "dbp", "fwp", "none", "dbp", "fwp", "none", "dbp"]
+    assert [r["ms_median"] for r in done[:2]] == [12.0, 14.0]  # median of 3 rounds each
+    assert done[2]["status"] == "failed" and "worker 1 died" in done[2]["note"]
+    # Positive control: without --interleave each row runs its rounds back to back.
+    order.clear()
+    args.interleave = False
+    compare.run_row(rows[0], args, {})
+    assert order == ["none"] * 3
