@@ -18,7 +18,7 @@ import dynamic_table as program  # noqa: E402
 from dynamic_reference import RefDynamicModel, owner  # noqa: E402
 
 TOL = 1e-5
-MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "checkpoint"]
+MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "fit_auto", "checkpoint"]
 THREE_WORKER_RUNS = ["loop", "fit_dbp"]  # and the restore of the 2-worker checkpoint
 HALF = program.STEPS // 2
 
@@ -66,12 +66,14 @@ def dynamic_results(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def dynamic_three(dynamic_results, tmp_path_factory):
-    """One 3-worker launch: THREE_WORKER_RUNS and the restore of the 2-worker half-way
-    checkpoint (re-hashed onto 3 workers). Returns the output prefix."""
+    """One 3-worker launch: THREE_WORKER_RUNS and the restores of the 2-worker half-way
+    checkpoints (tf.train.Checkpoint and ShardedCheckpoint, re-hashed onto 3 workers). Returns
+    the output prefix."""
     prefix2, _ = dynamic_results
     out = tmp_path_factory.mktemp("dynamic3")
     result = launch(3, [os.path.join(PROGRAMS, "dynamic_table.py"), str(out / "w3")]
-                    + THREE_WORKER_RUNS + ["rehash=" + prefix2 + ".ckpt"], timeout=900)
+                    + THREE_WORKER_RUNS + ["rehash=" + prefix2 + ".ckpt",
+                                           "rehash_sharded=" + prefix2 + ".ckpt"], timeout=900)
     assert result.returncode == 0, result.stdout[-6000:]
     return str(out / "w3")
 
@@ -87,7 +89,7 @@ def test_one_worker_equals_reference(run):
     del strategy
 
 
-@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp"])
+@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp", "fit_auto"])
 def test_two_workers_equal_reference(dynamic_results, run):
     prefix, _ = dynamic_results
     saved = np.load("%s.%s.npz" % (prefix, run))
@@ -186,24 +188,26 @@ def assert_restored_as(saved, ref, workers):
     assert stats["step"] == HALF and stats["size"] == len(table)
 
 
-def test_restore_on_three_workers_rehashes(dynamic_three):
-    """The 2-worker half-way checkpoint restored on 3 workers: every id, row, optimizer slot
-    and admission count at its new owner; the 8 steps after it equal the reference whose
-    tables re-hash onto 3 owners half-way."""
-    saved = np.load(dynamic_three + ".rehash.npz")
+@pytest.mark.parametrize("kind", ["rehash", "rehash_sharded"])
+def test_restore_on_three_workers_rehashes(dynamic_three, kind):
+    """The 2-worker half-way checkpoint (tf.train.Checkpoint, ShardedCheckpoint) restored on 3
+    workers: every id, row, optimizer slot and admission count at its new owner; the 8 steps
+    after it equal the reference whose tables re-hash onto 3 owners half-way."""
+    saved = np.load("%s.%s.npz" % (dynamic_three, kind))
     assert_restored_as(saved, reference(2, steps=HALF, then=None), 3)
     assert len(set(saved["restored_owners"].tolist())) == 3
     assert_saved_matches(saved, reference(2, then=(3, None)))
 
 
-def test_restore_on_one_worker_rehashes(dynamic_results, tmp_path):
-    """The same checkpoint restored in one process (capacity 16: its 15 ids fit)."""
+@pytest.mark.parametrize("kind", ["rehash", "rehash_sharded"])
+def test_restore_on_one_worker_rehashes(dynamic_results, tmp_path, kind):
+    """The same checkpoints restored in one process (capacity 16: their 15 ids fit)."""
     import tf_nestpipe as tnp
 
     prefix, _ = dynamic_results
     program.rehash_continuation(str(tmp_path / "w1"), prefix + ".ckpt", tnp.NestPipeStrategy(),
-                                capacity=16)
-    saved = np.load(str(tmp_path / "w1.rehash.npz"))
+                                capacity=16, sharded=kind == "rehash_sharded")
+    saved = np.load(str(tmp_path / ("w1.%s.npz" % kind)))
     assert_restored_as(saved, reference(2, steps=HALF), 1)
     assert_saved_matches(saved, reference(2, then=(1, 16)))
 
@@ -215,28 +219,17 @@ def test_positive_control_rehash_reference_differs():
     assert len(two[0]) != len(moved[0]) or not np.allclose(two[1], moved[1])
 
 
-def test_restore_beyond_capacity_is_refused(dynamic_results):
-    """The 15 ids of the 2-worker checkpoint do not fit one worker of capacity 10: refused with
-    the fix (the capacity 16 restore above is the positive control)."""
+@pytest.mark.parametrize("sharded", [False, True])
+def test_restore_beyond_capacity_is_refused(dynamic_results, sharded):
+    """The 15 ids of the 2-worker checkpoints do not fit one worker of capacity 10: refused
+    with the fix (the capacity 16 restores above are the positive control)."""
     import tensorflow as tf
     import tf_nestpipe as tnp
 
     prefix, _ = dynamic_results
+    path = prefix + (".ckpt_sharded" if sharded else ".ckpt/ckpt")
     with pytest.raises(tf.errors.InvalidArgumentError, match="capacity_per_worker=10"):
-        program.restore_model(tnp.NestPipeStrategy(pipeline="none"), prefix + ".ckpt/ckpt")
-
-
-def test_sharded_checkpoint_on_another_worker_count_is_refused(dynamic_results):
-    """ShardedCheckpoint's per-worker files of dynamic tables restore on the saving worker
-    count only (tf.train.Checkpoint re-hashes): refused with the fix."""
-    import tf_nestpipe as tnp
-
-    prefix, _ = dynamic_results
-    strategy = tnp.NestPipeStrategy(pipeline="none")
-    model, _, optimizer = program.restore_model(strategy, prefix + ".ckpt/ckpt", capacity=16)
-    with pytest.raises(ValueError, match="dynamic tables"):
-        tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer).restore(
-            prefix + ".ckpt_sharded")
+        program.restore_model(tnp.NestPipeStrategy(pipeline="none"), path, sharded=sharded)
 
 
 def test_fit_logs_the_counters(dynamic_results):
@@ -252,3 +245,14 @@ def test_fit_logs_the_counters(dynamic_results):
 def test_frozen_window_pipeline_is_refused(dynamic_results):
     _, stdout = dynamic_results
     assert "REFUSED fit_fwp" in stdout and "pipeline='none' or 'dbp'" in stdout
+
+
+def test_auto_pipeline_tries_only_modes_dynamic_tables_run_under(dynamic_results):
+    """pipeline='auto' on a model with a dynamic table probes none and dbp, never the
+    micro-batched modes that refuse it (fit_auto trains and equals the reference above)."""
+    _, stdout = dynamic_results
+    assert "done fit_auto" in stdout and "REFUSED fit_auto" not in stdout
+    chosen = [line for line in stdout.splitlines() if "pipeline='auto' chose" in line]
+    assert len(chosen) == 1, stdout[-3000:]
+    assert "none " in chosen[0] and "dbp " in chosen[0], chosen
+    assert "fwp" not in chosen[0] and "nested" not in chosen[0], chosen

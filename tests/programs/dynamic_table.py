@@ -7,10 +7,12 @@ batches (each worker takes its contiguous slice). Worker 0 writes OUT_PREFIX.RUN
 usage: dynamic_table.py OUT_PREFIX RUN [RUN ...]
   RUN: loop (custom loop: strategy.run), fit (pipeline "none"), fit_dbp (pipeline "dbp": the
   dynamic table looks up in the step itself), fit_fwp (must be refused: prints REFUSED),
+  fit_auto (pipeline "auto": tries only the modes dynamic tables run under),
   checkpoint (save after half the steps, continue; a restored fresh model continues alike),
   rehash=DIR[:CAPACITY] (restore the tf.train.Checkpoint DIR/ckpt another worker count wrote
   after half the steps, into a model of CAPACITY per worker; save the table as restored, with
-  each id's owner, then continue: OUT_PREFIX.rehash.npz).
+  each id's owner, then continue: OUT_PREFIX.rehash.npz), rehash_sharded=DIR[:CAPACITY] (the
+  same from the ShardedCheckpoint DIR_sharded: OUT_PREFIX.rehash_sharded.npz).
 """
 import os
 import sys
@@ -147,23 +149,29 @@ def table_snapshot(emb):
             "pending_owners": pending_owners}
 
 
-def restore_model(strategy, path, capacity=None):
-    """A fresh model and optimizer (built) restored from the tf.train.Checkpoint `path`."""
+def restore_model(strategy, path, capacity=None, sharded=False):
+    """A fresh model and optimizer (built) restored from the tf.train.Checkpoint `path` (or the
+    ShardedCheckpoint directory `path`)."""
     with strategy.scope():
         model, emb = build_model(capacity)
         optimizer = tf_keras.optimizers.Adagrad(LR)
     model(tf.constant(make_batches()[0][0][:1]))  # builds the rows before the restore
     with strategy.scope():
         optimizer.build(model.trainable_variables)  # and the slots
-    tf.train.Checkpoint(model=model, optimizer=optimizer).read(path)
+    if sharded:
+        tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer).restore(path)
+    else:
+        tf.train.Checkpoint(model=model, optimizer=optimizer).read(path)
     return model, emb, optimizer
 
 
-def rehash_continuation(prefix, directory, strategy, capacity=None):
-    """Restores the half-way checkpoint of another worker count (`directory`/ckpt), saves the
-    table as restored, trains the rest and saves the result (OUT_PREFIX.rehash.npz)."""
+def rehash_continuation(prefix, directory, strategy, capacity=None, sharded=False):
+    """Restores the half-way checkpoint of another worker count (`directory`/ckpt, or the
+    ShardedCheckpoint `directory`_sharded), saves the table as restored, trains the rest and
+    saves the result (OUT_PREFIX.rehash.npz / .rehash_sharded.npz)."""
     strategy.pipeline = "none"
-    model, emb, optimizer = restore_model(strategy, os.path.join(directory, "ckpt"), capacity)
+    path = directory + "_sharded" if sharded else os.path.join(directory, "ckpt")
+    model, emb, optimizer = restore_model(strategy, path, capacity, sharded)
     results = {"restored_" + k: v for k, v in table_snapshot(emb).items()}
     stats = emb.global_table_stats()
     results["restored_stats"] = np.array([stats[k] for k in sorted(stats)])
@@ -175,14 +183,14 @@ def rehash_continuation(prefix, directory, strategy, capacity=None):
     results["stats"] = np.array([stats[k] for k in sorted(stats)])
     results["stat_names"] = np.array(sorted(stats))
     if strategy.worker_index == 0:
-        np.savez(prefix + ".rehash.npz", **results)
+        np.savez(prefix + (".rehash_sharded.npz" if sharded else ".rehash.npz"), **results)
 
 
 def train(run, batches, strategy=None):
     """Trains a fresh model with `run` (on `strategy`, one process has one: its pipeline is set
     per run, as tests/programs/exactness.py does); returns (strategy, model, layer)."""
     strategy = strategy or tnp.NestPipeStrategy()
-    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp"}.get(run, "none")
+    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp", "fit_auto": "auto"}.get(run, "none")
     with strategy.scope():
         model, emb = build_model()
         optimizer = tf_keras.optimizers.Adagrad(LR)
@@ -229,10 +237,12 @@ def main(argv):
     batches = make_batches()
     strategy = tnp.NestPipeStrategy()
     for run in runs:
-        if run.startswith("rehash="):
-            directory, _, capacity = run[len("rehash="):].partition(":")
-            rehash_continuation(prefix, directory, strategy, int(capacity) if capacity else None)
-            print("done rehash", flush=True)
+        if run.startswith(("rehash=", "rehash_sharded=")):
+            kind, _, target = run.partition("=")
+            directory, _, capacity = target.partition(":")
+            rehash_continuation(prefix, directory, strategy, int(capacity) if capacity else None,
+                                sharded=kind == "rehash_sharded")
+            print("done", kind, flush=True)
             continue
         if run == "checkpoint":
             checkpoint_continuation(prefix, prefix + ".ckpt", strategy)

@@ -17,7 +17,10 @@ of W' takes the ids `ops.dynamic_owner(id, W')` gives it, in ascending id order,
 with them; the cumulative counters (admitted, evicted, ...) summed over the old workers go to
 worker 0 (so the global counters carry on). An owner given more ids than its
 `capacity_per_worker` is refused with the fix. Build the model and the optimizer before such a
-restore (a restore on creation cannot re-hash: it is refused as a table of another size).
+restore (what the tests do; a value carrying these keys is never restored as a plain initial
+value, so a deferred restore takes the same path, untested).
+`ShardedCheckpoint.restore` on another worker count merges the old workers' files into the
+whole-table form (`whole_state`, `whole_rows`) and re-hashes the same way.
 """
 import numpy as np
 import tensorflow as tf
@@ -152,6 +155,41 @@ def _rehashed_state(layer, ids, entries, pending_ids, pending, stats):
                            tf.stack([count, step, tf.size(pending_ids, out_type=tf.int64)]),
                            [len(STAT_NAMES)])
     return tf.gather(ids, positions), entries, pending_ids, pending, cumulative + counts
+
+
+STATE_KEYS = ("ids", "entries", "pending_ids", "pending", "stats", "num_workers", "capacity")
+
+
+def whole_state(per_worker):
+    """The whole-table state (`STATE_KEYS`, as a tf.train.Checkpoint holds it) of a dynamic table
+    from its per-worker states (ShardedCheckpoint files: dicts of NumPy arrays, in worker
+    order)."""
+    workers = len(per_worker)
+    entries = []
+    for index, state in enumerate(per_worker):
+        e = np.array(state["entries"], np.int64).reshape(-1, 3)
+        e[:, 0] = e[:, 0] * workers + index
+        entries.append(e)
+    return {"ids": np.concatenate([np.reshape(s["ids"], [-1]) for s in per_worker]),
+            "entries": np.concatenate(entries),
+            "pending_ids": np.concatenate([np.reshape(s["pending_ids"], [-1])
+                                           for s in per_worker]),
+            "pending": np.concatenate([np.reshape(s["pending"], [-1, 2]) for s in per_worker]),
+            "stats": np.concatenate([np.reshape(s["stats"], [-1, len(STAT_NAMES)])
+                                     for s in per_worker]),
+            "num_workers": np.int64(workers), "capacity": np.int64(per_worker[0]["capacity"])}
+
+
+def whole_rows(per_worker_rows):
+    """The whole `[capacity * W, ...]` value (slot s of worker i at row s * W + i) of a dynamic
+    table variable from its per-worker values."""
+    stacked = np.stack(per_worker_rows, axis=1)
+    return stacked.reshape((-1,) + stacked.shape[2:])
+
+
+def state_row_keys(state):
+    """The `ROW_KEYS` of a whole-table state (see `whole_state`)."""
+    return dict(zip(ROW_KEYS, (state["ids"], state["entries"][:, 0], state["num_workers"])))
 
 
 class DynamicTableSaveable(trackable.Trackable):
