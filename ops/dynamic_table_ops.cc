@@ -31,8 +31,6 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
-#include "tensorflow/core/kernels/random_ops_util.h"
-#include "philox_group_sampler.h"
 
 namespace tensorflow {
 namespace nestpipe {
@@ -544,61 +542,6 @@ class DynamicOwnerOp : public OpKernel {
   int num_shards_;
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeDynamicOwner").Device(DEVICE_CPU), DynamicOwnerOp);
-
-REGISTER_OP("NestpipeDynamicRowInit")
-    .Input("key: uint64")
-    .Input("counter: uint64")
-    .Input("ids: int64")
-    .Attr("dim: int >= 1")
-    .Attr("distribution: {'uniform', 'normal', 'truncated_normal'}")
-    .Output("output: float")
-    .SetShapeFn([](InferenceContext* c) {
-      int dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      ShapeHandle ids;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &ids));
-      c->set_output(0, c->Matrix(c->Dim(ids, 0), dim));
-      return absl::OkStatus();
-    })
-    .Doc(R"doc(
-The initial row of each id of a dynamic table: the first `dim` raw samples
-(U[0,1), N(0,1) or truncated N(0,1), as TF's stateless kernels draw them) of
-the Philox stream with the seed's key and counter, the counter's high word
-xor-ed with the id's bits. A function of (seed, id) only.
-)doc");
-
-class DynamicRowInitOp : public OpKernel {
- public:
-  explicit DynamicRowInitOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("distribution", &dist_));
-  }
-
-  void Compute(OpKernelContext* ctx) override {
-    const Tensor& key = ctx->input(0);
-    const Tensor& counter = ctx->input(1);
-    OP_REQUIRES(ctx, key.NumElements() >= 1 && counter.NumElements() >= 2,
-                errors::InvalidArgument("key needs 1 element and counter 2 (Philox)"));
-    const auto ids = ctx->input(2).flat<int64_t>();
-    Tensor* out_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({ids.size(), dim_}), &out_t));
-    float* out = out_t->flat<float>().data();
-    const uint64_t* k = key.flat<uint64_t>().data();
-    const uint64_t* c = counter.flat<uint64_t>().data();
-    for (int64_t i = 0; i < ids.size(); ++i) {
-      const uint64_t mixed[2] = {c[0], c[1] ^ static_cast<uint64_t>(ids(i))};
-      GroupSampler sampler(GetPhiloxRandomFromCounterKeyMem(mixed, k), dist_);
-      for (int64_t d = 0; d < dim_; ++d) out[i * dim_ + d] = sampler.Group(d / 4)[d % 4];
-    }
-  }
-
- private:
-  int dim_;
-  std::string dist_;
-};
-REGISTER_KERNEL_BUILDER(Name("NestpipeDynamicRowInit").Device(DEVICE_CPU)
-                            .HostMemory("key").HostMemory("counter"),
-                        DynamicRowInitOp);
 
 }  // namespace nestpipe
 }  // namespace tensorflow

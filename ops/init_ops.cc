@@ -3,6 +3,9 @@
 // [vocab, dim] tensor, computed without materializing the full tensor.
 // Element e = row * dim + col of the full tensor is output e % 4 of Philox
 // group e / 4, exactly as in TensorFlow's CPU kernels (random_op_cpu.h).
+// keyed_by="id" (dynamic tables, any int64 id): row k is instead the first dim
+// samples of the Philox stream whose counter's high word is xor-ed with k's bits
+// (a function of (seed, id) only, for ids of no fixed vocabulary).
 #include <cstdint>
 #include <string>
 
@@ -17,7 +20,6 @@
 namespace tensorflow {
 namespace nestpipe {
 
-using random::PhiloxRandom;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
@@ -27,6 +29,7 @@ REGISTER_OP("NestpipeStatelessRowInit")
     .Input("rows: int64")
     .Attr("dim: int >= 1")
     .Attr("distribution: {'uniform', 'normal', 'truncated_normal'}")
+    .Attr("keyed_by: {'row', 'id'} = 'row'")
     .Output("output: float")
     .SetShapeFn([](InferenceContext* c) {
       int dim;
@@ -39,7 +42,8 @@ REGISTER_OP("NestpipeStatelessRowInit")
     .Doc(R"doc(
 Rows `rows` of the [vocab, dim] float tensor that StatelessRandom*V2 with the
 Philox key/counter would produce (raw distribution: U[0,1), N(0,1) or the
-truncated N(0,1)).
+truncated N(0,1)). keyed_by="id": `rows` are any int64 ids, row of id k = the
+first `dim` raw samples of the stream with the counter's high word xor k.
 )doc");
 
 
@@ -48,6 +52,9 @@ class StatelessRowInitOp : public OpKernel {
   explicit StatelessRowInitOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("distribution", &dist_));
+    std::string keyed_by;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("keyed_by", &keyed_by));
+    by_id_ = keyed_by == "id";
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -56,14 +63,22 @@ class StatelessRowInitOp : public OpKernel {
     const Tensor& rows_t = ctx->input(2);
     OP_REQUIRES(ctx, key.NumElements() >= 1 && counter.NumElements() >= 2,
                 errors::InvalidArgument("key needs 1 element and counter 2 (Philox)"));
-    const PhiloxRandom base = GetPhiloxRandomFromCounterKeyMem(
-        counter.flat<uint64_t>().data(), key.flat<uint64_t>().data());
+    const uint64_t* k = key.flat<uint64_t>().data();
+    const uint64_t* c = counter.flat<uint64_t>().data();
     const auto rows = rows_t.flat<int64_t>();
     const int64_t n = rows.size();
     Tensor* out_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
     float* out = out_t->flat<float>().data();
-    GroupSampler sampler(base, dist_);
+    if (by_id_) {
+      for (int64_t i = 0; i < n; ++i) {
+        const uint64_t mixed[2] = {c[0], c[1] ^ static_cast<uint64_t>(rows(i))};
+        GroupSampler sampler(GetPhiloxRandomFromCounterKeyMem(mixed, k), dist_);
+        for (int64_t d = 0; d < dim_; ++d) out[i * dim_ + d] = sampler.Group(d / 4)[d % 4];
+      }
+      return;
+    }
+    GroupSampler sampler(GetPhiloxRandomFromCounterKeyMem(c, k), dist_);
     for (int64_t i = 0; i < n; ++i) {
       OP_REQUIRES(ctx, rows(i) >= 0, errors::InvalidArgument("negative row ", rows(i)));
       const int64_t first = rows(i) * dim_;
@@ -77,6 +92,7 @@ class StatelessRowInitOp : public OpKernel {
  private:
   int dim_;
   std::string dist_;
+  bool by_id_;
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeStatelessRowInit").Device(DEVICE_CPU)
                             .HostMemory("key").HostMemory("counter"),

@@ -1,5 +1,5 @@
-// Philox groups of TensorFlow's stateless random distributions (shared by the
-// row-initialization ops of fixed and dynamic tables).
+// Philox groups of TensorFlow's stateless random distributions (used by
+// NestpipeStatelessRowInit for both keyings: fixed tables' rows, dynamic ids).
 #ifndef TF_NESTPIPE_OPS_PHILOX_GROUP_SAMPLER_H_
 #define TF_NESTPIPE_OPS_PHILOX_GROUP_SAMPLER_H_
 

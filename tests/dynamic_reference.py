@@ -133,6 +133,39 @@ class RefDynamicModel:
         self.b, self.acc_b = self._adagrad(self.b, self.acc_b, g_b)
         return float(np.mean((pred - y) ** 2))
 
+    def rehash(self, workers, capacity=None):
+        """The tables moved onto `workers` owners (of `capacity` each): each id, with its step,
+        frequency (and row), to its new owner at slots 0, 1, ... in ascending id order; pending
+        ids with their counts likewise; the old counters summed go to owner 0."""
+        old = self.tables
+        first = old[0]
+        kwargs = dict(capacity=capacity or first.capacity, admit_after=first.admit_after,
+                      policy=first.policy, ttl=first.ttl, counter_capacity=first.counter_capacity)
+        entries = {k: v for table in old for k, v in table.map.items()}
+        pending = {k: v for table in old for k, v in table.pending.items()}
+        self.tables = [RefTable(**kwargs) for _ in range(workers)]
+        for index, table in enumerate(self.tables):
+            mine = sorted(k for k in entries if owner(k, workers) == index)
+            assert len(mine) <= table.capacity, "the reference's owner %d overflows" % index
+            for slot, k in enumerate(mine):
+                table.map[k] = [slot, entries[k][1], entries[k][2]]
+                table.free.discard(slot)
+            table.pending = {k: list(v) for k, v in pending.items()
+                             if owner(k, workers) == index}
+            table.step = first.step
+        for name in first.stats:
+            self.tables[0].stats[name] = sum(table.stats[name] for table in old)
+        self.workers = workers
+
+    def snapshot(self):
+        """{id: (last step, frequency, row, accumulator, owner)} and {pending id: (steps seen,
+        last step, owner)}."""
+        table = {k: (e[1], e[2], self.rows[k], self.acc[k], index)
+                 for index, t in enumerate(self.tables) for k, e in t.map.items()}
+        pending = {k: (p[0], p[1], index)
+                   for index, t in enumerate(self.tables) for k, p in t.pending.items()}
+        return table, pending
+
     def full_table(self):
         ids = np.array(sorted(self.rows), np.int64)
         return ids, np.stack([self.rows[k] for k in ids]) if len(ids) else np.zeros((0, self.dim))

@@ -327,6 +327,33 @@ def test_criteo_reader_on_hand_checked_rows(tmp_path, ending, final):
     np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), [1.0, 0.0])
 
 
+# raw_ids=True: the hashes themselves, empty -> -1
+HAND_RAW = np.array([[0x68fd1e64, -1, 0xffffffff] + [1] * 23,
+                     [0x80e26c9b, 0xa3f2, 0x9f3b2c1d] + [-1] * 23], np.int64)
+
+
+def test_criteo_reader_keeps_raw_hashes(tmp_path):
+    """raw_ids=True: the hand-checked hashes as int64 ids (dense and labels as before); a
+    16-digit hash above 2^63 - 1 wraps to a negative id."""
+    rows = [list(r) for r in HAND_ROWS]
+    rows[1][16] = "8000000000000001"
+    path = write_lines(tmp_path / "day_0", rows)
+    (features, labels), = list(read_criteo_tsv(path, raw_ids=True))
+    expected = HAND_RAW.copy()
+    expected[1, 2] = -(1 << 63) + 1
+    np.testing.assert_array_equal(features["sparse"], expected)
+    np.testing.assert_allclose(features["dense"], HAND_DENSE, rtol=1e-6)
+    np.testing.assert_array_equal(labels, [1.0, 0.0])
+
+
+def test_criteo_reader_raw_ids_argument_errors(tmp_path):
+    path = write_lines(tmp_path / "day_0", HAND_ROWS)
+    with pytest.raises(ValueError, match="pass table_sizes=None"):
+        list(read_criteo_tsv(path, HAND_SIZES, raw_ids=True))
+    with pytest.raises(ValueError, match="or raw_ids=True"):
+        list(read_criteo_tsv(path))
+
+
 def test_criteo_tsv_writer_matches_python_formatting_and_reader_matches_numpy(tmp_path):
     log = SyntheticClickLog(criteo_kaggle_table_sizes(0.001), seed=4)
     rows = log.criteo_rows(0, 300)
@@ -348,6 +375,9 @@ def test_criteo_tsv_writer_matches_python_formatting_and_reader_matches_numpy(tm
     np.testing.assert_array_equal(sparse, np.where(rows.categorical_missing, 0,
                                                    rows.categorical % np.asarray(sizes)))
     np.testing.assert_array_equal(np.concatenate([b[1] for b in batches]), rows.labels)
+    raw = np.concatenate([b[0]["sparse"] for b in read_criteo_tsv(path, raw_ids=True,
+                                                                   chunk_bytes=4096)])
+    np.testing.assert_array_equal(raw, np.where(rows.categorical_missing, -1, rows.categorical))
 
 
 def test_criteo_rows_look_like_criteo():

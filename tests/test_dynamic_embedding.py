@@ -1,6 +1,8 @@
-"""DynamicEmbedding trained on 1 and 2 workers (custom loop, fit, fit with the DBP pipeline)
+"""DynamicEmbedding trained on 1, 2 and 3 workers (custom loop, fit, fit with the DBP pipeline)
 equals the Python-dict reference of the same semantics on as many owners
-(tests/dynamic_reference.py); frozen-window pipelines are refused."""
+(tests/dynamic_reference.py); a checkpoint written on 2 workers restores on 3 and on 1 (ids
+re-hashed to their new owners, nothing lost) and continues as the reference re-hashed alike;
+frozen-window pipelines are refused."""
 import os
 import re
 import sys
@@ -13,14 +15,18 @@ from conftest import PROGRAMS, launch, run_command
 sys.path.insert(0, PROGRAMS)
 import dynamic_table as program  # noqa: E402
 
-from dynamic_reference import RefDynamicModel  # noqa: E402
+from dynamic_reference import RefDynamicModel, owner  # noqa: E402
 
 TOL = 1e-5
-MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "checkpoint"]
+MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "fit_auto", "checkpoint"]
+THREE_WORKER_RUNS = ["loop", "fit_dbp"]  # and the restore of the 2-worker checkpoint
+HALF = program.STEPS // 2
 
 
-def reference(workers):
-    """The reference model trained on the program's batches with `workers` owners."""
+def reference(workers, then=None, steps=None):
+    """The reference model trained on the program's batches with `workers` owners (the first
+    `steps`); `then` = (workers, capacity): its tables re-hash onto those after half the steps,
+    as a restore of the half-way checkpoint on another worker count does."""
     from tf_nestpipe.sharding.dynamic_init import initial_rows
 
     init = program.initializer()
@@ -31,7 +37,9 @@ def reference(workers):
                      4 * program.TABLE["capacity_per_worker"], 1024))
     model = RefDynamicModel(workers, program.DIM, lambda ids: initial_rows(init, ids, program.DIM)
                             .numpy(), table, kernel, 0.0, program.LR)
-    for ids, y in program.make_batches():
+    for step, (ids, y) in enumerate(program.make_batches()[:steps]):
+        if then and step == HALF:
+            model.rehash(*then)
         model.step(ids, y)
     return model
 
@@ -56,6 +64,20 @@ def dynamic_results(tmp_path_factory):
     return str(out / "w2"), result.stdout
 
 
+@pytest.fixture(scope="session")
+def dynamic_three(dynamic_results, tmp_path_factory):
+    """One 3-worker launch: THREE_WORKER_RUNS and the restores of the 2-worker half-way
+    checkpoints (tf.train.Checkpoint and ShardedCheckpoint, re-hashed onto 3 workers). Returns
+    the output prefix."""
+    prefix2, _ = dynamic_results
+    out = tmp_path_factory.mktemp("dynamic3")
+    result = launch(3, [os.path.join(PROGRAMS, "dynamic_table.py"), str(out / "w3")]
+                    + THREE_WORKER_RUNS + ["rehash=" + prefix2 + ".ckpt",
+                                           "rehash_sharded=" + prefix2 + ".ckpt"], timeout=900)
+    assert result.returncode == 0, result.stdout[-6000:]
+    return str(out / "w3")
+
+
 @pytest.mark.parametrize("run", ["loop", "fit"])
 def test_one_worker_equals_reference(run):
     strategy, model, emb = program.train(run, program.make_batches())
@@ -67,13 +89,23 @@ def test_one_worker_equals_reference(run):
     del strategy
 
 
-@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp"])
+@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp", "fit_auto"])
 def test_two_workers_equal_reference(dynamic_results, run):
     prefix, _ = dynamic_results
     saved = np.load("%s.%s.npz" % (prefix, run))
     stats = dict(zip(saved["stat_names"].tolist(), saved["stats"].tolist()))
     assert_matches(saved["ids"], saved["rows"], saved["kernel"], saved["bias"], stats,
                    reference(2))
+
+
+@pytest.mark.parametrize("run", THREE_WORKER_RUNS)
+def test_three_workers_equal_reference(dynamic_three, run):
+    assert_saved_matches(np.load("%s.%s.npz" % (dynamic_three, run)), reference(3))
+
+
+def assert_saved_matches(saved, ref):
+    stats = dict(zip(saved["stat_names"].tolist(), saved["stats"].tolist()))
+    assert_matches(saved["ids"], saved["rows"], saved["kernel"], saved["bias"], stats, ref)
 
 
 def test_positive_control_stale_optimizer_slots_are_caught(monkeypatch):
@@ -132,24 +164,72 @@ def test_one_worker_checkpoint_restores(tmp_path):
     assert_resumed(np.load(str(tmp_path / "w1.checkpoint.npz")), reference(1))
 
 
-def test_restore_on_another_worker_count_is_refused(dynamic_results):
-    """The 2-worker checkpoint, restored on one worker: refused (never a wrong table)."""
-    import tensorflow as tf
-    import tf_keras
+def assert_restored_as(saved, ref, workers):
+    """The table as restored equals the reference's half-way table: every id with its step,
+    frequency, row and optimizer slot, every pending id with its admission count, each at its
+    owner on `workers` workers."""
+    table, pending = ref.snapshot()
+    ids = saved["restored_ids"].tolist()
+    assert sorted(ids) == sorted(table) and len(ids) > 0
+    for i, k in enumerate(ids):
+        last, freq, row, acc, _ = table[k]
+        assert saved["restored_entries"][i].tolist() == [last, freq], k
+        np.testing.assert_allclose(saved["restored_rows"][i], row, atol=TOL)
+        np.testing.assert_allclose(saved["restored_accumulators"][i], acc, atol=TOL)
+        assert saved["restored_owners"][i] == owner(k, workers), k
+    pending_ids = saved["restored_pending_ids"].tolist()
+    assert sorted(pending_ids) == sorted(pending) and len(pending_ids) > 0
+    for i, k in enumerate(pending_ids):
+        assert saved["restored_pending"][i].tolist() == list(pending[k][:2]), k
+        assert saved["restored_pending_owners"][i] == owner(k, workers), k
+    stats = dict(zip(saved["stat_names"].tolist(), saved["restored_stats"].tolist()))
+    for name, value in ref.stats().items():
+        assert stats[name] == value, (name, stats)
+    assert stats["step"] == HALF and stats["size"] == len(table)
+
+
+@pytest.mark.parametrize("kind", ["rehash", "rehash_sharded"])
+def test_restore_on_three_workers_rehashes(dynamic_three, kind):
+    """The 2-worker half-way checkpoint (tf.train.Checkpoint, ShardedCheckpoint) restored on 3
+    workers: every id, row, optimizer slot and admission count at its new owner; the 8 steps
+    after it equal the reference whose tables re-hash onto 3 owners half-way."""
+    saved = np.load("%s.%s.npz" % (dynamic_three, kind))
+    assert_restored_as(saved, reference(2, steps=HALF, then=None), 3)
+    assert len(set(saved["restored_owners"].tolist())) == 3
+    assert_saved_matches(saved, reference(2, then=(3, None)))
+
+
+@pytest.mark.parametrize("kind", ["rehash", "rehash_sharded"])
+def test_restore_on_one_worker_rehashes(dynamic_results, tmp_path, kind):
+    """The same checkpoints restored in one process (capacity 16: their 15 ids fit)."""
     import tf_nestpipe as tnp
 
     prefix, _ = dynamic_results
-    strategy = tnp.NestPipeStrategy(pipeline="none")
-    with strategy.scope():
-        model, _ = program.build_model()
-        optimizer = tf_keras.optimizers.Adagrad(program.LR)
-    model(tf.constant([[1, 2]], tf.int64))
-    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="another number of workers"):
-        tf.train.Checkpoint(model=model, optimizer=optimizer).read(
-            prefix + ".ckpt/ckpt").assert_existing_objects_matched()
-    with pytest.raises(ValueError, match="dynamic tables"):
-        tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer).restore(
-            prefix + ".ckpt_sharded")
+    program.rehash_continuation(str(tmp_path / "w1"), prefix + ".ckpt", tnp.NestPipeStrategy(),
+                                capacity=16, sharded=kind == "rehash_sharded")
+    saved = np.load(str(tmp_path / ("w1.%s.npz" % kind)))
+    assert_restored_as(saved, reference(2, steps=HALF), 1)
+    assert_saved_matches(saved, reference(2, then=(1, 16)))
+
+
+def test_positive_control_rehash_reference_differs():
+    """The continuation after the re-hash differs from the run that stayed on 2 workers (the
+    comparison sees where the ids went)."""
+    two, moved = reference(2).full_table(), reference(2, then=(3, None)).full_table()
+    assert len(two[0]) != len(moved[0]) or not np.allclose(two[1], moved[1])
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_restore_beyond_capacity_is_refused(dynamic_results, sharded):
+    """The 15 ids of the 2-worker checkpoints do not fit one worker of capacity 10: refused
+    with the fix (the capacity 16 restores above are the positive control)."""
+    import tensorflow as tf
+    import tf_nestpipe as tnp
+
+    prefix, _ = dynamic_results
+    path = prefix + (".ckpt_sharded" if sharded else ".ckpt/ckpt")
+    with pytest.raises(tf.errors.InvalidArgumentError, match="capacity_per_worker=10"):
+        program.restore_model(tnp.NestPipeStrategy(pipeline="none"), path, sharded=sharded)
 
 
 def test_fit_logs_the_counters(dynamic_results):
@@ -165,3 +245,14 @@ def test_fit_logs_the_counters(dynamic_results):
 def test_frozen_window_pipeline_is_refused(dynamic_results):
     _, stdout = dynamic_results
     assert "REFUSED fit_fwp" in stdout and "pipeline='none' or 'dbp'" in stdout
+
+
+def test_auto_pipeline_tries_only_modes_dynamic_tables_run_under(dynamic_results):
+    """pipeline='auto' on a model with a dynamic table probes none and dbp, never the
+    micro-batched modes that refuse it (fit_auto trains and equals the reference above)."""
+    _, stdout = dynamic_results
+    assert "done fit_auto" in stdout and "REFUSED fit_auto" not in stdout
+    chosen = [line for line in stdout.splitlines() if "pipeline='auto' chose" in line]
+    assert len(chosen) == 1, stdout[-3000:]
+    assert "none " in chosen[0] and "dbp " in chosen[0], chosen
+    assert "fwp" not in chosen[0] and "nested" not in chosen[0], chosen

@@ -7,7 +7,12 @@ batches (each worker takes its contiguous slice). Worker 0 writes OUT_PREFIX.RUN
 usage: dynamic_table.py OUT_PREFIX RUN [RUN ...]
   RUN: loop (custom loop: strategy.run), fit (pipeline "none"), fit_dbp (pipeline "dbp": the
   dynamic table looks up in the step itself), fit_fwp (must be refused: prints REFUSED),
-  checkpoint (save after half the steps, continue; a restored fresh model continues alike).
+  fit_auto (pipeline "auto": tries only the modes dynamic tables run under),
+  checkpoint (save after half the steps, continue; a restored fresh model continues alike),
+  rehash=DIR[:CAPACITY] (restore the tf.train.Checkpoint DIR/ckpt another worker count wrote
+  after half the steps, into a model of CAPACITY per worker; save the table as restored, with
+  each id's owner, then continue: OUT_PREFIX.rehash.npz), rehash_sharded=DIR[:CAPACITY] (the
+  same from the ShardedCheckpoint DIR_sharded: OUT_PREFIX.rehash_sharded.npz).
 """
 import os
 import sys
@@ -45,10 +50,11 @@ def kernel_initializer():
     return tf_keras.initializers.GlorotUniform(seed=KERNEL_SEED)
 
 
-def build_model():
+def build_model(capacity=None):
     ids = tf_keras.Input([2], dtype=tf.int64)
+    table = dict(TABLE, capacity_per_worker=capacity or TABLE["capacity_per_worker"])
     emb = tnp.DynamicEmbedding(DIM, combiner="sum", embeddings_initializer=initializer(),
-                               name="dyn", **TABLE)
+                               name="dyn", **table)
     out = tf_keras.layers.Dense(1, kernel_initializer=kernel_initializer())(emb(ids))
     return tf_keras.Model(ids, tf.squeeze(out, -1)), emb
 
@@ -122,11 +128,69 @@ def checkpoint_continuation(prefix, directory, strategy=None):
     del path
 
 
+def table_snapshot(emb):
+    """Every worker's table, gathered: ids with their (last step, frequency), row, optimizer
+    slot rows and owner; pending ids with their (steps seen, last step) and owner."""
+    from tf_nestpipe.sharding.dynamic_state import all_gather_ragged
+
+    state = emb.table.export()
+    me = emb.worker_index
+    slots = state.entries[:, 0]
+    (ids, entries, rows, accumulators, owners), _ = all_gather_ragged(
+        [state.ids, state.entries[:, 1:], tf.gather(emb.rows, slots),
+         tf.gather(emb._fresh._companions[0][0], slots),  # pylint: disable=protected-access
+         tf.fill(tf.shape(state.ids), me)], emb.collectives(), emb.num_workers,
+        "snapshot/map")
+    (pending_ids, pending, pending_owners), _ = all_gather_ragged(
+        [state.pending_ids, state.pending, tf.fill(tf.shape(state.pending_ids), me)],
+        emb.collectives(), emb.num_workers, "snapshot/pending")
+    return {"ids": ids, "entries": entries, "rows": rows, "accumulators": accumulators,
+            "owners": owners, "pending_ids": pending_ids, "pending": pending,
+            "pending_owners": pending_owners}
+
+
+def restore_model(strategy, path, capacity=None, sharded=False):
+    """A fresh model and optimizer (built) restored from the tf.train.Checkpoint `path` (or the
+    ShardedCheckpoint directory `path`)."""
+    with strategy.scope():
+        model, emb = build_model(capacity)
+        optimizer = tf_keras.optimizers.Adagrad(LR)
+    model(tf.constant(make_batches()[0][0][:1]))  # builds the rows before the restore
+    with strategy.scope():
+        optimizer.build(model.trainable_variables)  # and the slots
+    if sharded:
+        tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer).restore(path)
+    else:
+        tf.train.Checkpoint(model=model, optimizer=optimizer).read(path)
+    return model, emb, optimizer
+
+
+def rehash_continuation(prefix, directory, strategy, capacity=None, sharded=False):
+    """Restores the half-way checkpoint of another worker count (`directory`/ckpt, or the
+    ShardedCheckpoint `directory`_sharded), saves the table as restored, trains the rest and
+    saves the result (OUT_PREFIX.rehash.npz / .rehash_sharded.npz)."""
+    strategy.pipeline = "none"
+    path = directory + "_sharded" if sharded else os.path.join(directory, "ckpt")
+    model, emb, optimizer = restore_model(strategy, path, capacity, sharded)
+    results = {"restored_" + k: v for k, v in table_snapshot(emb).items()}
+    stats = emb.global_table_stats()
+    results["restored_stats"] = np.array([stats[k] for k in sorted(stats)])
+    run_loop(strategy, model, optimizer, make_batches()[STEPS // 2:])
+    results["ids"], results["rows"] = emb.full_table()
+    results["kernel"], results["bias"] = [v.numpy() for v in model.trainable_variables
+                                          if "rows" not in v.name]
+    stats = emb.global_table_stats()
+    results["stats"] = np.array([stats[k] for k in sorted(stats)])
+    results["stat_names"] = np.array(sorted(stats))
+    if strategy.worker_index == 0:
+        np.savez(prefix + (".rehash_sharded.npz" if sharded else ".rehash.npz"), **results)
+
+
 def train(run, batches, strategy=None):
     """Trains a fresh model with `run` (on `strategy`, one process has one: its pipeline is set
     per run, as tests/programs/exactness.py does); returns (strategy, model, layer)."""
     strategy = strategy or tnp.NestPipeStrategy()
-    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp"}.get(run, "none")
+    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp", "fit_auto": "auto"}.get(run, "none")
     with strategy.scope():
         model, emb = build_model()
         optimizer = tf_keras.optimizers.Adagrad(LR)
@@ -171,8 +235,17 @@ def export(strategy, model, emb, prefix):
 def main(argv):
     prefix, runs = argv[1], argv[2:]
     batches = make_batches()
-    strategy = tnp.NestPipeStrategy()
+    # fit_auto: none and dbp in 2 interleaved probe rounds of 1 timed step each (the second
+    # after a settling step), so that the probe and its choice fit in the STEPS steps.
+    strategy = tnp.NestPipeStrategy(auto_timed_steps=1, auto_probe_rounds=2)
     for run in runs:
+        if run.startswith(("rehash=", "rehash_sharded=")):
+            kind, _, target = run.partition("=")
+            directory, _, capacity = target.partition(":")
+            rehash_continuation(prefix, directory, strategy, int(capacity) if capacity else None,
+                                sharded=kind == "rehash_sharded")
+            print("done", kind, flush=True)
+            continue
         if run == "checkpoint":
             checkpoint_continuation(prefix, prefix + ".ckpt", strategy)
             print("done checkpoint", flush=True)

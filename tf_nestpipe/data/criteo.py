@@ -3,8 +3,11 @@
 A line is `label \\t I1..I13 \\t C1..C26`: label 0/1, 13 integer counts (may be empty or
 negative), 26 categorical values hashed to 8 hex digits (may be empty). DLRM preprocessing:
 dense = log(max(x, 0) + 1) with empty -> 0; categorical = int(hex, 16) mod table_sizes[f] with
-empty -> 0. Parsing and formatting are vectorized over chunks of lines with NumPy; a malformed
-line raises ValueError naming FILE:LINE and the column.
+empty -> 0. With `raw_ids=True` (for `tnp.DynamicEmbedding` tables, no fixed vocabulary) the
+categorical values keep their raw hash instead: int(hex, 16) as int64 (a hash of 16 hex digits
+above 2^63 - 1 wraps to a negative int64, two's complement) and empty -> `EMPTY_ID` (-1, which
+no 8-digit Criteo hash can be; a 16-digit hash of all f's reads alike). Parsing and formatting are vectorized over chunks of lines with
+NumPy; a malformed line raises ValueError naming FILE:LINE and the column.
 """
 import os
 import time
@@ -21,6 +24,7 @@ NUM_CATEGORICAL = 26
 COLUMNS = ("label",) + tuple("I%d" % i for i in range(1, 14)) + tuple("C%d" % i for i in range(1, 27))
 _MAX_DIGITS = 18   # longest integer field accepted (fits int64)
 _MAX_HEX = 16      # longest categorical field accepted (fits uint64)
+EMPTY_ID = -1      # the raw id of an empty categorical field (raw_ids=True)
 _HEX_VALUE = np.full(256, -1, np.int8)
 for _i, _c in enumerate(b"0123456789abcdef"):
     _HEX_VALUE[_c] = _i
@@ -105,19 +109,36 @@ def write_criteo_tsv(path: str, log: SyntheticClickLog, num_rows: int, batch_siz
 
 
 # -------------------------------------------------------------------------------------- parse
-def read_criteo_tsv(path: str, table_sizes: Sequence[int], chunk_bytes: int = 1 << 22
-                    ) -> Iterator[tuple]:
+def read_criteo_tsv(path: str, table_sizes: Optional[Sequence[int]] = None,
+                    chunk_bytes: int = 1 << 22, raw_ids: bool = False) -> Iterator[tuple]:
     """Yields (features, labels) NumPy batches of one Criteo TSV file after DLRM preprocessing.
 
     features = {'dense': [B, 13] float32, 'sparse': [B, 26] int64}; labels [B] float32.
+    'sparse' holds the hashes mod `table_sizes` (26 sizes), or with `raw_ids=True` (then
+    `table_sizes` must be None) the raw hashes as int64 ids, empty -> `EMPTY_ID` (see module).
     """
-    for features, labels, _ in _read_with_position(path, table_sizes, chunk_bytes):
+    for features, labels, _ in _read_with_position(path, table_sizes, chunk_bytes, raw_ids):
         yield features, labels
 
 
-def _read_with_position(path, table_sizes, chunk_bytes=1 << 22):
+def _sparse_moduli(table_sizes, raw_ids):
+    """The 26 table sizes as int64 (None for raw ids); a wrong combination is refused."""
+    if raw_ids:
+        if table_sizes is not None:
+            raise ValueError("read_criteo_tsv: raw_ids=True keeps the raw hashes (no table "
+                             "sizes); pass table_sizes=None, or raw_ids=False to fold the "
+                             "hashes into the table sizes")
+        return None
+    if table_sizes is None:
+        raise ValueError("read_criteo_tsv needs the 26 table_sizes (e.g. "
+                         "criteo_kaggle_table_sizes(1.0)), or raw_ids=True for the raw hashes "
+                         "(tnp.DynamicEmbedding tables)")
+    return np.asarray(criteo_schema(table_sizes).feature("sparse").vocab_size, np.int64)
+
+
+def _read_with_position(path, table_sizes, chunk_bytes=1 << 22, raw_ids=False):
     """`read_criteo_tsv` batches with the number of bytes of the file consumed so far."""
-    sizes = np.asarray(criteo_schema(table_sizes).feature("sparse").vocab_size, np.int64)
+    sizes = _sparse_moduli(table_sizes, raw_ids)
     if not os.path.exists(path):
         raise FileNotFoundError("Criteo input file %s does not exist" % path)
     line_base, consumed, rest = 0, 0, b""
@@ -139,8 +160,9 @@ def _read_with_position(path, table_sizes, chunk_bytes=1 << 22):
                 yield features, labels, consumed
 
 
-def _parse_lines(chunk: bytes, path: str, line_base: int, sizes: np.ndarray):
-    """Parses complete LF-terminated lines; `line_base` lines of the file precede the chunk."""
+def _parse_lines(chunk: bytes, path: str, line_base: int, sizes: Optional[np.ndarray]):
+    """Parses complete LF-terminated lines; `line_base` lines of the file precede the chunk.
+    `sizes` None: the categorical values stay raw hashes (see module)."""
     arr = np.frombuffer(chunk, np.uint8)
     ends = np.flatnonzero(arr == 10)
     starts = np.concatenate([[0], ends[:-1] + 1])
@@ -173,7 +195,11 @@ def _parse_lines(chunk: bytes, path: str, line_base: int, sizes: np.ndarray):
     if bad is not None:
         fail(bad[0], 14 + bad[1], "is not a hex string of at most %d digits" % _MAX_HEX)
     dense = np.log1p(np.maximum(integers, 0).astype(np.float64)).astype(np.float32)
-    sparse = np.where(present, (hashed % sizes.astype(np.uint64)[None, :]).astype(np.int64), 0)
+    if sizes is None:
+        sparse = np.where(present, hashed.view(np.int64), EMPTY_ID)
+    else:
+        sparse = np.where(present, (hashed % sizes.astype(np.uint64)[None, :]).astype(np.int64),
+                          0)
     return {"dense": dense, "sparse": sparse}, labels
 
 

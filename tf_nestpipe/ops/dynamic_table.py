@@ -107,6 +107,6 @@ def dynamic_row_init(seed, ids, dim, distribution):
     """Raw initial rows `[n, dim]` (U[0,1), N(0,1) or truncated N(0,1)) of int64 `ids`: a
     function of (seed, id) only (Philox with the seed's key/counter, counter word 1 xor id)."""
     key, counter = tf.raw_ops.StatelessRandomGetKeyCounter(seed=tf.cast(seed, tf.int64))
-    return load_op_library().nestpipe_dynamic_row_init(
+    return load_op_library().nestpipe_stateless_row_init(
         key, counter, tf.reshape(tf.cast(ids, tf.int64), [-1]), dim=int(dim),
-        distribution=distribution)
+        distribution=distribution, keyed_by="id")

@@ -87,7 +87,7 @@ class DynamicEmbedding(tf_keras.layers.Layer):
         # s * W + i): the row variable is a row shard of it, never all-reduced.
         self.layout = ShardLayout(self.capacity_per_worker * self.num_workers, self.dim,
                                   self.num_workers, self.worker_index)
-        self._fresh = FreshSlots(exchange.collectives.device, self.name)
+        self._fresh = FreshSlots(exchange.collectives.device, self.name, layer=self)
         self.table_state = DynamicTableSaveable(self)  # checkpointed beside the rows
         self._training_graphs = []
 

@@ -19,7 +19,8 @@ class FreshSlots:
     """The fresh row slots of a dynamic table's last training lookup and the optimizer slot
     variables (with their initial row) to reset there."""
 
-    def __init__(self, device, name):
+    def __init__(self, device, name, layer=None):
+        self.layer = layer  # the DynamicEmbedding (its table state, for checkpoints)
         with tf.init_scope(), tf.device(device):
             # Constructed directly (not tf.Variable): no strategy creator intercepts it.
             self._fresh = resource_variable_ops.ResourceVariable(
@@ -41,7 +42,7 @@ class FreshSlots:
                              "non-constant initial value; reused slots cannot be reset"
                              % variable.name)
         self._companions.append((variable, initial))
-        setattr(variable, _COMPANION_ATTR, True)
+        setattr(variable, _COMPANION_ATTR, self)
 
     def reset_ops(self):
         """Ops resetting every registered companion at the recorded fresh slots."""
@@ -63,6 +64,13 @@ def fresh_slots_of(variable):
     return getattr(variable, _ATTR, None)
 
 
+def dynamic_table_of(variable):
+    """The `DynamicEmbedding` whose row variable (or optimizer slot) `variable` is, else None."""
+    fresh = fresh_slots_of(variable) or getattr(variable, _COMPANION_ATTR, None)
+    return fresh.layer if fresh is not None else None
+
+
 def is_dynamic_table_variable(variable):
     """True for a dynamic table's row variable or one of its optimizer slots."""
-    return fresh_slots_of(variable) is not None or getattr(variable, _COMPANION_ATTR, False)
+    return fresh_slots_of(variable) is not None or getattr(variable, _COMPANION_ATTR,
+                                                           None) is not None

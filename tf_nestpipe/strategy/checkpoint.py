@@ -9,7 +9,9 @@ worker count; a step counts as written only once every worker finished (the mani
 last). `restore` on the same number of workers reads each worker's own file. On a different
 number of workers it reshards: every row-shard variable (tables and their optimizer slots) is
 rebuilt from the rows of all old shards (id k: old owner k mod W, local row k // W; new owner
-k mod W'), and every other variable is read from worker 0's file. Build the model and the
+k mod W'), dynamic tables re-hash every old worker's ids onto their new owners with their rows,
+optimizer slots and counters (`sharding.dynamic_state`), and every other variable is read from
+worker 0's file. Build the model and the
 optimizer (`optimizer.build(model.trainable_variables)` inside `strategy.scope()`, so the slots
 of row shards are row shards too) before a resharding restore.
 """
@@ -24,7 +26,9 @@ from tensorflow.python.trackable import trackable_utils
 
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout
-from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
+from tf_nestpipe.sharding.dynamic_slots import dynamic_table_of
+from tf_nestpipe.sharding.dynamic_state import (STATE_KEYS, DynamicTableSaveable, restored_rows,
+                                                state_row_keys, whole_rows, whole_state)
 from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
 MANIFEST = "manifest.json"
@@ -48,6 +52,13 @@ def latest_step(directory):
         if match and tf.io.gfile.exists(os.path.join(directory, name.rstrip("/"), MANIFEST)):
             steps.append(int(match.group(1)))
     return max(steps) if steps else None
+
+
+def _dynamic_table_states(root):
+    """`(DynamicTableSaveable, object path)` of every dynamic table reachable from `root`."""
+    objects, paths = graph_view.ObjectGraphView(root).breadth_first_traversal()
+    return [(obj, trackable_utils.object_path_to_string(paths[obj])) for obj in objects
+            if isinstance(obj, DynamicTableSaveable)]
 
 
 def _variable_keys(root):
@@ -103,14 +114,6 @@ class ShardedCheckpoint:
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
                    for k in range(saved_workers)]
-        dynamic = [] if saved_workers == workers else [
-            v.name for v, _ in _variable_keys(self.checkpoint) if fresh_slots_of(v)]  # rows
-        if dynamic:
-            raise ValueError(
-                "checkpoint step %d of %s was written on %d workers and holds dynamic tables "
-                "(%s); restoring them on %d workers (moving ids, rows and optimizer slots to new "
-                "owners) is not supported yet: restore on %d workers."
-                % (step, directory, saved_workers, ", ".join(dynamic), workers, saved_workers))
         # Every worker checks every table against all files before reading any: a table of
         # another size is refused on all of them (never restored wrongly on some).
         _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)
@@ -121,10 +124,22 @@ class ShardedCheckpoint:
             return step
         available = set(readers[0].get_variable_to_shape_map())
         shapes = [reader.get_variable_to_shape_map() for reader in readers]
+        # Dynamic tables: every old worker's ids re-hashed onto this run (see dynamic_state).
+        tables = {id(saveable._layer): (saveable, whole_state([  # pylint: disable=protected-access
+            {name: reader.get_tensor(trackable_utils.checkpoint_key(path, name))
+             for name in STATE_KEYS} for reader in readers]))
+                  for saveable, path in _dynamic_table_states(self.checkpoint)}
         missing = []
         for variable, key in variables:
             if key not in available:
                 missing.append(key)
+                continue
+            table = dynamic_table_of(variable)
+            if table is not None:
+                state = tables[id(table)][1]
+                whole = whole_rows([reader.get_tensor(key) for reader in readers])
+                variable.assign(restored_rows(table, variable, state_row_keys(state),
+                                              tf.constant(whole)))
                 continue
             layout = row_shard_layout(variable)
             if layout is None and _saved_row_sharded(variable, key, shapes):
@@ -138,6 +153,9 @@ class ShardedCheckpoint:
             else:
                 value = _reshard_rows([reader.get_tensor(key) for reader in readers], layout)
             variable.assign(value)
+        for saveable, state in tables.values():
+            saveable._restore_from_tensors(  # pylint: disable=protected-access
+                {name: tf.constant(value) for name, value in state.items()})
         if missing:
             raise ValueError("variables %s are not in checkpoint step %d of %s (a model or "
                              "optimizer of another shape?)" % (missing, step, directory))
@@ -203,6 +221,8 @@ def _check_table_sizes(variables, readers, step, directory):
         layout = row_shard_layout(variable)
         if layout is None or any(key not in shape for shape in shapes):
             continue  # missing keys are reported by the restore itself
+        if dynamic_table_of(variable) is not None:
+            continue  # re-hashed by id: its owners' capacities are checked then
         old_rows = sum(_saved_rows(key, shapes))
         if _saved_whole(key, shapes, layout):
             old_rows = layout.vocab_size  # written replicated: every file holds the table

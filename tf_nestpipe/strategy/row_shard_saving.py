@@ -25,8 +25,9 @@ import tensorflow as tf
 from tensorflow.python.trackable import base as trackable
 from tensorflow.python.checkpoint import tensor_callable
 
-from tf_nestpipe.sharding.dynamic_slots import is_dynamic_table_variable
-from tf_nestpipe.sharding.dynamic_state import set_local_serialization_check
+from tf_nestpipe.sharding.dynamic_slots import dynamic_table_of, is_dynamic_table_variable
+from tf_nestpipe.sharding.dynamic_state import (ROW_KEYS, restored_rows, row_keys,
+                                                set_local_serialization_check)
 from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
 
@@ -74,9 +75,17 @@ class _RowShardSaving:
     """Mixed into a row-shard variable's class: checkpoints hold the whole table (see module)."""
 
     def _serialize_to_tensors(self):
+        tensors = self._serialize_whole_table()
+        table = dynamic_table_of(self)
+        if table is not None and not _saving_local_rows():
+            # The ids of a dynamic table's rows: it restores on any worker count by itself.
+            tensors.update(row_keys(table, "nestpipe/checkpoint_ids/" + self._shared_name))  # pylint: disable=no-member
+        return tensors
+
+    def _serialize_whole_table(self):
         layout = row_shard_layout(self)
         if layout.num_shards == 1 or _saving_local_rows():
-            return super()._serialize_to_tensors()
+            return dict(super()._serialize_to_tensors())
         variable, collectives = self, self._nestpipe_collectives  # pylint: disable=no-member
         tag = "nestpipe/checkpoint/" + self._shared_name  # pylint: disable=no-member
 
@@ -90,15 +99,21 @@ class _RowShardSaving:
     def _restore_from_tensors(self, restored_tensors):
         layout = row_shard_layout(self)
         value = restored_tensors[trackable.VARIABLE_VALUE_KEY]
+        table = dynamic_table_of(self)
+        if table is not None and not _saving_local_rows() and ROW_KEYS[0] in restored_tensors:
+            with tf.device(self.device):  # on any worker count (re-hashed: see dynamic_state)
+                value = restored_rows(table, self, restored_tensors, value)
+            return super()._restore_from_tensors({trackable.VARIABLE_VALUE_KEY: value})
         rows = value.shape[0] if value.shape.rank else None
         if is_dynamic_table_variable(self) and rows is not None and rows != (
                 layout.local_rows if _saving_local_rows() else layout.vocab_size):
             raise ValueError(
                 "cannot restore %s, a DynamicEmbedding's rows (or their optimizer slot): the "
-                "checkpoint holds %d rows, %d per worker on this run's %d workers. It was "
-                "written with another number of workers (or capacity_per_worker); restoring a "
-                "dynamic table on another worker count is not supported yet: restore on the "
-                "saving worker count with the same capacity_per_worker."
+                "checkpoint holds %d rows, %d per worker on this run's %d workers, and not the "
+                "ids of its rows (a per-worker file, or one written before dynamic tables "
+                "re-hashed). Restore it on the saving worker count with the same "
+                "capacity_per_worker (tf.train.Checkpoints written now restore on any worker "
+                "count; ShardedCheckpoint.restore re-hashes its own files)."
                 % (self.name, rows, layout.local_rows, layout.num_shards))
         check_restored_rows(self.name, rows, layout, local=_saving_local_rows())
         if not _saving_local_rows() and layout.num_shards > 1:
