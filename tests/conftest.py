@@ -56,7 +56,8 @@ def reference_of(run):
 # `pytest -m "not cluster"` runs the fast in-process subset.
 CLUSTER_FIXTURES = {"exactness_results", "checkpoint_runs", "keras_checkpoint_runs", "ps_results",
                     "downpour_results", "horovod_results", "autoshard_results", "tfrs_results",
-                    "restore_results", "share_results", "readme_runs", "dynamic_results"}
+                    "restore_results", "share_results", "readme_runs", "dynamic_results",
+                    "dynamic_three", "surface", "wire_results"}
 
 
 def pytest_collection_modifyitems(config, items):
