@@ -5,7 +5,13 @@ workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFl
   gathers (no all-to-all) and its gradient, made dense, joins the dense gradient all-reduce.
 - `row_wise`: the table is row-sharded (id k on worker k mod W) and every step's lookups go
   through the fused exchange (keys, rows and gradient all-to-alls).
-- `table_wise` (whole table on one worker) is not implemented: asking for it is refused.
+- `table_wise`: the whole table lives on one worker (its owner: the worker holding the fewest
+  table bytes when it is placed, so tables balance over the workers by bytes); its lookups ride
+  on the same fused exchange as the row-wise tables of its dim. Only when requested: on this
+  exchange (unique rows sent back, pooled at the requester) a table-wise table sends as many
+  bytes as a row-wise one at best (tables balanced exactly) and more otherwise (its owner
+  answers every worker), so `auto` has no cost to save by choosing it.
+- `column_wise` is not implemented: asking for it is refused.
 
 `placement="auto"` picks per table (`Planner._choose`): replicate when the table's marginal cost
 in the dense gradient all-reduce (its dense gradient's bytes) is lower than what it adds to the
@@ -31,7 +37,9 @@ TABLE_WISE = "table_wise"
 COLUMN_WISE = "column_wise"
 AUTO = "auto"
 PLACEMENTS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE)
-SUPPORTED = (DATA_PARALLEL, ROW_WISE)
+SUPPORTED = PLACEMENTS
+# The placements whose lookups go through the fused exchange (and pay its fixed cost).
+EXCHANGED = (TABLE_WISE, ROW_WISE)
 # Optimizer slots per table element the planner assumes (Adam's two; Adagrad has one, SGD none):
 # the optimizer is not known when a table is built, so the budget is checked for the largest.
 DEFAULT_OPTIMIZER_SLOTS = 2
@@ -70,7 +78,8 @@ class TableSpec:
 @dataclasses.dataclass(frozen=True)
 class TablePlan:
     """The planner's decision for one table: its placement, why, its bytes per worker (table +
-    optimizer slots) and the expected traffic per step (bytes and modelled ms)."""
+    optimizer slots; a table_wise table's on its `owner`, none elsewhere) and the expected
+    traffic per step (bytes and modelled ms; a table_wise table's are its owner's)."""
 
     table: TableSpec
     placement: str
@@ -78,6 +87,20 @@ class TablePlan:
     bytes_per_worker: int
     traffic_bytes: int
     traffic_ms: float
+    owner: Optional[int] = None
+
+    def bytes_on(self, worker):
+        """Bytes worker `worker` holds for this table."""
+        if self.placement == TABLE_WISE and worker != self.owner:
+            return 0
+        return self.bytes_per_worker
+
+    @property
+    def where(self):
+        """The placement as the printed plan shows it (a table_wise table with its owner)."""
+        if self.placement == TABLE_WISE:
+            return "%s@%d" % (self.placement, self.owner)
+        return self.placement
 
 
 def default_collectives():
@@ -100,8 +123,9 @@ def _marginal_ms(params, kind, workers, nbytes):
 
 def table_bytes(table, workers, placement, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS):
     """Bytes one worker holds for `table` (its rows and their optimizer slots) under
-    `placement`: the whole table replicated, or the largest row shard."""
-    rows = table.rows if placement == DATA_PARALLEL else -(-table.rows // workers)
+    `placement`: the whole table replicated or on its owner (table_wise), or the largest row
+    shard."""
+    rows = table.rows if placement in (DATA_PARALLEL, TABLE_WISE) else -(-table.rows // workers)
     return rows * table.dim * table.value_bytes * (1 + optimizer_slots)
 
 
@@ -111,7 +135,9 @@ def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_ID
     data_parallel: its dense gradient in the dense all-reduce (whose fixed cost the dense
     weights pay anyway); row_wise: its share of the three all-to-alls (keys, rows, gradient
     rows) of up to `ids_per_step` distinct ids, plus their fixed cost unless `exchange_paid`
-    (another row-wise table of its group, fused in the same exchange, pays it)."""
+    (another row-wise table of its group, fused in the same exchange, pays it); table_wise: the
+    same all-to-alls as seen by its owner, which answers every worker (keys, the rows of all
+    `workers` workers' ids and its own gradient rows)."""
     if workers <= 1:
         return 0, 0.0
     collectives = collectives or default_collectives()
@@ -121,11 +147,12 @@ def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_ID
     ids = min(int(ids_per_step), table.rows)
     keys = ids * 8
     rows = ids * table.dim * table.value_bytes
+    answered = workers * rows if placement == TABLE_WISE else rows
     params = collectives["all_to_all"]
     cost = _marginal_ms if exchange_paid else (
         lambda p, kind, w, n: collective_ms(kind, p, w, n))
-    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, rows, rows))
-    return keys + 2 * rows, ms
+    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, answered, rows))
+    return keys + answered + rows, ms
 
 
 def group_of(table):
@@ -136,11 +163,12 @@ def group_of(table):
 
 def check_placement(value, what):
     """`value` if it is a placement tnp implements; PlacementError naming `what` otherwise."""
-    if value == TABLE_WISE or value == COLUMN_WISE:
+    if value == COLUMN_WISE:
         raise PlacementError(
             "%s: placement %r is not implemented in tf_nestpipe yet (only %s are): use "
-            "'row_wise' for a table too big to replicate, 'data_parallel' for a small one, or "
-            "'auto'" % (what, value, " and ".join(repr(p) for p in SUPPORTED)))
+            "'row_wise' for a table too big to replicate or too wide for one worker, "
+            "'table_wise' to keep it whole on one worker, 'data_parallel' for a small one, or "
+            "'auto'" % (what, value, ", ".join(repr(p) for p in SUPPORTED)))
     if value not in SUPPORTED:
         raise PlacementError("%s: unknown placement %r; use one of %s or 'auto'"
                              % (what, value, ", ".join(repr(p) for p in SUPPORTED)))
@@ -193,9 +221,18 @@ class Planner:
             self._collectives = default_collectives()
         return self._collectives
 
+    def worker_bytes(self, worker):
+        """Bytes worker `worker` holds for the tables placed so far."""
+        return sum(p.bytes_on(worker) for p in self.plans)
+
     def used_bytes(self):
-        """Bytes per worker of the tables placed so far."""
-        return sum(p.bytes_per_worker for p in self.plans)
+        """Bytes per worker of the tables placed so far (the most any worker holds)."""
+        return max(self.worker_bytes(w) for w in range(max(self.workers, 1)))
+
+    def _least_loaded(self):
+        """The worker holding the fewest table bytes (the lowest index among equals): the
+        owner of the next table_wise table."""
+        return min(range(self.workers), key=lambda w: (self.worker_bytes(w), w))
 
     def requested(self, name):
         """What the strategy's `placement` asks for table `name` ("auto" if it does not say)."""
@@ -237,14 +274,15 @@ class Planner:
         return [self.planned(t.name) for t in tables]
 
     def _paid(self, group):
-        return any(p.placement == ROW_WISE and group_of(p.table) == group for p in self.plans)
+        return any(p.placement in EXCHANGED and group_of(p.table) == group for p in self.plans)
 
     def _plan(self, table, placement, reason):
         nbytes, ms = traffic(table, self.workers, placement, self.collectives, self.ids_per_step,
                              exchange_paid=self._paid(group_of(table)))
+        owner = self._least_loaded() if placement == TABLE_WISE else None
         return TablePlan(table, placement, reason,
                          table_bytes(table, self.workers, placement, self.optimizer_slots),
-                         nbytes, ms)
+                         nbytes, ms, owner)
 
     def _choose(self, tables):
         """{name: (placement, reason)}: requested placements as asked; per exchange group, the
@@ -262,7 +300,7 @@ class Planner:
                 auto.setdefault(group_of(table), []).append(table)
         for group, members in auto.items():
             paid = self._paid(group) or any(
-                choices.get(t.name, ("",))[0] == ROW_WISE and group_of(t) == group
+                choices.get(t.name, ("",))[0] in EXCHANGED and group_of(t) == group
                 for t in tables)
             dp = {t.name: traffic(t, self.workers, DATA_PARALLEL, self.collectives)[1]
                   for t in members}
@@ -292,22 +330,25 @@ class Planner:
 
     def _check_budget(self, plan, requested):
         budget = self.memory_budget_bytes
-        if budget is None or self.used_bytes() + plan.bytes_per_worker <= budget:
+        worker = plan.owner if plan.placement == TABLE_WISE else None
+        held = self.used_bytes() if worker is None else self.worker_bytes(worker)
+        if budget is None or held + plan.bytes_per_worker <= budget:
             return
         t = plan.table
         fixes = ["raise memory_budget_bytes (now %d) to at least %d"
-                 % (budget, self.used_bytes() + plan.bytes_per_worker)]
-        if plan.placement == DATA_PARALLEL:
+                 % (budget, held + plan.bytes_per_worker)]
+        if plan.placement in (DATA_PARALLEL, TABLE_WISE):
             fixes.append("place it 'row_wise' (%d bytes per worker)" % table_bytes(
                 t, self.workers, ROW_WISE, self.optimizer_slots))
         fixes.append("train on more workers")
         raise PlacementError(
             "table %r (%d rows x %d, %s%s) needs %d bytes per worker (table + %d optimizer "
-            "slots), but every worker already holds %d of its memory_budget_bytes=%d for the "
+            "slots), but %s already holds %d of its memory_budget_bytes=%d for the "
             "tables placed before it (%s): %s"
-            % (t.name, t.rows, t.dim, plan.placement,
+            % (t.name, t.rows, t.dim, plan.where,
                "" if requested == plan.placement else ", chosen by auto", plan.bytes_per_worker,
-               self.optimizer_slots, self.used_bytes(), budget,
+               self.optimizer_slots, "every worker" if worker is None else "worker %d" % worker,
+               held, budget,
                ", ".join(p.table.name for p in self.plans) or "none", "; or ".join(fixes)))
 
     def unknown_names(self, names):
@@ -330,15 +371,18 @@ class Planner:
 
 
 def render_plan(plans, workers):
-    """The plan as a text table: table, rows, dim, placement, bytes per worker, traffic/step."""
+    """The plan as a text table: table, rows, dim, placement (a table_wise table's as
+    `table_wise@OWNER`), bytes per worker, traffic/step; the total's bytes are those of the
+    worker holding the most."""
     header = ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "model ms",
               "why")
     lines = [header]
     for p in plans:
-        lines.append((p.table.name, str(p.table.rows), str(p.table.dim), p.placement,
+        lines.append((p.table.name, str(p.table.rows), str(p.table.dim), p.where,
                       _human(p.bytes_per_worker), _human(p.traffic_bytes),
                       "%.2f" % p.traffic_ms, p.reason))
-    lines.append(("total", "", "", "", _human(sum(p.bytes_per_worker for p in plans)),
+    held = max(sum(p.bytes_on(w) for p in plans) for w in range(max(int(workers), 1)))
+    lines.append(("total", "", "", "", _human(held),
                   _human(sum(p.traffic_bytes for p in plans)),
                   "%.2f" % sum(p.traffic_ms for p in plans), ""))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
