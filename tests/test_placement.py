@@ -185,9 +185,31 @@ def test_default_collectives_come_from_the_cost_model():
     assert costs["all_to_all"].measured and 2 in costs["all_to_all"].measured
 
 
+def test_collective_costs_follow_the_transport_in_use():
+    """The socket mesh's measured all-to-all is cheaper than TF's (plan_costs.json's
+    collectives_sockets vs collectives), so a mid-size table TF's costs replicate stays
+    row-wise on the mesh; Horovod's are costed as TF's."""
+    tf_costs, mesh = pl.default_collectives("tf"), pl.default_collectives("sockets")
+    assert pl.default_collectives("horovod") == tf_costs
+    for costs in (tf_costs, mesh):
+        assert costs["all_to_all"].measured and 2 in costs["all_to_all"].measured
+    tf_fixed = pl.traffic(pl.TableSpec("t", 10, 16), 2, pl.ROW_WISE, tf_costs, 0)[1]
+    mesh_fixed = pl.traffic(pl.TableSpec("t", 10, 16), 2, pl.ROW_WISE, mesh, 0)[1]
+    assert mesh_fixed < tf_fixed
+    table = pl.TableSpec("mid", 10_000, 16)  # 640 KB
+    on_tf = pl.Planner("auto", 2, transport="tf").place(table)
+    on_mesh = pl.Planner("auto", 2, transport="sockets").place(table)
+    assert (on_tf.placement, on_mesh.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
+    assert pl.Planner("auto", 2, transport="sockets", collectives=COSTS).collectives is COSTS
+    with pytest.raises(pl.PlacementError, match="transport must be one of"):
+        pl.Planner("auto", 2, transport="nccl")
+    text = pl.render_plan([on_mesh], 2, "sockets")
+    assert "sockets collectives' costs" in text and "group's exchange" in text
+
+
 def test_cli_shows_a_plan_without_training(capsys):
     assert cli.main(["placement", "--table", "small:7:16", "--table", "big:2000000:16",
-                     "--workers", "2"]) == 0
+                     "--workers", "2", "--transport", "tf"]) == 0
     out = capsys.readouterr().out
     assert "small" in out and "data_parallel" in out and "big" in out and "row_wise" in out
     assert cli.main(["placement", "--table", "big:2000000:16", "--placement", "big=data_parallel",

@@ -86,6 +86,10 @@ def build_placement_parser():
     parser.add_argument("--optimizer-slots", type=int, default=placement_lib.DEFAULT_OPTIMIZER_SLOTS)
     parser.add_argument("--ids-per-step", type=int, default=placement_lib.DEFAULT_IDS_PER_STEP,
                         help="distinct ids a worker looks up per table and step (row_wise cost)")
+    parser.add_argument("--transport", default="sockets",
+                        choices=sorted(placement_lib.TRANSPORT_SECTIONS),
+                        help="whose measured collective costs: sockets (the socket mesh, "
+                             "NestPipeStrategy's default on CPU), tf or horovod")
     return parser
 
 
@@ -119,11 +123,11 @@ def placement_main(argv):
         plans = placement_lib.plan_tables(tables, args.workers,
                                           _parse_placement_arg(args.placement),
                                           args.memory_budget_bytes, args.optimizer_slots,
-                                          args.ids_per_step)
+                                          args.ids_per_step, transport=args.transport)
     except placement_lib.PlacementError as e:
         print("error: %s" % e, file=sys.stderr)
         return 2
-    print(placement_lib.render_plan(plans, args.workers))
+    print(placement_lib.render_plan(plans, args.workers, args.transport))
     return 0
 
 

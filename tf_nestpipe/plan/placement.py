@@ -20,9 +20,16 @@ for `ids_per_step` looked-up ids, plus, for the group's first row-wise table, th
 the three all-to-alls), and when the replica with its optimizer slots fits the per-worker
 `memory_budget_bytes`; row_wise otherwise. The tables placed together (all those constructed
 before the first is built, see the strategy) are decided per group at once: all replicated, or
-each where it costs less with the exchange paid, whichever costs less in total. The collective costs are the `tf_nestpipe.plan` cost
-model's (`bench/results/plan_costs.json` when present, else the constants measured there on the
-2-core testbed, copied below).
+each where it costs less with the exchange paid, whichever costs less in total.
+
+The collective costs depend on the transport the strategy's collectives use (`transport`,
+`Collectives.backend`): "tf" (TensorFlow's collectives; also used for Horovod's, not measured
+separately) reads the costs file's `collectives` section, "sockets" (the socket mesh, the
+default transport on CPU) its `collectives_sockets` section (`bench/stage_costs.py cluster
+--collectives-only`, see `bench/results/plan_costs.json`'s "how"); without the file, the
+constants measured there on the 2-core testbed, copied below. The mesh's all-to-alls cost a
+fraction of TF's, so on the mesh fewer tables are worth replicating. `Planner(collectives=...)`
+takes configured costs instead.
 """
 import dataclasses
 import math
@@ -56,6 +63,17 @@ _TESTBED = {
     "all_reduce": CollectiveParams(0.0, 1.4175, 4.0126, "ring",
                                    {2: (1.8768, 2.4858), 4: (8.2493, 7.9847)}),
 }
+# The same sweeps on the socket mesh (bench/stage_costs.py cluster --collectives-only, 2026-12-01,
+# 2 shared cores): collectives_sockets of plan_costs.json.
+_TESTBED_SOCKETS = {
+    "all_to_all": CollectiveParams(0.0, 0.7228, 1.9724, "ring",
+                                   {2: (0.3771, 0.7017), 4: (2.1590, 1.9447)}),
+    "all_reduce": CollectiveParams(0.0, 0.5273, 6.1808, "ring",
+                                   {2: (0.3031, 2.7489), 4: (2.4583, 12.8382)}),
+}
+# The costs file's section for each transport (Collectives.backend).
+TRANSPORT_SECTIONS = {"tf": "collectives", "horovod": "collectives",
+                      "sockets": "collectives_sockets"}
 _COSTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "bench", "results", "plan_costs.json")
 
@@ -103,16 +121,22 @@ class TablePlan:
         return self.placement
 
 
-def default_collectives():
-    """`{"all_to_all", "all_reduce"}` CollectiveParams: the costs file's fit with its per-W
-    sweeps when the file is there and readable, else the testbed constants above."""
+def default_collectives(transport="tf"):
+    """`{"all_to_all", "all_reduce"}` CollectiveParams of `transport` ("tf", "horovod" or
+    "sockets"): the costs file's fit for it with its per-W sweeps when the file is there and
+    readable, else the testbed constants above."""
+    if transport not in TRANSPORT_SECTIONS:
+        raise PlacementError("transport must be one of %s, got %r"
+                             % (", ".join(sorted(TRANSPORT_SECTIONS)), transport))
+    section = TRANSPORT_SECTIONS[transport]
     try:
         from tf_nestpipe.plan.costs import load_costs, measured_collectives
 
-        params = measured_collectives(load_costs(_COSTS_FILE), per_workers=True)
+        costs = load_costs(_COSTS_FILE)
+        params = measured_collectives({"collectives": costs[section]}, per_workers=True)
         return {kind: params[kind] for kind in ("all_to_all", "all_reduce")}
     except Exception:  # pylint: disable=broad-except
-        return dict(_TESTBED)
+        return dict(_TESTBED_SOCKETS if section == "collectives_sockets" else _TESTBED)
 
 
 def _marginal_ms(params, kind, workers, nbytes):
@@ -201,8 +225,12 @@ class Planner:
 
     def __init__(self, placement=AUTO, workers=1, memory_budget_bytes=None,
                  optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
-                 collectives=None):
+                 collectives=None, transport="tf"):
         self.placement = parse_placement(placement)
+        if transport not in TRANSPORT_SECTIONS:
+            raise PlacementError("transport must be one of %s, got %r"
+                                 % (", ".join(sorted(TRANSPORT_SECTIONS)), transport))
+        self.transport = transport
         self.workers = int(workers)
         if memory_budget_bytes is not None and int(memory_budget_bytes) <= 0:
             raise PlacementError("memory_budget_bytes must be a positive number of bytes per "
@@ -216,9 +244,10 @@ class Planner:
 
     @property
     def collectives(self):
-        """The collective cost parameters the auto rule uses."""
+        """The collective cost parameters the auto rule uses (configured, else the measured
+        ones of the planner's transport)."""
         if self._collectives is None:
-            self._collectives = default_collectives()
+            self._collectives = default_collectives(self.transport)
         return self._collectives
 
     def worker_bytes(self, worker):
@@ -323,8 +352,11 @@ class Planner:
                     choices[n] = (DATA_PARALLEL, "all-reduce +%.2f ms <= all-to-all +%.2f ms"
                                   % (dp[n], rw[n] + (0.0 if paid else fixed)))
                 else:
-                    choices[n] = (ROW_WISE, "all-to-all +%.2f ms < all-reduce +%.2f ms"
-                                  % (rw[n] + (0.0 if paid else fixed), dp[n]))
+                    reason = "all-to-all +%.2f ms < all-reduce +%.2f ms" % (rw[n], dp[n])
+                    if not paid:  # this table's traffic includes the group's fixed cost
+                        reason += (", and the group's exchange +%.2f ms once (group: %.2f ms < "
+                                   "all replicated %.2f ms)" % (fixed, mixed_ms, all_dp_ms))
+                    choices[n] = (ROW_WISE, reason)
                     paid = True  # the first row-wise table pays the exchange
         return choices
 
@@ -370,7 +402,7 @@ class Planner:
                    ", ".join(repr(p.table.name) for p in self.plans) or "none"))
 
 
-def render_plan(plans, workers):
+def render_plan(plans, workers, transport=None):
     """The plan as a text table: table, rows, dim, placement (a table_wise table's as
     `table_wise@OWNER`), bytes per worker, traffic/step; the total's bytes are those of the
     worker holding the most."""
@@ -386,7 +418,8 @@ def render_plan(plans, workers):
                   _human(sum(p.traffic_bytes for p in plans)),
                   "%.2f" % sum(p.traffic_ms for p in plans), ""))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    text = ["tf_nestpipe placement on %d worker(s):" % workers]
+    text = ["tf_nestpipe placement on %d worker(s)%s:" % (
+        workers, "" if transport is None else ", %s collectives' costs" % transport)]
     for k, row in enumerate(lines):
         text.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if k == 0:
@@ -403,10 +436,10 @@ def _human(nbytes):
 
 def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
                 optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
-                collectives=None):
+                collectives=None, transport="tf"):
     """Plans `tables` (TableSpecs, in build order) at once; returns the list of TablePlans."""
     planner = Planner(placement, workers, memory_budget_bytes, optimizer_slots, ids_per_step,
-                      collectives)
+                      collectives, transport)
     planner.place_all(list(tables))
     planner.check_names()
     return planner.plans

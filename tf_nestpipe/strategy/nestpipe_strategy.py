@@ -123,7 +123,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- table placement (issue 15) -----------------------------------------------------------
     def set_placement(self, placement, memory_budget_bytes):
         """A new planner for the tables built from now on (checks `placement` at once)."""
-        self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes)
+        # Costed with the collectives of the transport in use (the socket mesh once open).
+        self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
+                                         transport=self._nestpipe_collectives.backend)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
 
@@ -168,7 +170,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_plan_reported = True
         plans = self._nestpipe_planner.plans
         if plans and self._num_workers > 1 and self._id_in_cluster == 0:
-            print(render_plan(plans, self._num_workers), flush=True)
+            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport),
+                  flush=True)
 
     @staticmethod
     def _dense_gradient(value):
