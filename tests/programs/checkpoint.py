@@ -177,9 +177,9 @@ def write_parameters(strategy, model, optimizer, path):
         gathered = (strategy.extended.collectives.all_gather(
             tf.pad(local, [[0, pad], [0, 0]]), "test/slots_" + name).numpy()
             if workers > 1 else local.numpy())
-        ids = np.arange(layer.vocab_size)
-        slots["slot/" + name] = gathered[(ids % workers) * layer.layout.max_local_rows
-                                         + ids // workers]
+        ids = np.arange(layer.vocab_size)  # where the layout (row- or table-wise) put each id
+        slots["slot/" + name] = gathered[layer.layout.owner(ids) * layer.layout.max_local_rows
+                                         + layer.layout.local_row(ids)]
     dense = {"dense/%d" % i: v.numpy() for i, v in enumerate(model.trainable_variables)
              if "table_" not in v.name}
     if rank == 0:
