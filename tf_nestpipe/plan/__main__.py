@@ -1,7 +1,7 @@
 """`python -m tf_nestpipe.plan [--measure] [--measure-runs] [--validate compare.json] ...`, and
 `python -m tf_nestpipe.plan placement (--table NAME:ROWS:DIM ... | --model MODULE:FUNCTION)
-[--workers 2] [--placement auto] [--memory-budget-bytes N]`: the table placement a
-NestPipeStrategy would choose, without training."""
+[--workers 2] [--placement auto] [--memory-budget-bytes N] [--transport sockets]`: the table
+placement a NestPipeStrategy would choose, without training."""
 import argparse
 import os
 import sys
@@ -81,7 +81,8 @@ def build_placement_parser():
                              "strategy) whose ShardedEmbedding tables are planned")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--placement", default="auto",
-                        help="auto, data_parallel, row_wise, or NAME=PLACEMENT,... (others auto)")
+                        help="auto, data_parallel, table_wise, row_wise, or "
+                             "NAME=PLACEMENT,... (others auto)")
     parser.add_argument("--memory-budget-bytes", type=int, default=None)
     parser.add_argument("--optimizer-slots", type=int, default=placement_lib.DEFAULT_OPTIMIZER_SLOTS)
     parser.add_argument("--ids-per-step", type=int, default=placement_lib.DEFAULT_IDS_PER_STEP,
