@@ -39,11 +39,12 @@ PIPELINE_RUNS = {
 # option): every table replicated, table_a replicated and the others row-wise, the planner's
 # choice, table_a table_wise (on worker 0) in the exchange of the row-wise table_b with the
 # collection replicated, every table table_wise (balanced over the workers), under the
-# pipelines, fit, custom loops and strategy.run; they share the launches above too.
+# pipelines, fit, custom loops and strategy.run; they share the launches above too (":tw"'s
+# direct run also covers a replicated table on strategy.run, as ":mixdp"'s did).
 PLACEMENT_RUNS = {
-    2: ["fit:adam:dp", "direct:sgd:mixdp", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
-        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace", "loop:adagrad:mixed:tw",
-        "fit:adam:mixed:tw:dbp", "loop:sgd:mixed:alltw:fwp"],
+    2: ["fit:adam:dp", "direct:sgd:mixed:tw", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
+        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace", "fit:adam:mixed:tw:dbp",
+        "loop:sgd:mixed:alltw:fwp"],
     3: ["fit:adagrad:mixdp", "loop:adam:dp:dbp", "fit:adagrad:mixed:tw:fwp",
         "loop:adam:mixed:alltw:dbp", "direct:sgd:mixed:tw"],
 }
