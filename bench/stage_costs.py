@@ -11,7 +11,9 @@
 - the whole step of the DLRM example on one worker (tf_keras fit, NestPipeStrategy with one
   worker, as `bench/dlrm_worker.py --mode local`) at several batch sizes and with each pipeline.
 
-`cluster` (every worker of a launched cluster) times the TF collectives over a sweep of sizes:
+`cluster` (every worker of a launched cluster) times the strategy's collectives (the transport
+in use: `--collectives auto`, the default, is the socket mesh where it connects, `tf` is
+TensorFlow's; the result says which as "transport") over a sweep of sizes:
 the equal-split all-to-all (CollectiveAllToAllV2), the all-gather and the dense all-reduce
 (the MultiWorkerMirrored path), each as a tf.function with one collective minus an empty
 tf.function's call overhead; then every worker trains the DLRM example alone on its share of the
@@ -200,7 +202,7 @@ def single(args):
 def cluster(args):
     """Collective sweeps on every worker, then concurrent compute-only training; prints RESULT."""
     load_before = os.getloadavg()[0]
-    strategy = tnp.NestPipeStrategy()
+    strategy = tnp.NestPipeStrategy(collectives=args.collectives)
     collectives = strategy.extended.collectives
     workers = strategy.num_workers
 
@@ -241,6 +243,11 @@ def cluster(args):
         diffs = [a - b for a, b in zip(times, rounds[0])]
         result["collectives"][name].append([nbytes, max(min(diffs), 0.0)])
         result["collectives_median"][name].append([nbytes, max(statistics.median(diffs), 0.0)])
+    result["transport"] = collectives.backend
+    if args.collectives_only:
+        if strategy.worker_index == 0:
+            print("RESULT " + json.dumps(result), flush=True)
+        return
     # Compute-only: every worker trains alone on its share of the global batch, all at once.
     barrier = tf.function(lambda: collectives.all_gather(tf.ones([1]), "plan/barrier"))
     barrier().numpy()
@@ -266,6 +273,10 @@ def main():
     parser.add_argument("--table-scale", type=float, default=0.002)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--micro-batches", type=int, default=4)
+    parser.add_argument("--collectives", default="auto", choices=["auto", "tf"],
+                        help="cluster: the strategy's transport (auto: the socket mesh)")
+    parser.add_argument("--collectives-only", action="store_true",
+                        help="cluster: the collective sweeps only (no compute-only training)")
     args = parser.parse_args()
     single(args) if args.what == "single" else cluster(args)
 

@@ -35,13 +35,18 @@ PIPELINE_RUNS = {
         "fit:adam:mixed:fwp", "fit:sgd:mixed:auto"],
 }
 
-# Table placement (issue 15, a run's ":dp" / ":mixdp" / ":autoplace" option): every table
-# replicated, table_a replicated and the others row-wise, and the planner's choice, under the
-# pipelines, fit, custom loops and strategy.run; they share the launches above too.
+# Table placement (issue 15, a run's ":dp" / ":mixdp" / ":autoplace" / ":tw" / ":alltw"
+# option): every table replicated, table_a replicated and the others row-wise, the planner's
+# choice, table_a table_wise (on worker 0) in the exchange of the row-wise table_b with the
+# collection replicated, every table table_wise (balanced over the workers), under the
+# pipelines, fit, custom loops and strategy.run; they share the launches above too (":tw"'s
+# direct run also covers a replicated table on strategy.run, as ":mixdp"'s did).
 PLACEMENT_RUNS = {
-    2: ["fit:adam:dp", "direct:sgd:mixdp", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
-        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace"],
-    3: ["fit:adagrad:mixdp", "loop:adam:dp:dbp"],
+    2: ["fit:adam:dp", "direct:sgd:mixed:tw", "loop:adagrad:mixdp:dbp", "fit:adagrad:mixdp:fwp",
+        "loop:sgd:mixed:mixdp:nested", "fit:sgd:mixed:autoplace", "fit:adam:mixed:tw:dbp",
+        "loop:sgd:mixed:alltw:fwp"],
+    3: ["fit:adagrad:mixdp", "loop:adam:dp:dbp", "fit:adagrad:mixed:tw:fwp",
+        "loop:adam:mixed:alltw:dbp", "direct:sgd:mixed:tw"],
 }
 
 

@@ -39,6 +39,14 @@ def checkpoint_runs(tmp_path_factory):
             "--also-tf", "--save-at", "5"])
     run(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"])
     run(3, [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"])
+    # Table-wise tables (table_a whole on worker 0, table_b on worker 1): row-wise on 3 ->
+    # table-wise on 2 (and its export); table-wise on 2 -> replicated on 3 (ShardedCheckpoint).
+    run(2, [str(out / "to_tw"), ckpt, "10", "15", "--restore", "--placement", "table_wise",
+            "--export", str(out / "saved_model_tw")])
+    run(2, [str(out / "tw"), str(out / "ckpt_tw"), "0", "10", "--placement", "table_wise",
+            "--save-at", "5"])
+    run(3, [str(out / "tw_to_dp"), str(out / "ckpt_tw"), "5", "10", "--restore", "--placement",
+            "data_parallel"])
     # The Dual-Buffer Pipeline: uninterrupted, and resumed from step 5 on 3 workers.
     run(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp", "--save-at", "5"])
     run(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore", "--dbp"])
@@ -84,6 +92,9 @@ def test_checkpoints_restore_under_another_placement(checkpoint_runs):
     _assert_same(full_10, np.load(checkpoint_runs / "dp.npz"))  # replicated trains the same
     _assert_same(full_10, np.load(checkpoint_runs / "dp_to_rw.npz"))  # ShardedCheckpoint 2 -> 2
     _assert_same(full_10, np.load(checkpoint_runs / "dp_tf_to_rw.npz"))  # tf format 2 -> 3
+    _assert_same(full, np.load(checkpoint_runs / "to_tw.npz"))  # row-wise 3 -> table-wise 2
+    _assert_same(full_10, np.load(checkpoint_runs / "tw.npz"))  # table-wise trains the same
+    _assert_same(full_10, np.load(checkpoint_runs / "tw_to_dp.npz"))  # table-wise 2 -> dp 3
 
 
 SERVE = """
@@ -112,6 +123,14 @@ def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
 def test_an_export_with_a_replicated_table_serves_without_the_plugin(checkpoint_runs):
     result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model_mixdp"),
                           str(checkpoint_runs / "to_mixdp.predictions.npz")])
+    assert result.returncode == 0, result.stdout[-3000:]
+    line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
+    assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
+
+
+def test_an_export_with_table_wise_tables_serves_without_the_plugin(checkpoint_runs):
+    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model_tw"),
+                          str(checkpoint_runs / "to_tw.predictions.npz")])
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
@@ -150,6 +169,25 @@ def test_reshard_rows_against_numpy():
         for rank in range(new_workers):
             layout = ShardLayout(11, 2, new_workers, rank)
             np.testing.assert_array_equal(_reshard_rows(old, layout), table[rank::new_workers])
+
+
+def test_reshard_rows_from_and_to_table_wise_against_numpy():
+    """A table-wise table's files: every row in its owner's, none in the others'."""
+    table = np.arange(11 * 2, dtype=np.float32).reshape(11, 2)
+    empty = table[:0]
+    for owner in range(3):
+        old = [table if k == owner else empty for k in range(3)]
+        for new_workers in (1, 2, 4):
+            for rank in range(new_workers):
+                layout = ShardLayout(11, 2, new_workers, rank)
+                np.testing.assert_array_equal(_reshard_rows(old, layout),
+                                              table[rank::new_workers])
+                whole = ShardLayout(11, 2, new_workers, rank, owner_shard=new_workers - 1)
+                np.testing.assert_array_equal(_reshard_rows(old, whole),
+                                              table if rank == new_workers - 1 else empty)
+    row_wise = [table[k::2] for k in range(2)]  # positive control: row-wise files stay row-wise
+    np.testing.assert_array_equal(
+        _reshard_rows(row_wise, ShardLayout(11, 2, 2, 0, owner_shard=0)), table)
 
 
 def test_missing_and_incomplete_checkpoints_are_reported(tmp_path):

@@ -58,6 +58,45 @@ def test_fused_ids_keep_each_ids_owner_and_local_row(num_shards):
             np.testing.assert_array_equal(rows.numpy(), full[mine])
 
 
+class _PlacedTable(_FakeTable):
+    """A fake table with its own layout (row-wise, or table_wise on `owner`)."""
+
+    def __init__(self, full, num_shards, shard_index, name, owner=None):  # pylint: disable=super-init-not-called
+        self.name = name
+        self.vocab_size, self.dim = full.shape
+        self.layout = ShardLayout(self.vocab_size, self.dim, num_shards, shard_index, owner)
+        self.embeddings = tf.Variable(full[self.layout.global_ids()].reshape(-1, self.dim))
+
+
+@pytest.mark.parametrize("num_shards", [2, 3])
+def test_table_wise_and_row_wise_tables_share_one_fused_id_space(num_shards):
+    """Table-wise tables (whole on one worker) fused with row-wise ones: every fused id is
+    unique, owned where its table's layout says, and gathers its table's row there."""
+    sizes = [(7, None), (10, 1), (4, None), (5, 0), (9, None)]  # (rows, table-wise owner)
+    rng = np.random.default_rng(1)
+    fulls = [rng.normal(size=(rows, 3)).astype(np.float32) for rows, _ in sizes]
+    every = []
+    for shard in range(num_shards):
+        layers = [_PlacedTable(full, num_shards, shard, "t%d" % i, owner)
+                  for i, (full, (_, owner)) in enumerate(zip(fulls, sizes))]
+        group = FusedTables(layers, num_shards, shard)
+        for layer, full in zip(layers, fulls):
+            ids = np.arange(layer.vocab_size, dtype=np.int64)
+            fused = group.fuse(layer, tf.constant(ids)).numpy()
+            np.testing.assert_array_equal(group.layout.owner(fused), layer.layout.owner(ids))
+            assert 0 <= fused.min() and fused.max() < group.layout.vocab_size
+            mine = layer.layout.owner(ids) == shard
+            rows = group.gather(tf.constant(group.layout.local_row(fused[mine])))
+            np.testing.assert_array_equal(rows.numpy(), full[mine])
+            if shard == 0:
+                every.append(fused)
+    every = np.concatenate(every)
+    assert len(np.unique(every)) == len(every)
+    with pytest.raises(ValueError, match="no single fused offset"):
+        group.offset(layers[1])
+    assert group.offset(layers[0]) == 0  # positive control: the first table starts at 0
+
+
 def test_fused_gather_sends_each_table_its_own_sparse_gradient():
     fulls, layers = _tables(2, 1)
     group = FusedTables(layers, 2, 1)

@@ -16,8 +16,10 @@ from conftest import PROGRAMS, run_command
 from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
-# ":mixdp": table_a replicated (its gradient in hvd.allreduce), table_b row-wise (issue 15).
-LAUNCHER_RUNS = ["none/loop:sgd", "none/loop:adagrad", "none/fit:adagrad", "none/fit:adam:mixdp"]
+# ":mixdp": table_a replicated (its gradient in hvd.allreduce), table_b row-wise (issue 15);
+# ":tw": table_a table_wise on worker 0, fused with the row-wise table_b in Horovod's all-to-alls.
+LAUNCHER_RUNS = ["none/loop:sgd", "none/loop:adagrad", "none/fit:adagrad", "none/fit:adam:mixdp",
+                 "none/loop:adagrad:tw"]
 HOROVODRUN_RUNS = ["dbp/loop:adagrad"]
 
 

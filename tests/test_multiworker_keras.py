@@ -45,10 +45,11 @@ def test_fit_and_evaluate_auc_is_global_not_summed(tfrs_results):
 
 
 @pytest.mark.cluster
-def test_out_of_range_id_on_one_worker_fails_the_cluster_with_a_clear_error(tmp_path):
+@pytest.mark.parametrize("run", ["loop:sgd", "direct:sgd:tw"])  # tw: table_a table_wise
+def test_out_of_range_id_on_one_worker_fails_the_cluster_with_a_clear_error(tmp_path, run):
     start = time.time()
     result = launch(2, [os.path.join(PROGRAMS, "exactness.py"), str(tmp_path / "bad"), "3",
-                        "loop:sgd", "--invalid-id"], timeout=120)
+                        run, "--invalid-id"], timeout=120)
     assert result.returncode != 0
     assert "ShardedEmbedding 'table_a': id 66 at position" in result.stdout
     assert "failed" in result.stdout

@@ -108,16 +108,59 @@ def test_a_budget_that_fits_is_no_error():
 
 @pytest.mark.parametrize("placement,match", [
     ("bogus", "unknown placement 'bogus'"),
-    ("table_wise", "'table_wise' is not implemented"),
     ("column_wise", "'column_wise' is not implemented"),
     ({"t": "replicated"}, r"placement\['t'\]: unknown placement 'replicated'"),
-    ({"t": "table_wise"}, r"placement\['t'\]: placement 'table_wise' is not implemented"),
+    ({"t": "column_wise"}, r"placement\['t'\]: placement 'column_wise' is not implemented"),
     (3, "placement must be 'auto'"),
     ({"": "row_wise"}, "keys must be table"),
 ])
 def test_bad_placements_are_refused(placement, match):
     with pytest.raises(pl.PlacementError, match=match):
         pl.parse_placement(placement)
+
+
+def test_every_implemented_placement_is_accepted():
+    """Positive control of the refusals above."""
+    for placement in ("data_parallel", "table_wise", "row_wise", "auto"):
+        assert pl.parse_placement(placement) == placement
+    assert pl.parse_placement({"t": "table_wise"}) == {"t": "table_wise"}
+
+
+def test_table_wise_tables_balance_over_the_workers_by_bytes():
+    plan = pl.Planner("table_wise", 3, collectives=COSTS)
+    sizes = {"a": 1000, "b": 600, "c": 500, "d": 300, "e": 100}
+    plans = [plan.place(pl.TableSpec(n, rows, 4)) for n, rows in sizes.items()]
+    # Each on the worker holding the fewest bytes so far (lowest index among equals).
+    assert [p.owner for p in plans] == [0, 1, 2, 2, 1]
+    assert [plan.worker_bytes(w) for w in range(3)] == [48_000, 33_600, 38_400]
+    assert plan.used_bytes() == 48_000  # the most any worker holds
+    assert all(p.placement == pl.TABLE_WISE and p.bytes_per_worker == p.table.rows * 48
+               for p in plans)
+    text = pl.render_plan(plan.plans, 3)
+    assert "table_wise@0" in text and "table_wise@2" in text and "46.9 KiB" in text
+
+
+def test_table_wise_traffic_is_its_owners_by_hand():
+    table = pl.TableSpec("t", 10_000, 16)
+    # 1000 ids: keys 8,000 B; the owner answers both workers' ids (128,000 B) and sends back
+    # its own gradient rows (64,000 B).
+    nbytes, ms = pl.traffic(table, 2, pl.TABLE_WISE, COSTS, ids_per_step=1000)
+    assert nbytes == 8_000 + 128_000 + 64_000
+    assert ms == pytest.approx(3 * 1.0 + nbytes / 1e6)
+    assert pl.table_bytes(table, 2, pl.TABLE_WISE, 2) == 640_000 * 3
+
+
+def test_a_table_wise_table_over_its_owners_budget_is_refused_with_the_fix():
+    plan = pl.Planner("table_wise", 2, memory_budget_bytes=100_000, collectives=COSTS)
+    plan.place(pl.TableSpec("a", 800, 4))   # 38,400 B on worker 0
+    plan.place(pl.TableSpec("b", 1000, 4))  # 48,000 B on worker 1
+    with pytest.raises(pl.PlacementError) as error:
+        plan.place(pl.TableSpec("c", 1500, 4))  # 72,000 B: worker 0 would hold 110,400
+    message = str(error.value)
+    for part in ("'c'", "table_wise@0", "worker 0 already holds 38400", "at least 110400",
+                 "'row_wise' (36000 bytes per worker)"):
+        assert part in message
+    assert plan.place(pl.TableSpec("d", 1200, 4)).owner == 0  # positive control: 96,000 fits
 
 
 def test_bad_budget_is_refused():
@@ -142,9 +185,31 @@ def test_default_collectives_come_from_the_cost_model():
     assert costs["all_to_all"].measured and 2 in costs["all_to_all"].measured
 
 
+def test_collective_costs_follow_the_transport_in_use():
+    """The socket mesh's measured all-to-all is cheaper than TF's (plan_costs.json's
+    collectives_sockets vs collectives), so a mid-size table TF's costs replicate stays
+    row-wise on the mesh; Horovod's are costed as TF's."""
+    tf_costs, mesh = pl.default_collectives("tf"), pl.default_collectives("sockets")
+    assert pl.default_collectives("horovod") == tf_costs
+    for costs in (tf_costs, mesh):
+        assert costs["all_to_all"].measured and 2 in costs["all_to_all"].measured
+    tf_fixed = pl.traffic(pl.TableSpec("t", 10, 16), 2, pl.ROW_WISE, tf_costs, 0)[1]
+    mesh_fixed = pl.traffic(pl.TableSpec("t", 10, 16), 2, pl.ROW_WISE, mesh, 0)[1]
+    assert mesh_fixed < tf_fixed
+    table = pl.TableSpec("mid", 10_000, 16)  # 640 KB
+    on_tf = pl.Planner("auto", 2, transport="tf").place(table)
+    on_mesh = pl.Planner("auto", 2, transport="sockets").place(table)
+    assert (on_tf.placement, on_mesh.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
+    assert pl.Planner("auto", 2, transport="sockets", collectives=COSTS).collectives is COSTS
+    with pytest.raises(pl.PlacementError, match="transport must be one of"):
+        pl.Planner("auto", 2, transport="nccl")
+    text = pl.render_plan([on_mesh], 2, "sockets")
+    assert "sockets collectives' costs" in text and "group's exchange" in text
+
+
 def test_cli_shows_a_plan_without_training(capsys):
     assert cli.main(["placement", "--table", "small:7:16", "--table", "big:2000000:16",
-                     "--workers", "2"]) == 0
+                     "--workers", "2", "--transport", "tf"]) == 0
     out = capsys.readouterr().out
     assert "small" in out and "data_parallel" in out and "big" in out and "row_wise" in out
     assert cli.main(["placement", "--table", "big:2000000:16", "--placement", "big=data_parallel",
@@ -173,8 +238,8 @@ def test_cli_plans_a_models_tables(capsys):
 def test_the_strategy_refuses_bad_placements_before_starting():
     import tf_nestpipe as tnp
 
-    with pytest.raises(pl.PlacementError, match="'table_wise' is not implemented"):
-        tnp.NestPipeStrategy(placement="table_wise")
+    with pytest.raises(pl.PlacementError, match="'column_wise' is not implemented"):
+        tnp.NestPipeStrategy(placement="column_wise")
     with pytest.raises(pl.PlacementError, match="memory_budget_bytes"):
         tnp.NestPipeStrategy(placement="auto", memory_budget_bytes=-1)
 
@@ -226,10 +291,17 @@ def test_the_strategy_refuses_an_unknown_table_name_at_the_first_step():
 CASES = [(w, run) for w, runs in sorted(PLACEMENT_RUNS.items()) for run in runs]
 
 
-def expected_placements(run):
-    """The placement each table of a run must have had (see exactness.placement_of_run)."""
+def expected_placements(run, workers):
+    """The placement each table of a run on `workers` workers must have had (see
+    exactness.placement_of_run), with the owner of each table_wise one ("table_wise@OWNER")."""
     options = run.split(":")[2:]
     names = ["table_a", "table_b"] + (["fields_fused"] if "mixed" in options else [])
+    if "alltw" in options:  # by bytes: table_a 976 B, table_b 752 B, fields 240 B (x 3 slots)
+        owners = {"table_a": 0, "table_b": 1, "fields_fused": 2 if workers == 3 else 1}
+        return {n: "table_wise@%d" % owners[n] for n in names}
+    if "tw" in options:
+        return {"table_a": "table_wise@0", "table_b": "row_wise", "fields_fused": "data_parallel"}
+
     if "mixdp" in options:
         return {n: ("data_parallel" if n == "table_a" else "row_wise") for n in names}
     return {n: "data_parallel" for n in names}  # dp, and auto for these tiny tables
@@ -247,7 +319,10 @@ def test_placements_match_single_process(exactness_results, workers, run):
         np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
     placed = {k[len("stats/placement/"):]: str(got[k]) for k in got.files
               if k.startswith("stats/placement/")}
-    assert placed == expected_placements(run)
+    for k in got.files:
+        if k.startswith("stats/owner/"):
+            placed[k[len("stats/owner/"):]] += "@%d" % int(got[k])
+    assert placed == expected_placements(run, workers)
     if run.split(":")[0] in ("loop", "fit"):
         # Replicated tables never enter the fused exchange: one per group of row-wise tables.
         groups = {"d4" if n != "fields_fused" else "d3" for n, p in placed.items()

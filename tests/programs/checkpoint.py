@@ -6,8 +6,8 @@ usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--sn
   FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
   number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
   OUT_PREFIX.npz with every parameter and slot after the last step.
-  --placement P places the tables (row_wise, data_parallel, or mixdp: table_a data_parallel,
-  table_b row_wise); --also-tf saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N
+  --placement P places the tables (row_wise, data_parallel, table_wise: table_a whole on
+  worker 0, table_b on worker 1, or mixdp: table_a data_parallel, table_b row_wise); --also-tf saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N
   next to every ShardedCheckpoint step, and --restore-tf restores the latest of those instead.
 """
 import os
@@ -177,9 +177,9 @@ def write_parameters(strategy, model, optimizer, path):
         gathered = (strategy.extended.collectives.all_gather(
             tf.pad(local, [[0, pad], [0, 0]]), "test/slots_" + name).numpy()
             if workers > 1 else local.numpy())
-        ids = np.arange(layer.vocab_size)
-        slots["slot/" + name] = gathered[(ids % workers) * layer.layout.max_local_rows
-                                         + ids // workers]
+        ids = np.arange(layer.vocab_size)  # where the layout (row- or table-wise) put each id
+        slots["slot/" + name] = gathered[layer.layout.owner(ids) * layer.layout.max_local_rows
+                                         + layer.layout.local_row(ids)]
     dense = {"dense/%d" % i: v.numpy() for i, v in enumerate(model.trainable_variables)
              if "table_" not in v.name}
     if rank == 0:

@@ -10,7 +10,9 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   only), nosync (skip the buffer
   sync on purpose), mixed (the model gets a ShardedEmbeddingCollection of another dim: two
   exchange groups), dp (every table data_parallel: replicated, no exchange), mixdp (table_a
-  data_parallel, the other tables row_wise), autoplace (placement="auto")}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
+  data_parallel, the other tables row_wise), tw (table_a table_wise in the exchange of the
+  row-wise table_b, the collection data_parallel), alltw (every table table_wise, balanced over
+  the workers), autoplace (placement="auto")}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
   through tnp.TrainPipeline: the fused exchange, with look-ahead under dbp / nested; 3
   micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
   own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
@@ -253,6 +255,8 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False):
         for layer in model._flatten_layers():  # pylint: disable=protected-access
             if isinstance(layer, tnp.ShardedEmbedding) and layer.placement is not None:
                 extra["stats/placement/" + layer.name] = layer.placement
+                if layer.layout.table_wise:
+                    extra["stats/owner/" + layer.name] = layer.layout.owner_shard
         if auto_choice is not None:
             extra["stats/auto_choice"] = auto_choice
         # Keys exchanges that needed the overflow round, in this launch so far (all runs).
@@ -265,6 +269,13 @@ def placement_of_run(options):
     """The strategy's table placement for a run's options (see the module docstring)."""
     if "dp" in options:
         return "data_parallel"
+    if "alltw" in options:
+        return "table_wise"
+    if "tw" in options:  # table_a table_wise, fused with the row-wise table_b; fields replicated
+        mixed = {"table_a": "table_wise", "table_b": "row_wise"}
+        if "mixed" in options:
+            mixed["fields_fused"] = "data_parallel"
+        return mixed
     if "autoplace" in options:
         return "auto"
     if "mixdp" in options:

@@ -1,7 +1,7 @@
 """`python -m tf_nestpipe.plan [--measure] [--measure-runs] [--validate compare.json] ...`, and
 `python -m tf_nestpipe.plan placement (--table NAME:ROWS:DIM ... | --model MODULE:FUNCTION)
-[--workers 2] [--placement auto] [--memory-budget-bytes N]`: the table placement a
-NestPipeStrategy would choose, without training."""
+[--workers 2] [--placement auto] [--memory-budget-bytes N] [--transport sockets]`: the table
+placement a NestPipeStrategy would choose, without training."""
 import argparse
 import os
 import sys
@@ -81,11 +81,16 @@ def build_placement_parser():
                              "strategy) whose ShardedEmbedding tables are planned")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--placement", default="auto",
-                        help="auto, data_parallel, row_wise, or NAME=PLACEMENT,... (others auto)")
+                        help="auto, data_parallel, table_wise, row_wise, or "
+                             "NAME=PLACEMENT,... (others auto)")
     parser.add_argument("--memory-budget-bytes", type=int, default=None)
     parser.add_argument("--optimizer-slots", type=int, default=placement_lib.DEFAULT_OPTIMIZER_SLOTS)
     parser.add_argument("--ids-per-step", type=int, default=placement_lib.DEFAULT_IDS_PER_STEP,
                         help="distinct ids a worker looks up per table and step (row_wise cost)")
+    parser.add_argument("--transport", default="sockets",
+                        choices=sorted(placement_lib.TRANSPORT_SECTIONS),
+                        help="whose measured collective costs: sockets (the socket mesh, "
+                             "NestPipeStrategy's default on CPU), tf or horovod")
     return parser
 
 
@@ -119,11 +124,11 @@ def placement_main(argv):
         plans = placement_lib.plan_tables(tables, args.workers,
                                           _parse_placement_arg(args.placement),
                                           args.memory_budget_bytes, args.optimizer_slots,
-                                          args.ids_per_step)
+                                          args.ids_per_step, transport=args.transport)
     except placement_lib.PlacementError as e:
         print("error: %s" % e, file=sys.stderr)
         return 2
-    print(placement_lib.render_plan(plans, args.workers))
+    print(placement_lib.render_plan(plans, args.workers, args.transport))
     return 0
 
 

@@ -5,7 +5,13 @@ workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFl
   gathers (no all-to-all) and its gradient, made dense, joins the dense gradient all-reduce.
 - `row_wise`: the table is row-sharded (id k on worker k mod W) and every step's lookups go
   through the fused exchange (keys, rows and gradient all-to-alls).
-- `table_wise` (whole table on one worker) is not implemented: asking for it is refused.
+- `table_wise`: the whole table lives on one worker (its owner: the worker holding the fewest
+  table bytes when it is placed, so tables balance over the workers by bytes); its lookups ride
+  on the same fused exchange as the row-wise tables of its dim. Only when requested: on this
+  exchange (unique rows sent back, pooled at the requester) a table-wise table sends as many
+  bytes as a row-wise one at best (tables balanced exactly) and more otherwise (its owner
+  answers every worker), so `auto` has no cost to save by choosing it.
+- `column_wise` is not implemented: asking for it is refused.
 
 `placement="auto"` picks per table (`Planner._choose`): replicate when the table's marginal cost
 in the dense gradient all-reduce (its dense gradient's bytes) is lower than what it adds to the
@@ -14,9 +20,16 @@ for `ids_per_step` looked-up ids, plus, for the group's first row-wise table, th
 the three all-to-alls), and when the replica with its optimizer slots fits the per-worker
 `memory_budget_bytes`; row_wise otherwise. The tables placed together (all those constructed
 before the first is built, see the strategy) are decided per group at once: all replicated, or
-each where it costs less with the exchange paid, whichever costs less in total. The collective costs are the `tf_nestpipe.plan` cost
-model's (`bench/results/plan_costs.json` when present, else the constants measured there on the
-2-core testbed, copied below).
+each where it costs less with the exchange paid, whichever costs less in total.
+
+The collective costs depend on the transport the strategy's collectives use (`transport`,
+`Collectives.backend`): "tf" (TensorFlow's collectives; also used for Horovod's, not measured
+separately) reads the costs file's `collectives` section, "sockets" (the socket mesh, the
+default transport on CPU) its `collectives_sockets` section (`bench/stage_costs.py cluster
+--collectives-only`, see `bench/results/plan_costs.json`'s "how"); without the file, the
+constants measured there on the 2-core testbed, copied below. The mesh's all-to-alls cost a
+fraction of TF's, so on the mesh fewer tables are worth replicating. `Planner(collectives=...)`
+takes configured costs instead.
 """
 import dataclasses
 import math
@@ -31,7 +44,9 @@ TABLE_WISE = "table_wise"
 COLUMN_WISE = "column_wise"
 AUTO = "auto"
 PLACEMENTS = (DATA_PARALLEL, TABLE_WISE, ROW_WISE)
-SUPPORTED = (DATA_PARALLEL, ROW_WISE)
+SUPPORTED = PLACEMENTS
+# The placements whose lookups go through the fused exchange (and pay its fixed cost).
+EXCHANGED = (TABLE_WISE, ROW_WISE)
 # Optimizer slots per table element the planner assumes (Adam's two; Adagrad has one, SGD none):
 # the optimizer is not known when a table is built, so the budget is checked for the largest.
 DEFAULT_OPTIMIZER_SLOTS = 2
@@ -48,6 +63,17 @@ _TESTBED = {
     "all_reduce": CollectiveParams(0.0, 1.4175, 4.0126, "ring",
                                    {2: (1.8768, 2.4858), 4: (8.2493, 7.9847)}),
 }
+# The same sweeps on the socket mesh (bench/stage_costs.py cluster --collectives-only, 2026-12-01,
+# 2 shared cores): collectives_sockets of plan_costs.json.
+_TESTBED_SOCKETS = {
+    "all_to_all": CollectiveParams(0.0, 0.7228, 1.9724, "ring",
+                                   {2: (0.3771, 0.7017), 4: (2.1590, 1.9447)}),
+    "all_reduce": CollectiveParams(0.0, 0.5273, 6.1808, "ring",
+                                   {2: (0.3031, 2.7489), 4: (2.4583, 12.8382)}),
+}
+# The costs file's section for each transport (Collectives.backend).
+TRANSPORT_SECTIONS = {"tf": "collectives", "horovod": "collectives",
+                      "sockets": "collectives_sockets"}
 _COSTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "bench", "results", "plan_costs.json")
 
@@ -70,7 +96,8 @@ class TableSpec:
 @dataclasses.dataclass(frozen=True)
 class TablePlan:
     """The planner's decision for one table: its placement, why, its bytes per worker (table +
-    optimizer slots) and the expected traffic per step (bytes and modelled ms)."""
+    optimizer slots; a table_wise table's on its `owner`, none elsewhere) and the expected
+    traffic per step (bytes and modelled ms; a table_wise table's are its owner's)."""
 
     table: TableSpec
     placement: str
@@ -78,18 +105,38 @@ class TablePlan:
     bytes_per_worker: int
     traffic_bytes: int
     traffic_ms: float
+    owner: Optional[int] = None
+
+    def bytes_on(self, worker):
+        """Bytes worker `worker` holds for this table."""
+        if self.placement == TABLE_WISE and worker != self.owner:
+            return 0
+        return self.bytes_per_worker
+
+    @property
+    def where(self):
+        """The placement as the printed plan shows it (a table_wise table with its owner)."""
+        if self.placement == TABLE_WISE:
+            return "%s@%d" % (self.placement, self.owner)
+        return self.placement
 
 
-def default_collectives():
-    """`{"all_to_all", "all_reduce"}` CollectiveParams: the costs file's fit with its per-W
-    sweeps when the file is there and readable, else the testbed constants above."""
+def default_collectives(transport="tf"):
+    """`{"all_to_all", "all_reduce"}` CollectiveParams of `transport` ("tf", "horovod" or
+    "sockets"): the costs file's fit for it with its per-W sweeps when the file is there and
+    readable, else the testbed constants above."""
+    if transport not in TRANSPORT_SECTIONS:
+        raise PlacementError("transport must be one of %s, got %r"
+                             % (", ".join(sorted(TRANSPORT_SECTIONS)), transport))
+    section = TRANSPORT_SECTIONS[transport]
     try:
         from tf_nestpipe.plan.costs import load_costs, measured_collectives
 
-        params = measured_collectives(load_costs(_COSTS_FILE), per_workers=True)
+        costs = load_costs(_COSTS_FILE)
+        params = measured_collectives({"collectives": costs[section]}, per_workers=True)
         return {kind: params[kind] for kind in ("all_to_all", "all_reduce")}
     except Exception:  # pylint: disable=broad-except
-        return dict(_TESTBED)
+        return dict(_TESTBED_SOCKETS if section == "collectives_sockets" else _TESTBED)
 
 
 def _marginal_ms(params, kind, workers, nbytes):
@@ -100,8 +147,9 @@ def _marginal_ms(params, kind, workers, nbytes):
 
 def table_bytes(table, workers, placement, optimizer_slots=DEFAULT_OPTIMIZER_SLOTS):
     """Bytes one worker holds for `table` (its rows and their optimizer slots) under
-    `placement`: the whole table replicated, or the largest row shard."""
-    rows = table.rows if placement == DATA_PARALLEL else -(-table.rows // workers)
+    `placement`: the whole table replicated or on its owner (table_wise), or the largest row
+    shard."""
+    rows = table.rows if placement in (DATA_PARALLEL, TABLE_WISE) else -(-table.rows // workers)
     return rows * table.dim * table.value_bytes * (1 + optimizer_slots)
 
 
@@ -111,7 +159,9 @@ def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_ID
     data_parallel: its dense gradient in the dense all-reduce (whose fixed cost the dense
     weights pay anyway); row_wise: its share of the three all-to-alls (keys, rows, gradient
     rows) of up to `ids_per_step` distinct ids, plus their fixed cost unless `exchange_paid`
-    (another row-wise table of its group, fused in the same exchange, pays it)."""
+    (another row-wise table of its group, fused in the same exchange, pays it); table_wise: the
+    same all-to-alls as seen by its owner, which answers every worker (keys, the rows of all
+    `workers` workers' ids and its own gradient rows)."""
     if workers <= 1:
         return 0, 0.0
     collectives = collectives or default_collectives()
@@ -121,11 +171,12 @@ def traffic(table, workers, placement, collectives=None, ids_per_step=DEFAULT_ID
     ids = min(int(ids_per_step), table.rows)
     keys = ids * 8
     rows = ids * table.dim * table.value_bytes
+    answered = workers * rows if placement == TABLE_WISE else rows
     params = collectives["all_to_all"]
     cost = _marginal_ms if exchange_paid else (
         lambda p, kind, w, n: collective_ms(kind, p, w, n))
-    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, rows, rows))
-    return keys + 2 * rows, ms
+    ms = sum(cost(params, "all_to_all", workers, n) for n in (keys, answered, rows))
+    return keys + answered + rows, ms
 
 
 def group_of(table):
@@ -136,11 +187,12 @@ def group_of(table):
 
 def check_placement(value, what):
     """`value` if it is a placement tnp implements; PlacementError naming `what` otherwise."""
-    if value == TABLE_WISE or value == COLUMN_WISE:
+    if value == COLUMN_WISE:
         raise PlacementError(
             "%s: placement %r is not implemented in tf_nestpipe yet (only %s are): use "
-            "'row_wise' for a table too big to replicate, 'data_parallel' for a small one, or "
-            "'auto'" % (what, value, " and ".join(repr(p) for p in SUPPORTED)))
+            "'row_wise' for a table too big to replicate or too wide for one worker, "
+            "'table_wise' to keep it whole on one worker, 'data_parallel' for a small one, or "
+            "'auto'" % (what, value, ", ".join(repr(p) for p in SUPPORTED)))
     if value not in SUPPORTED:
         raise PlacementError("%s: unknown placement %r; use one of %s or 'auto'"
                              % (what, value, ", ".join(repr(p) for p in SUPPORTED)))
@@ -173,8 +225,12 @@ class Planner:
 
     def __init__(self, placement=AUTO, workers=1, memory_budget_bytes=None,
                  optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
-                 collectives=None):
+                 collectives=None, transport="tf"):
         self.placement = parse_placement(placement)
+        if transport not in TRANSPORT_SECTIONS:
+            raise PlacementError("transport must be one of %s, got %r"
+                                 % (", ".join(sorted(TRANSPORT_SECTIONS)), transport))
+        self.transport = transport
         self.workers = int(workers)
         if memory_budget_bytes is not None and int(memory_budget_bytes) <= 0:
             raise PlacementError("memory_budget_bytes must be a positive number of bytes per "
@@ -188,14 +244,24 @@ class Planner:
 
     @property
     def collectives(self):
-        """The collective cost parameters the auto rule uses."""
+        """The collective cost parameters the auto rule uses (configured, else the measured
+        ones of the planner's transport)."""
         if self._collectives is None:
-            self._collectives = default_collectives()
+            self._collectives = default_collectives(self.transport)
         return self._collectives
 
+    def worker_bytes(self, worker):
+        """Bytes worker `worker` holds for the tables placed so far."""
+        return sum(p.bytes_on(worker) for p in self.plans)
+
     def used_bytes(self):
-        """Bytes per worker of the tables placed so far."""
-        return sum(p.bytes_per_worker for p in self.plans)
+        """Bytes per worker of the tables placed so far (the most any worker holds)."""
+        return max(self.worker_bytes(w) for w in range(max(self.workers, 1)))
+
+    def _least_loaded(self):
+        """The worker holding the fewest table bytes (the lowest index among equals): the
+        owner of the next table_wise table."""
+        return min(range(self.workers), key=lambda w: (self.worker_bytes(w), w))
 
     def requested(self, name):
         """What the strategy's `placement` asks for table `name` ("auto" if it does not say)."""
@@ -237,14 +303,15 @@ class Planner:
         return [self.planned(t.name) for t in tables]
 
     def _paid(self, group):
-        return any(p.placement == ROW_WISE and group_of(p.table) == group for p in self.plans)
+        return any(p.placement in EXCHANGED and group_of(p.table) == group for p in self.plans)
 
     def _plan(self, table, placement, reason):
         nbytes, ms = traffic(table, self.workers, placement, self.collectives, self.ids_per_step,
                              exchange_paid=self._paid(group_of(table)))
+        owner = self._least_loaded() if placement == TABLE_WISE else None
         return TablePlan(table, placement, reason,
                          table_bytes(table, self.workers, placement, self.optimizer_slots),
-                         nbytes, ms)
+                         nbytes, ms, owner)
 
     def _choose(self, tables):
         """{name: (placement, reason)}: requested placements as asked; per exchange group, the
@@ -262,7 +329,7 @@ class Planner:
                 auto.setdefault(group_of(table), []).append(table)
         for group, members in auto.items():
             paid = self._paid(group) or any(
-                choices.get(t.name, ("",))[0] == ROW_WISE and group_of(t) == group
+                choices.get(t.name, ("",))[0] in EXCHANGED and group_of(t) == group
                 for t in tables)
             dp = {t.name: traffic(t, self.workers, DATA_PARALLEL, self.collectives)[1]
                   for t in members}
@@ -285,29 +352,35 @@ class Planner:
                     choices[n] = (DATA_PARALLEL, "all-reduce +%.2f ms <= all-to-all +%.2f ms"
                                   % (dp[n], rw[n] + (0.0 if paid else fixed)))
                 else:
-                    choices[n] = (ROW_WISE, "all-to-all +%.2f ms < all-reduce +%.2f ms"
-                                  % (rw[n] + (0.0 if paid else fixed), dp[n]))
+                    reason = "all-to-all +%.2f ms < all-reduce +%.2f ms" % (rw[n], dp[n])
+                    if not paid:  # this table's traffic includes the group's fixed cost
+                        reason += (", and the group's exchange +%.2f ms once (group: %.2f ms < "
+                                   "all replicated %.2f ms)" % (fixed, mixed_ms, all_dp_ms))
+                    choices[n] = (ROW_WISE, reason)
                     paid = True  # the first row-wise table pays the exchange
         return choices
 
     def _check_budget(self, plan, requested):
         budget = self.memory_budget_bytes
-        if budget is None or self.used_bytes() + plan.bytes_per_worker <= budget:
+        worker = plan.owner if plan.placement == TABLE_WISE else None
+        held = self.used_bytes() if worker is None else self.worker_bytes(worker)
+        if budget is None or held + plan.bytes_per_worker <= budget:
             return
         t = plan.table
         fixes = ["raise memory_budget_bytes (now %d) to at least %d"
-                 % (budget, self.used_bytes() + plan.bytes_per_worker)]
-        if plan.placement == DATA_PARALLEL:
+                 % (budget, held + plan.bytes_per_worker)]
+        if plan.placement in (DATA_PARALLEL, TABLE_WISE):
             fixes.append("place it 'row_wise' (%d bytes per worker)" % table_bytes(
                 t, self.workers, ROW_WISE, self.optimizer_slots))
         fixes.append("train on more workers")
         raise PlacementError(
             "table %r (%d rows x %d, %s%s) needs %d bytes per worker (table + %d optimizer "
-            "slots), but every worker already holds %d of its memory_budget_bytes=%d for the "
+            "slots), but %s already holds %d of its memory_budget_bytes=%d for the "
             "tables placed before it (%s): %s"
-            % (t.name, t.rows, t.dim, plan.placement,
+            % (t.name, t.rows, t.dim, plan.where,
                "" if requested == plan.placement else ", chosen by auto", plan.bytes_per_worker,
-               self.optimizer_slots, self.used_bytes(), budget,
+               self.optimizer_slots, "every worker" if worker is None else "worker %d" % worker,
+               held, budget,
                ", ".join(p.table.name for p in self.plans) or "none", "; or ".join(fixes)))
 
     def unknown_names(self, names):
@@ -329,20 +402,24 @@ class Planner:
                    ", ".join(repr(p.table.name) for p in self.plans) or "none"))
 
 
-def render_plan(plans, workers):
-    """The plan as a text table: table, rows, dim, placement, bytes per worker, traffic/step."""
+def render_plan(plans, workers, transport=None):
+    """The plan as a text table: table, rows, dim, placement (a table_wise table's as
+    `table_wise@OWNER`), bytes per worker, traffic/step; the total's bytes are those of the
+    worker holding the most."""
     header = ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "model ms",
               "why")
     lines = [header]
     for p in plans:
-        lines.append((p.table.name, str(p.table.rows), str(p.table.dim), p.placement,
+        lines.append((p.table.name, str(p.table.rows), str(p.table.dim), p.where,
                       _human(p.bytes_per_worker), _human(p.traffic_bytes),
                       "%.2f" % p.traffic_ms, p.reason))
-    lines.append(("total", "", "", "", _human(sum(p.bytes_per_worker for p in plans)),
+    held = max(sum(p.bytes_on(w) for p in plans) for w in range(max(int(workers), 1)))
+    lines.append(("total", "", "", "", _human(held),
                   _human(sum(p.traffic_bytes for p in plans)),
                   "%.2f" % sum(p.traffic_ms for p in plans), ""))
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
-    text = ["tf_nestpipe placement on %d worker(s):" % workers]
+    text = ["tf_nestpipe placement on %d worker(s)%s:" % (
+        workers, "" if transport is None else ", %s collectives' costs" % transport)]
     for k, row in enumerate(lines):
         text.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if k == 0:
@@ -359,10 +436,10 @@ def _human(nbytes):
 
 def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
                 optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
-                collectives=None):
+                collectives=None, transport="tf"):
     """Plans `tables` (TableSpecs, in build order) at once; returns the list of TablePlans."""
     planner = Planner(placement, workers, memory_budget_bytes, optimizer_slots, ids_per_step,
-                      collectives)
+                      collectives, transport)
     planner.place_all(list(tables))
     planner.check_names()
     return planner.plans

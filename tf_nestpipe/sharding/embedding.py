@@ -27,6 +27,9 @@ INVALID_ID_POLICIES = ("error", "zero")
 # The placement (chosen by the strategy's planner, tf_nestpipe.plan.placement) under which the
 # table is an ordinary mirrored variable on every worker, looked up with a local gather.
 DATA_PARALLEL = "data_parallel"
+# The placement under which the whole table is one worker's row shard (`ShardLayout.owner_shard`),
+# looked up through the same fused exchange as the row-wise tables.
+TABLE_WISE = "table_wise"
 
 
 def placement_of(strategy, layer):
@@ -34,6 +37,11 @@ def placement_of(strategy, layer):
     planner)."""
     place = getattr(getattr(strategy, "extended", None), "placement_of", None)
     return place(layer) if place is not None else "row_wise"
+
+
+def table_owner_of(strategy, layer):
+    """The worker `strategy`'s planner put `layer`'s table_wise table on."""
+    return strategy.extended.table_owner(layer)
 
 
 class ShardedEmbedding(tf_keras.layers.Layer):
@@ -45,8 +53,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
     table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
     gradient (`invalid_id_policy="zero"`). The strategy's planner places the table when it is
-    built (`self.placement`): "row_wise" (row shards, the exchange) or "data_parallel" (a
-    mirrored whole table, local gathers; see `NestPipeStrategy(placement=...)`).
+    built (`self.placement`): "row_wise" (row shards, the exchange), "table_wise" (the whole
+    table on one worker, `self.layout.owner_shard`, looked up through the same exchange) or
+    "data_parallel" (a mirrored whole table, local gathers; see
+    `NestPipeStrategy(placement=...)`).
     """
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
@@ -98,8 +108,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                 # The whole table, mirrored on every worker like a dense weight.
                 self.layout = ShardLayout(self.vocab_size, self.dim)
             else:
+                owner = (table_owner_of(self._strategy, self) if self.placement == TABLE_WISE
+                         else None)
                 self.layout = ShardLayout(self.vocab_size, self.dim, self._strategy.num_workers,
-                                          self._strategy.worker_index)
+                                          self._strategy.worker_index, owner_shard=owner)
                 creation = creating_row_shard(self.layout)
             # Re-enter the scope only when called outside it (entering is illegal in a replica).
             if not tf.distribute.has_strategy():
@@ -119,8 +131,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
 
     @property
     def exchanged(self):
-        """Whether lookups of this table go through an exchange between workers (a row-wise
-        table of a NestPipeStrategy with more than one worker)."""
+        """Whether lookups of this table go through an exchange between workers (a row-wise or
+        table-wise table of a NestPipeStrategy with more than one worker)."""
         return (self._strategy is not None and self._ps_row_order is None
                 and self.layout is not None and self.layout.num_shards > 1)
 
@@ -145,7 +157,11 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             return sharded_lookup(FusedTables([self], 1, 0), flat_ids, None, self.name, None)
         exchange = embedding_exchange_of(self._strategy)
         tables = FusedTables([self], self.layout.num_shards, self.layout.shard_index)
-        return sharded_lookup(tables, flat_ids, exchange.collectives, self.name,
+        if self.layout.table_wise:
+            # The route checks fused ids: a table-wise table's are not its own, so its ids are
+            # checked (and named in the error) before they are fused.
+            flat_ids = self.checked_ids(flat_ids)
+        return sharded_lookup(tables, tables.fuse(self, flat_ids), exchange.collectives, self.name,
                               exchange.capacity_hint(self.name), exchange.wire)
 
     def _lookup(self, flat_ids):

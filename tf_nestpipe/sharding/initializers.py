@@ -107,6 +107,8 @@ class RowShardInitializer:
         local_shape = (layout.local_rows, layout.dim)
         dtype = tf.as_dtype(dtype or tf.float32)
         init = self.initializer
+        if layout.local_rows == 0:  # a table-wise table on another worker: no rows here
+            return tf.zeros(local_shape, dtype)
         if isinstance(init, tf_keras.initializers.Zeros):
             return tf.zeros(local_shape, dtype)
         if isinstance(init, tf_keras.initializers.Ones):

@@ -1,9 +1,16 @@
-"""The row source of one exchange: the row-wise tables of one dim and dtype in one id space.
+"""The row source of one exchange: the row-wise and table-wise tables of one dim and dtype in
+one id space.
 
-Table t's id k is fused id `offsets[t] + k`, with every offset a multiple of the number of
-workers W, so the ownership rule of `ShardLayout` applied to the fused id gives the same owner
-as applied to k (`k mod W`) and the fused local row is `offsets[t] / W + k // W`. One exchange
-then routes, fetches and sends back the rows of all the tables together (DESIGN.md section 10).
+Each table reserves, in the local row space of every worker s, a span of rows: a row-wise table
+`ceil(vocab / W)` rows on every worker, a table-wise one (issue 15) all its rows on its owner
+and none elsewhere; spans follow each other in registration order, so table t starts at local
+row `starts[t][s]` on worker s. Table t's id k (owned by `layout.owner(k)` at
+`layout.local_row(k)`, the table's `ShardLayout`) is fused id
+`W * (starts[t][owner] + local_row) + owner`: the ownership rule of a `ShardLayout` of the fused
+space (owner = fused mod W, local row = fused // W) then names the same worker and that worker's
+fused local row. For a group of row-wise tables only, `starts[t]` is the same on every worker
+and the fused id is `W * starts[t] + k` (DESIGN.md section 10). One exchange then routes,
+fetches and sends back the rows of all the tables together.
 """
 import numpy as np
 import tensorflow as tf
@@ -11,9 +18,17 @@ import tensorflow as tf
 from tf_nestpipe.sharding.layout import ShardLayout
 
 
+def _span(layout, shard):
+    """Local rows a table with `layout` reserves on `shard` in a fused row space."""
+    if layout.table_wise:
+        return layout.rows_of_shard(shard)
+    return layout.max_local_rows
+
+
 class FusedTables:
-    """`layers` (row-wise `ShardedEmbedding`s of one dim and dtype, sharded over `num_shards`
-    workers) as one table with layout `layout` whose rows this worker gathers with `gather`."""
+    """`layers` (`ShardedEmbedding`s of one dim and dtype, row-wise or table-wise over
+    `num_shards` workers) as one table with layout `layout` whose rows this worker gathers with
+    `gather`."""
 
     def __init__(self, layers, num_shards, shard_index):
         if not layers:
@@ -23,24 +38,51 @@ class FusedTables:
             raise ValueError("tables of one exchange must share dim and dtype, got %s" % dims)
         self.layers = tuple(layers)
         self.num_shards = num_shards
-        offsets, total = [], 0
-        for layer in self.layers:
-            offsets.append(total)
-            total += -(-layer.vocab_size // num_shards) * num_shards  # rounded up to W
-        self._offsets = {id(layer): offset for layer, offset in zip(self.layers, offsets)}
-        self._row_offsets = np.asarray(offsets, np.int64) // num_shards
-        self.layout = ShardLayout(offsets[-1] + self.layers[-1].vocab_size, self.layers[0].dim,
-                                  num_shards, shard_index)
+        layouts = [self._layout_of(layer, num_shards, shard_index) for layer in self.layers]
+        spans = np.asarray([[_span(layout, s) for s in range(num_shards)] for layout in layouts],
+                           np.int64).reshape(len(layouts), num_shards)
+        starts = np.cumsum(spans, axis=0) - spans  # [tables, shards]
+        self._layouts = {id(layer): layout for layer, layout in zip(self.layers, layouts)}
+        self._starts = {id(layer): row for layer, row in zip(self.layers, starts)}
+        self._row_offsets = starts[:, shard_index]  # this worker's table starts
+        # The fused space ends after the largest fused id of any table's last row on any
+        # worker (a single table's ids above its vocabulary then fail the route's range check).
+        last = max(num_shards * (int(starts[t, s]) + layout.rows_of_shard(s) - 1) + s
+                   for t, layout in enumerate(layouts) for s in range(num_shards)
+                   if layout.rows_of_shard(s))
+        self.layout = ShardLayout(last + 1, self.layers[0].dim, num_shards, shard_index)
         self.dtype = self.layers[0].embeddings.dtype
 
+    @staticmethod
+    def _layout_of(layer, num_shards, shard_index):
+        layout = getattr(layer, "layout", None)
+        if layout is not None and layout.num_shards == num_shards:
+            return layout
+        # A table that is not split (one shard): row-wise over `num_shards` is the same rule.
+        return ShardLayout(layer.vocab_size, layer.dim, num_shards, shard_index)
+
     def offset(self, layer):
-        """The fused id of `layer`'s id 0."""
-        return self._offsets[id(layer)]
+        """The fused id of `layer`'s id 0 (a row-wise table of a group whose tables start on
+        the same local row of every worker, e.g. row-wise tables only)."""
+        starts = self._starts[id(layer)]
+        if self._layouts[id(layer)].table_wise or (starts != starts[0]).any():
+            raise ValueError("table %r has no single fused offset: use FusedTables.fuse"
+                             % layer.name)
+        return int(starts[0]) * self.num_shards
 
     def fuse(self, layer, flat_ids):
-        """`layer`'s int64 ids as fused ids."""
-        offset = self.offset(layer)
-        return flat_ids + tf.constant(offset, tf.int64) if offset else flat_ids
+        """`layer`'s int64 ids as fused ids (see the module docstring)."""
+        layout, starts = self._layouts[id(layer)], self._starts[id(layer)]
+        width = self.num_shards
+        if not layout.table_wise and (starts == starts[0]).all():
+            offset = int(starts[0]) * width  # row-wise: W * start + k
+            return flat_ids + tf.constant(offset, tf.int64) if offset else flat_ids
+        owner = layout.owner(flat_ids)
+        if (starts == starts[0]).all():
+            start = tf.constant(int(starts[0]), tf.int64)
+        else:
+            start = tf.gather(tf.constant(starts), owner)
+        return width * (start + layout.local_row(flat_ids)) + owner
 
     def gather(self, local_rows):
         """This worker's rows at fused local rows `local_rows` (int64 `[r]`), read from each
@@ -49,6 +91,8 @@ class FusedTables:
             return tf.gather(self.layers[0].embeddings, local_rows)
         num_tables = len(self.layers)
         row_offsets = tf.constant(self._row_offsets)
+        # side="right": a table reserving no rows here shares its start with the next table,
+        # and the row belongs to the last table starting at or before it.
         table = tf.cast(tf.searchsorted(row_offsets, local_rows, side="right"), tf.int32) - 1
         rows_in_table = tf.dynamic_partition(local_rows - tf.gather(row_offsets, table), table,
                                              num_tables)

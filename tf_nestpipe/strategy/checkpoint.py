@@ -7,11 +7,12 @@ writes, per step, one TensorFlow checkpoint per worker (its own table row shards
 slots next to them, and its copy of the mirrored dense state) plus a JSON manifest naming the
 worker count; a step counts as written only once every worker finished (the manifest is written
 last). `restore` on the same number of workers reads each worker's own file. On a different
-number of workers it reshards: every row-shard variable (tables and their optimizer slots) is
-rebuilt from the rows of all old shards (id k: old owner k mod W, local row k // W; new owner
-k mod W'), dynamic tables re-hash every old worker's ids onto their new owners with their rows,
-optimizer slots and counters (`sharding.dynamic_state`), and every other variable is read from
-worker 0's file. Build the model and the
+number of workers, or under another placement, it reshards: every row-shard variable (tables
+and their optimizer slots) is rebuilt from the rows of all old shards (row-wise, id k: old owner
+k mod W, local row k // W; table_wise, every id on the one worker whose file holds all rows) into
+its new layout (`ShardLayout`), dynamic tables re-hash every old worker's ids onto their new
+owners with their rows, optimizer slots and counters (`sharding.dynamic_state`), and every other
+variable is read from worker 0's file. Build the model and the
 optimizer (`optimizer.build(model.trainable_variables)` inside `strategy.scope()`, so the slots
 of row shards are row shards too) before a resharding restore.
 """
@@ -237,13 +238,28 @@ def _check_table_sizes(variables, readers, step, directory):
                     new_tail))
 
 
+def _saved_layout(old_shards):
+    """The layout the row shards `old_shards` (one per old worker) were written with: one
+    worker's file holding every row and the others none is a table_wise table on that worker
+    (for a one-row table that is also the row-wise layout: the same rows), anything else
+    row-wise."""
+    rows = [int(shard.shape[0]) for shard in old_shards]
+    total = sum(rows)
+    owner = rows.index(max(rows))
+    if len(rows) > 1 and rows[owner] == total:
+        return ShardLayout(total, 1, len(rows), 0, owner_shard=owner)
+    return ShardLayout(max(total, 1), 1, len(rows), 0)
+
+
 def _reshard_rows(old_shards, layout):
     """This worker's rows under `layout` from the row shards of an old layout over
-    `len(old_shards)` workers (id k lived on old shard k mod W at row k // W)."""
-    old_workers = len(old_shards)
-    ids = np.arange(layout.local_rows, dtype=np.int64) * layout.num_shards + layout.shard_index
-    rows = np.zeros((layout.local_rows,) + old_shards[0].shape[1:], old_shards[0].dtype)
-    for owner in range(old_workers):
-        mine = ids % old_workers == owner
-        rows[mine] = old_shards[owner][ids[mine] // old_workers]
+    `len(old_shards)` workers (row-wise: id k lived on old shard k mod W at row k // W;
+    table_wise: every id on its owner, see `_saved_layout`)."""
+    old = _saved_layout(old_shards)
+    ids = layout.global_ids()
+    rows = np.zeros((len(ids),) + old_shards[0].shape[1:], old_shards[0].dtype)
+    owners = old.owner(ids)
+    for owner in range(len(old_shards)):
+        mine = owners == owner
+        rows[mine] = old_shards[owner][old.local_row(ids[mine])]
     return rows

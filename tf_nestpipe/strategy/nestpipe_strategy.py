@@ -123,7 +123,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- table placement (issue 15) -----------------------------------------------------------
     def set_placement(self, placement, memory_budget_bytes):
         """A new planner for the tables built from now on (checks `placement` at once)."""
-        self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes)
+        # Costed with the collectives of the transport in use (the socket mesh once open).
+        self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
+                                         transport=self._nestpipe_collectives.backend)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
 
@@ -138,7 +140,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_announced.append(self._table_spec(layer))
 
     def placement_of(self, layer):
-        """The placement of `layer`'s table ("data_parallel" or "row_wise"), decided by the
+        """The placement of `layer`'s table ("data_parallel", "table_wise" or "row_wise"),
+        decided by the
         planner (tf_nestpipe.plan.placement) when the table is built, together with every table
         constructed but not yet placed."""
         spec = self._table_spec(layer)
@@ -148,6 +151,10 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_announced = []
         pending.insert(mine, spec)  # in construction order
         return self._nestpipe_planner.place_all(pending)[mine].placement
+
+    def table_owner(self, layer):
+        """The worker holding `layer`'s whole table, placed table_wise by the planner."""
+        return self._nestpipe_planner.planned(layer.name).owner
 
     @property
     def placement_planner(self):
@@ -163,7 +170,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_plan_reported = True
         plans = self._nestpipe_planner.plans
         if plans and self._num_workers > 1 and self._id_in_cluster == 0:
-            print(render_plan(plans, self._num_workers), flush=True)
+            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport),
+                  flush=True)
 
     @staticmethod
     def _dense_gradient(value):
@@ -518,10 +526,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
     differ from one process's.
     `placement` says how each `ShardedEmbedding` table is laid out (issue 15, see
     `tf_nestpipe.plan.placement`): "row_wise" (default: row-sharded, looked up through the
-    fused exchange), "data_parallel" (a mirrored variable on every worker: local gathers, its
-    gradient in the dense all-reduce), "auto" (the planner picks per table from its size and the
-    measured collective costs) or a dict {table name: placement or "auto"} (tables it does not
-    name: "auto"). "table_wise" is refused: not implemented. `memory_budget_bytes` bounds the
+    fused exchange), "table_wise" (the whole table on one worker, tables balanced over the
+    workers by bytes, looked up through the same fused exchange), "data_parallel" (a mirrored
+    variable on every worker: local gathers, its gradient in the dense all-reduce), "auto" (the
+    planner picks data_parallel or row_wise per table from its size and the measured collective
+    costs) or a dict {table name: placement or "auto"} (tables it does not name: "auto").
+    "column_wise" is refused: not implemented. `memory_budget_bytes` bounds the
     bytes per worker of all tables with their optimizer slots (2 slots assumed): a table that
     does not fit is refused with its name, its bytes and what to change. The plan is printed on
     worker 0 at the first training step (`placement_plan()` returns it).
