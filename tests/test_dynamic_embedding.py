@@ -2,7 +2,8 @@
 equals the Python-dict reference of the same semantics on as many owners
 (tests/dynamic_reference.py); a checkpoint written on 2 workers restores on 3 and on 1 (ids
 re-hashed to their new owners, nothing lost) and continues as the reference re-hashed alike;
-frozen-window pipelines are refused."""
+every pipeline (fwp and nested look a micro-batched batch up as one step of the table);
+a strategy.run loop's frozen window is refused."""
 import os
 import re
 import sys
@@ -18,8 +19,9 @@ import dynamic_table as program  # noqa: E402
 from dynamic_reference import RefDynamicModel, owner  # noqa: E402
 
 TOL = 1e-5
-MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "fit_auto", "checkpoint"]
-THREE_WORKER_RUNS = ["loop", "fit_dbp"]  # and the restore of the 2-worker checkpoint
+MULTI_WORKER_RUNS = ["loop", "fit", "fit_dbp", "fit_fwp", "fit_nested", "loop_window", "fit_auto",
+                     "checkpoint"]
+THREE_WORKER_RUNS = ["loop", "fit_dbp", "fit_nested"]  # and the restore of the 2-worker checkpoint
 HALF = program.STEPS // 2
 
 
@@ -89,7 +91,7 @@ def test_one_worker_equals_reference(run):
     del strategy
 
 
-@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp", "fit_auto"])
+@pytest.mark.parametrize("run", ["loop", "fit", "fit_dbp", "fit_fwp", "fit_nested", "fit_auto"])
 def test_two_workers_equal_reference(dynamic_results, run):
     prefix, _ = dynamic_results
     saved = np.load("%s.%s.npz" % (prefix, run))
@@ -242,17 +244,20 @@ def test_fit_logs_the_counters(dynamic_results):
         assert int(logged[name]) == value, (name, logged)
 
 
-def test_frozen_window_pipeline_is_refused(dynamic_results):
+def test_frozen_window_of_a_strategy_run_loop_is_refused(dynamic_results):
+    """fit's frozen window looks a dynamic table up once per batch (fit_fwp, fit_nested above);
+    a custom loop's tnp.pipeline.frozen_window() would look it up per micro-batch: refused."""
     _, stdout = dynamic_results
-    assert "REFUSED fit_fwp" in stdout and "pipeline='none' or 'dbp'" in stdout
+    assert "REFUSED loop_window" in stdout and "without tnp.pipeline.frozen_window()" in stdout
+    assert "REFUSED fit_fwp" not in stdout and "REFUSED fit_nested" not in stdout
 
 
-def test_auto_pipeline_tries_only_modes_dynamic_tables_run_under(dynamic_results):
-    """pipeline='auto' on a model with a dynamic table probes none and dbp, never the
-    micro-batched modes that refuse it (fit_auto trains and equals the reference above)."""
+def test_auto_pipeline_tries_every_mode_on_a_dynamic_table(dynamic_results):
+    """pipeline='auto' on a model with a dynamic table probes every mode, micro-batched ones
+    too (fit_auto trains and equals the reference above, whichever it chose)."""
     _, stdout = dynamic_results
     assert "done fit_auto" in stdout and "REFUSED fit_auto" not in stdout
     chosen = [line for line in stdout.splitlines() if "pipeline='auto' chose" in line]
     assert len(chosen) == 1, stdout[-3000:]
-    assert "none " in chosen[0] and "dbp " in chosen[0], chosen
-    assert "fwp" not in chosen[0] and "nested" not in chosen[0], chosen
+    for mode in ("none ", "fwp(M=2) ", "dbp ", "nested(M=2) "):
+        assert mode in chosen[0], chosen

@@ -6,14 +6,17 @@ batches (each worker takes its contiguous slice). Worker 0 writes OUT_PREFIX.RUN
 
 usage: dynamic_table.py OUT_PREFIX RUN [RUN ...]
   RUN: loop (custom loop: strategy.run), fit (pipeline "none"), fit_dbp (pipeline "dbp": the
-  dynamic table looks up in the step itself), fit_fwp (must be refused: prints REFUSED),
-  fit_auto (pipeline "auto": tries only the modes dynamic tables run under),
+  dynamic table looks up in the step itself), fit_fwp / fit_nested (pipelines "fwp" / "nested",
+  2 micro-batches: the frozen window looks the batch up as one step of the table),
+  loop_window (a strategy.run loop inside tnp.pipeline.frozen_window(): must be refused, prints
+  REFUSED), fit_auto (pipeline "auto"),
   checkpoint (save after half the steps, continue; a restored fresh model continues alike),
   rehash=DIR[:CAPACITY] (restore the tf.train.Checkpoint DIR/ckpt another worker count wrote
   after half the steps, into a model of CAPACITY per worker; save the table as restored, with
   each id's owner, then continue: OUT_PREFIX.rehash.npz), rehash_sharded=DIR[:CAPACITY] (the
   same from the ShardedCheckpoint DIR_sharded: OUT_PREFIX.rehash_sharded.npz).
 """
+import contextlib
 import os
 import sys
 
@@ -70,12 +73,14 @@ def dataset_fn(batches):
     return fn
 
 
-def run_loop(strategy, model, optimizer, batches):
-    """Trains `model` on `batches` with a strategy.run custom loop."""
+def run_loop(strategy, model, optimizer, batches, window=False):
+    """Trains `model` on `batches` with a strategy.run custom loop (`window`: its forward in a
+    frozen window, which a dynamic table refuses)."""
     @tf.function
     def step(ids, y):
         def fn(ids, y):
-            with tf.GradientTape() as tape:
+            with tf.GradientTape() as tape, (
+                    tnp.pipeline.frozen_window() if window else contextlib.nullcontext()):
                 err = tf.square(model(ids, training=True) - y)
                 loss = tf.nn.compute_average_loss(err, global_batch_size=GLOBAL_BATCH)
             grads = tape.gradient(loss, model.trainable_variables)
@@ -190,13 +195,14 @@ def train(run, batches, strategy=None):
     """Trains a fresh model with `run` (on `strategy`, one process has one: its pipeline is set
     per run, as tests/programs/exactness.py does); returns (strategy, model, layer)."""
     strategy = strategy or tnp.NestPipeStrategy()
-    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp", "fit_auto": "auto"}.get(run, "none")
+    strategy.pipeline = {"fit_dbp": "dbp", "fit_fwp": "fwp", "fit_nested": "nested",
+                         "fit_auto": "auto"}.get(run, "none")
     with strategy.scope():
         model, emb = build_model()
         optimizer = tf_keras.optimizers.Adagrad(LR)
     dataset = strategy.distribute_datasets_from_function(dataset_fn(batches))
-    if run == "loop":
-        run_loop(strategy, model, optimizer, batches)
+    if run in ("loop", "loop_window"):
+        run_loop(strategy, model, optimizer, batches, window=run == "loop_window")
     else:
         model.compile(optimizer=optimizer, loss="mse")
         model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0,
@@ -235,9 +241,10 @@ def export(strategy, model, emb, prefix):
 def main(argv):
     prefix, runs = argv[1], argv[2:]
     batches = make_batches()
-    # fit_auto: none and dbp in 2 interleaved probe rounds of 1 timed step each (the second
-    # after a settling step), so that the probe and its choice fit in the STEPS steps.
-    strategy = tnp.NestPipeStrategy(auto_timed_steps=1, auto_probe_rounds=2)
+    # fit_fwp / fit_nested: 2 micro-batches; fit_auto: none, fwp, dbp and nested (M=2) in one
+    # probe round of 1 timed step each, so that the probe and its choice fit in the STEPS steps.
+    strategy = tnp.NestPipeStrategy(micro_batches=2, auto_timed_steps=1, auto_probe_rounds=1,
+                                    auto_micro_batches=(2,))
     for run in runs:
         if run.startswith(("rehash=", "rehash_sharded=")):
             kind, _, target = run.partition("=")
@@ -253,7 +260,7 @@ def main(argv):
         try:
             _, model, emb = train(run, batches, strategy)
         except ValueError as e:
-            if run != "fit_fwp":
+            if run != "loop_window":
                 raise
             reason = [line for line in str(e).splitlines() if "cannot look up under" in line]
             print("REFUSED", run, reason[0].strip() if reason else str(e), flush=True)

@@ -85,6 +85,7 @@ class RouteRecorder(_WindowAware):
     def __init__(self):
         super().__init__()
         self.lookups = []
+        self._dynamic_ids = {}  # DynamicEmbedding name -> its ids, lookup by lookup
 
     def lookup(self, layer, flat_ids):
         if not layer.exchanged:
@@ -93,8 +94,18 @@ class RouteRecorder(_WindowAware):
         return tf.zeros([tf.size(flat_ids), layer.dim], layer.embeddings.dtype)
 
     def lookup_dynamic(self, layer, flat_ids):
-        # Not prefetched: the dynamic table looks up (and admits) in the compute pass only.
+        # Not prefetched: the dynamic table looks up (and admits) in the compute pass only. In
+        # a frozen window the ids of every micro-batch are recorded, so the compute pass can
+        # look them up as one step of the table (`BufferReader.lookup_dynamic`).
+        if self.windowed:
+            self._dynamic_ids.setdefault(layer.name, []).append(flat_ids)
         return tf.zeros([tf.size(flat_ids), layer.dim], layer.rows.dtype)
+
+    @property
+    def dynamic_ids(self):
+        """In a frozen window: {DynamicEmbedding name: the ids all its lookups of the batch
+        recorded, in lookup order}; {} outside one."""
+        return {name: tf.concat(ids, axis=0) for name, ids in self._dynamic_ids.items()}
 
 
 def _window_rounds(fused_by_round):
@@ -152,12 +163,20 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
 
 class BufferReader(_WindowAware):
     """Compute pass: each row-wise lookup takes its rows from its (round, group) buffer, in the
-    order the route pass recorded them (in a frozen window: from the rows of rounds 0..r)."""
+    order the route pass recorded them (in a frozen window: from the rows of rounds 0..r).
 
-    def __init__(self, exchange, buffers):
+    A `DynamicEmbedding` looks up in the compute pass itself (admission and eviction are a
+    step of the table): outside a frozen window each lookup directly; in one, the first lookup
+    of a table looks up the ids of all the batch's micro-batches (`dynamic_ids`, recorded by the
+    route pass) as one step of the table, in micro-batch order, and every lookup takes its
+    part of those rows, as the non-pipelined step's single lookup of the whole batch would."""
+
+    def __init__(self, exchange, buffers, dynamic_ids=None):
         super().__init__()
         self._exchange = exchange
         self._buffers = buffers
+        self._dynamic_ids = dynamic_ids or {}
+        self._dynamic_rows = {}  # DynamicEmbedding name -> rows of all its recorded ids
         self._rows = {}  # (group, round key) -> the buffer's rows, one per id it fetched
         self._window_rows = {}  # (group, round key) -> the window's rows up to that round
         self._taken = {}  # group, or (group, round key) -> ids taken so far
@@ -202,9 +221,14 @@ class BufferReader(_WindowAware):
         return ops.gather_rows(self._window_rows[(group, key)], buffers.window_inverse[start:end])
 
     def lookup_dynamic(self, layer, flat_ids):
-        if self.windowed:
-            return super().lookup_dynamic(layer, flat_ids)  # refused: one step, many lookups
-        return layer.direct_lookup(flat_ids)  # synchronous, in the step itself
+        if not self.windowed:
+            return layer.direct_lookup(flat_ids)  # synchronous, in the step itself
+        if layer.name not in self._dynamic_ids:
+            return super().lookup_dynamic(layer, flat_ids)  # refused: no ids were recorded
+        if layer.name not in self._dynamic_rows:
+            self._dynamic_rows[layer.name] = layer.direct_lookup(self._dynamic_ids[layer.name])
+        start, end = self._take(("dynamic", layer.name), flat_ids)
+        return self._dynamic_rows[layer.name][start:end]
 
     def untaken(self):
         """(group, round) of the buffers the compute pass did not read."""

@@ -32,7 +32,6 @@ from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
 from tf_nestpipe.pipeline.modes import LOOKAHEAD, MICRO_BATCHED
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
-from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
 
 _ORIGINAL = keras_training.Model.make_train_function
 _PATCHED_ATTR = "_nestpipe_patched"
@@ -40,15 +39,6 @@ _PATCHED_ATTR = "_nestpipe_patched"
 
 def _standard_train_step(model):
     return type(model).train_step is keras_training.Model.train_step
-
-
-def _micro_batchable(model):
-    """Whether `pipeline="auto"` may try the micro-batched modes on `model`: tf_keras's standard
-    train step (they split the batch themselves) and no `DynamicEmbedding` (a dynamic table
-    admits once per step, so those modes refuse it)."""
-    return _standard_train_step(model) and not any(
-        isinstance(layer, DynamicEmbedding)
-        for layer in model._flatten_layers())  # pylint: disable=protected-access
 
 
 def _routable(model):
@@ -107,9 +97,8 @@ def make_train_function(self, force=False):
     if self.train_function is not None and not force:
         return self.train_function
     if strategy.pipeline == "auto":
-        # Micro-batching needs tf_keras's standard train step (it splits the batch itself) and
-        # no dynamic table.
-        candidates = auto_candidates(strategy.auto_micro_batches, _micro_batchable(self))
+        # Micro-batching needs tf_keras's standard train step (it splits the batch itself).
+        candidates = auto_candidates(strategy.auto_micro_batches, _standard_train_step(self))
         pipeline = AutoPipeline(
             [(c, _train_pipeline(self, strategy, c.mode, c.micro_batches)) for c in candidates],
             agree=lambda times: _slowest_worker(strategy, times),

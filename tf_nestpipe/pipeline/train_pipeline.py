@@ -94,6 +94,8 @@ class TrainPipeline:
         # buffers holding its rows (with its routing), and the batch after it.
         self._current = TensorStore(device, "nestpipe_current_batch")
         self._states = TensorStore(device, "nestpipe_prefetch_buffers")
+        # The ids its frozen window's dynamic-table lookups recorded (see BufferReader).
+        self._dynamic = TensorStore(device, "nestpipe_dynamic_ids")
         self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
         self._primed = False
         self._has_upcoming = False
@@ -107,8 +109,9 @@ class TrainPipeline:
 
     # --- traced pieces -----------------------------------------------------------------------
     def _prefetch(self, batch, current=None):
-        """Route pass over `batch` and its fused exchanges: the buffers of its rows. With the
-        `current` batch's buffers (DBP), also the sync plans of the rows it updates."""
+        """Route pass over `batch` and its fused exchanges: (the buffers of its rows, the sync
+        plans, the dynamic-table ids its frozen window recorded). The plans are those of the
+        rows the `current` batch (its buffers, DBP) updates; None without it."""
         recorder = RouteRecorder()
         updated = None
         if current is not None and not self._skip_buffer_sync:
@@ -124,10 +127,10 @@ class TrainPipeline:
                                               recorder.windowed, updated, self._all_updated,
                                               share_size_of(batch))
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
-        return buffers, plans
+        return buffers, plans, recorder.dynamic_ids
 
-    def _compute_pass(self, batch, buffers):
-        reader = BufferReader(self._exchange, buffers)
+    def _compute_pass(self, batch, buffers, dynamic_ids=None):
+        reader = BufferReader(self._exchange, buffers, dynamic_ids)
         shares_known = getattr(self._strategy.extended, "shares_known",
                                lambda sizes: contextlib.nullcontext())
         with installed(reader), shares_known(shares_of(buffers)):
@@ -149,8 +152,8 @@ class TrainPipeline:
     def _synchronous_step(self, iterator):
         """lookahead=0: route, retrieve and compute the next batch."""
         def replica_step(batch):
-            buffers, _ = self._prefetch(batch)
-            return self._compute_pass(batch, buffers), rows_requested(buffers)
+            buffers, _, dynamic_ids = self._prefetch(batch)
+            return self._compute_pass(batch, buffers, dynamic_ids), rows_requested(buffers)
 
         outputs, requested = self._strategy.run(replica_step, args=(next(iterator),))
         outputs, requested = self._reduce(outputs), self._local(requested)
@@ -169,28 +172,34 @@ class TrainPipeline:
 
         return tf.cond(has_value, keep, lambda: tf.constant(False))
 
+    def _prime_buffers(self, batch):
+        buffers, _, dynamic_ids = self._prefetch(batch)
+        return buffers, dynamic_ids
+
     def _prime_step(self, iterator):
         batch = self._local(next(iterator))
-        states = self._local(self._strategy.run(lambda b: self._prefetch(b)[0], args=(batch,)))
+        states, dynamic_ids = self._local(self._strategy.run(self._prime_buffers, args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
-        with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)):
+        with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)
+                                     + self._dynamic.assign(dynamic_ids)):
             return self._store_if_present(self._upcoming, has_upcoming, optional)
 
     def _pipelined_step(self, iterator=None):
         """Computes the current batch while prefetching the upcoming one; with an `iterator`,
         reads the batch after next (without: trains a held batch, reading nothing)."""
-        batch, next_batch, states = (self._current.read(), self._upcoming.read(),
-                                     self._states.read())
+        batch, next_batch, states, dynamic_ids = (self._current.read(), self._upcoming.read(),
+                                                  self._states.read(), self._dynamic.read())
         # The batch after next is requested as an Optional: it never fails, overlaps this step,
         # and tells the driver whether to pipeline or drain on the next call.
         if iterator is not None:
             has_upcoming, optional = self._next_local(iterator)
-        outputs, next_states, received, sent, requested = self._strategy.run(
-            self._replica_step, args=(batch, next_batch, states))
-        next_states, received, sent, requested = self._local(
-            (next_states, received, sent, requested))
+        outputs, next_states, next_dynamic, received, sent, requested = self._strategy.run(
+            self._replica_step, args=(batch, next_batch, states, dynamic_ids))
+        next_states, next_dynamic, received, sent, requested = self._local(
+            (next_states, next_dynamic, received, sent, requested))
         with tf.control_dependencies(self._current.assign(next_batch)
-                                     + self._states.assign(next_states)):
+                                     + self._states.assign(next_states)
+                                     + self._dynamic.assign(next_dynamic)):
             if iterator is None:
                 has_upcoming = tf.identity(tf.constant(False))
             else:
@@ -199,10 +208,10 @@ class TrainPipeline:
         self.stats.collectives = count_collectives(tf.compat.v1.get_default_graph())
         return outputs, has_upcoming, received, sent, requested
 
-    def _replica_step(self, batch, next_batch, states):
+    def _replica_step(self, batch, next_batch, states, dynamic_ids):
         """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
-        next_states, plans = self._prefetch(next_batch, current=states)
-        outputs = self._compute_pass(batch, states)
+        next_states, plans, next_dynamic = self._prefetch(next_batch, current=states)
+        outputs = self._compute_pass(batch, states, dynamic_ids)
         received = tf.constant(0, tf.int64)
         sent = tf.constant(0, tf.int64)
         # No control dependency on `outputs`: automatic control dependencies already order the
@@ -218,11 +227,12 @@ class TrainPipeline:
                 received += count
                 sent += tf.cast(plan["rows_sent"], tf.int64)
             next_states[group] = next_states[group]._replace(rounds=synced)
-        return outputs, next_states, received, sent, rows_requested(next_states)
+        return outputs, next_states, next_dynamic, received, sent, rows_requested(next_states)
 
     def _drain_step(self):
-        batch, states = self._current.read(), self._states.read()
-        return self._reduce(self._strategy.run(self._compute_pass, args=(batch, states)))
+        batch, states, dynamic_ids = self._current.read(), self._states.read(), self._dynamic.read()
+        return self._reduce(self._strategy.run(self._compute_pass,
+                                               args=(batch, states, dynamic_ids)))
 
     # --- driver ------------------------------------------------------------------------------
     def _count_requested(self, requested):

@@ -29,10 +29,11 @@ class RowFetcher(abc.ABC):
         traces (`layer.direct_lookup`) overrides this; by default the lookup is refused."""
         raise ValueError(
             "DynamicEmbedding '%s' cannot look up under %s: dynamic tables admit and evict ids "
-            "once per training step, synchronously. Use pipeline='none' or 'dbp' (the dynamic "
-            "table then looks up in the step itself), not a frozen window / micro-batches "
-            "(fwp, nested), DOWNPOUR or a SavedModel trace (export with "
-            "tnp.export_saved_model)." % (layer.name, type(self).__name__))
+            "once per training step, synchronously. Train it with fit or tnp.TrainPipeline "
+            "(every pipeline: their frozen window looks the batch's micro-batches up as one "
+            "step of the table) or a strategy.run loop without tnp.pipeline.frozen_window(), "
+            "not DOWNPOUR; export with tnp.export_saved_model, not a SavedModel trace."
+            % (layer.name, type(self).__name__))
 
 
 class DirectFetcher(RowFetcher):
