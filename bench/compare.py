@@ -386,6 +386,8 @@ def summarize_rounds(row, args, out, results):
                 "auto_timings_ms", "auto_probe_steps"):
         if key in first:
             out[key] = first[key]
+    if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
+        out["auto_choice"] = " / ".join(r.get("auto_choice", "?") for r in results)
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
