@@ -147,8 +147,9 @@ class DynamicEmbedding(tf_keras.layers.Layer):
 
     def _lookup(self, flat_ids, training):
         # The installed fetcher decides: the lookup itself (no pipeline, the step of a DBP
-        # pipeline), zeros (a route pass: dynamic tables are not prefetched), a core-op gather
-        # (export) or a refusal naming the fix (sharding/fetch.py).
+        # pipeline; in fit's frozen window one lookup of all the micro-batches' ids), zeros (a
+        # route pass: dynamic tables are not prefetched), a core-op gather (export) or a refusal
+        # naming the fix (sharding/fetch.py).
         return current_fetcher().lookup_dynamic(_LookupView(self, training), flat_ids)
 
     def call(self, inputs, training=None):
