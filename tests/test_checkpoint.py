@@ -112,25 +112,14 @@ print("max_diff", float(np.abs(out - data["predictions"]).max()), "rows", out.sh
 """
 
 
-def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs):
-    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model"),
-                          str(checkpoint_runs / "restarted.predictions.npz")])
-    assert result.returncode == 0, result.stdout[-3000:]
-    line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
-    assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
-
-
-def test_an_export_with_a_replicated_table_serves_without_the_plugin(checkpoint_runs):
-    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model_mixdp"),
-                          str(checkpoint_runs / "to_mixdp.predictions.npz")])
-    assert result.returncode == 0, result.stdout[-3000:]
-    line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
-    assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
-
-
-def test_an_export_with_table_wise_tables_serves_without_the_plugin(checkpoint_runs):
-    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / "saved_model_tw"),
-                          str(checkpoint_runs / "to_tw.predictions.npz")])
+@pytest.mark.parametrize("export, predictions", [
+    ("saved_model", "restarted"),  # row-wise tables
+    ("saved_model_mixdp", "to_mixdp"),  # a replicated table
+    ("saved_model_tw", "to_tw"),  # table-wise tables
+])
+def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs, export, predictions):
+    result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / export),
+                          str(checkpoint_runs / (predictions + ".predictions.npz"))])
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")
