@@ -324,8 +324,9 @@ def test_placements_match_single_process(exactness_results, workers, run):
             placed[k[len("stats/owner/"):]] += "@%d" % int(got[k])
     assert placed == expected_placements(run, workers)
     if run.split(":")[0] in ("loop", "fit"):
-        # Replicated tables never enter the fused exchange: one per group of row-wise tables.
+        # Replicated tables never enter the fused exchange: one per group of row-wise and
+        # table-wise tables (both ride on it).
         groups = {"d4" if n != "fields_fused" else "d3" for n, p in placed.items()
-                  if p == "row_wise"}
+                  if p != "data_parallel"}
         micro = 3 if {"fwp", "nested"} & set(run.split(":")) else 1  # a round per micro-batch
         assert int(got["stats/exchanges"]) == micro * len(groups)
