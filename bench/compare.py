@@ -744,23 +744,24 @@ def main(argv=None):
         len(rows), env["horovod_text"], env["launcher_horovod"]), flush=True)
     started = time.perf_counter()
     done = []
+    unprepared = lambda row: bool(movielens_error) and row["data"] == "movielens-1m"  # noqa: E731
     if args.interleave:
-        runnable = [row for row in rows if not (movielens_error and row["data"] == "movielens-1m")]
-        done = [empty_result(row, args, movielens_error, "failed") for row in rows
-                if row not in runnable] + run_interleaved(runnable, args, env)
-        rows = []
-    for i, row in enumerate(rows):
-        print("[%d/%d] %s %s/%s/%s W=%d ..." % (i + 1, len(rows), row_label(row), row["model"],
-                                               row["data"], row["network"], row["workers"]),
-              flush=True)
-        if movielens_error and row["data"] == "movielens-1m":
-            result = empty_result(row, args, movielens_error, "failed")
-        else:
-            result = run_row(row, args, env)
-        done.append(result)
-        print("    -> %s" % (("%.1f ms/step, %.0f samples/s" % (result["ms_median"],
-                                                              result["samples_per_s"]))
-                             if result["samples_per_s"] else result["note"]), flush=True)
+        measured = iter(run_interleaved([r for r in rows if not unprepared(r)], args, env))
+        done = [empty_result(row, args, movielens_error, "failed") if unprepared(row)
+                else next(measured) for row in rows]  # in the plan's order
+    else:
+        for i, row in enumerate(rows):
+            print("[%d/%d] %s %s/%s/%s W=%d ..." % (i + 1, len(rows), row_label(row), row["model"],
+                                                   row["data"], row["network"], row["workers"]),
+                  flush=True)
+            if unprepared(row):
+                result = empty_result(row, args, movielens_error, "failed")
+            else:
+                result = run_row(row, args, env)
+            done.append(result)
+            print("    -> %s" % (("%.1f ms/step, %.0f samples/s" % (result["ms_median"],
+                                                                  result["samples_per_s"]))
+                                 if result["samples_per_s"] else result["note"]), flush=True)
     add_ratios(done)
     seconds = time.perf_counter() - started
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
