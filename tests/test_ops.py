@@ -116,6 +116,46 @@ def test_gather_rows_gradient_is_segment_sum():
     np.testing.assert_allclose(theoretical[0], numerical[0], atol=1e-2)
 
 
+
+def _gradient_op_types(fn, variable):
+    """(the gradient of `fn()` wrt `variable`, the op types of its traced graph)."""
+    @tf.function
+    def gradient():
+        with tf.GradientTape() as tape:
+            loss = fn()
+        return tf.convert_to_tensor(tape.gradient(loss, variable))
+
+    graph = gradient.get_concrete_function().graph
+    return gradient().numpy(), {op.type for op in graph.get_operations()}
+
+
+def test_slices_of_gathered_rows_send_their_gradients_straight_to_params():
+    """Slices taken one per lookup (`slice_rows`) of `gather_rows` output: the gradient equals
+    NumPy's, and it reaches the params as one sparse segment-sum, never padded per slice
+    (StridedSliceGrad) nor densified on the way (UnsortedSegmentSum); the positive control, plain
+    slices, does pad."""
+    rng = np.random.default_rng(3)
+    params = tf.Variable(rng.normal(size=(6, 2)).astype(np.float32))
+    indices = tf.constant([4, -1, 0, 4, 5, 2, 0, 1])
+    weights = [1.0, 2.0, 3.0]
+    bounds = [(0, 3), (3, 5), (5, 8)]
+
+    def loss_of(take):
+        rows = ops.gather_rows(params * 1.0, indices)
+        return tf.add_n([w * tf.reduce_sum(take(rows, s, e)) for w, (s, e) in zip(weights, bounds)])
+
+    expected = np.zeros((6, 2), np.float32)
+    for w, (s, e) in zip(weights, bounds):
+        for r in indices.numpy()[s:e]:
+            if r >= 0:
+                expected[r] += w
+    grad, types = _gradient_op_types(lambda: loss_of(ops.slice_rows), params)
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    assert "StridedSliceGrad" not in types and "UnsortedSegmentSum" not in types, types
+    grad, types = _gradient_op_types(lambda: loss_of(lambda r, s, e: r[s:e]), params)
+    np.testing.assert_allclose(grad, expected, rtol=1e-6)
+    assert "StridedSliceGrad" in types  # the control: plain slices pad their gradients
+
 def test_segment_sum_gradient_is_gather():
     data = tf.constant(np.random.default_rng(2).normal(size=(5, 2)), tf.float32)
     ids = tf.constant([1, 1, -1, 0, 2])

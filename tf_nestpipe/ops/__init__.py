@@ -2,7 +2,7 @@
 from tf_nestpipe.ops.buffer_sync import buffer_sync, sync_plan
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import gather_rows, segment_sum
+from tf_nestpipe.ops.gather import gather_rows, segment_sum, slice_rows
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
 from tf_nestpipe.ops.row_init import stateless_row_init
@@ -26,6 +26,7 @@ __all__ = [
     "owner_dedup",
     "route_keys",
     "segment_sum",
+    "slice_rows",
     "stateless_row_init",
     "sync_plan",
 ]

@@ -209,16 +209,18 @@ class BufferReader(_WindowAware):
                 "lookups depend only on the inputs." % layer.name)
         if not self.windowed:
             start, end = self._take((group, key), flat_ids)
-            return self._buffer_rows(group, key)[start:end]
+            return ops.slice_rows(self._buffer_rows(group, key), start, end)
         if (group, key) not in self._window_rows:
             upto = [k for k in sorted(buffers.rounds) if k <= key]
             self._window_rows[(group, key)] = tf.concat(
                 [self._buffer_rows(group, k) for k in upto], axis=0)
         start, end = self._take(group, flat_ids)
-        # gather_rows, not tf.gather: its gradient is a dense segment-sum into the window's rows
-        # (tf.gather's IndexedSlices were densified again per micro-batch and buffer, which
-        # doubled FWP's compute in the bandwidth-bound cell's profile).
-        return ops.gather_rows(self._window_rows[(group, key)], buffers.window_inverse[start:end])
+        # tf.gather (every window index is valid): each lookup's gradient is an IndexedSlices of
+        # its own rows; the concat's gradient hands each buffer the slices that point into it,
+        # and the buffer's read (`lookup_from_buffer`) sums them straight into its unique rows.
+        # A dense gradient per lookup (a segment-sum into the whole window, summed over lookups)
+        # cost O(lookups x window) per batch.
+        return tf.gather(self._window_rows[(group, key)], buffers.window_inverse[start:end])
 
     def lookup_dynamic(self, layer, flat_ids):
         if not self.windowed:
