@@ -317,3 +317,38 @@ def test_tensorflow_start_up_noise_stays_in_the_log_files(tmp_path):
     assert result.returncode == 0 and "[worker:0] real output" in result.stdout
     assert "cudart_stub" not in result.stdout
     assert "cudart_stub" in (tmp_path / "logs" / "worker-0.log").read_text()
+
+
+def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path):
+    """Each task's TensorFlow pools get the host's cores split among the tasks (at least 1); a
+    variable the user set wins; --threads-per-task 0 leaves TensorFlow's own sizing."""
+    from tf_nestpipe.launch.threads import THREAD_VARIABLES, host_cores
+
+    script = write(tmp_path, "threads.py", """
+        import os
+        print("threads", [os.environ.get(v, "-") for v in %r])
+    """ % (THREAD_VARIABLES,))
+    each = str(max(1, host_cores() // 3))
+    result = launcher("--workers", "3", "--output", "all", "--", sys.executable, script)
+    assert result.returncode == 0, result.stdout
+    expected = [os.environ.get(v, each) for v in THREAD_VARIABLES]  # the caller's own win
+    assert "[worker:2] threads %r" % expected in result.stdout
+    result = launcher("--workers", "2", "--env", "TF_NUM_INTEROP_THREADS=7", "--threads-per-task",
+                      "5", "--", sys.executable, script)
+    assert "[worker:0] threads %r" % ["5", "7", "5"] in result.stdout, result.stdout
+    result = launcher("--workers", "2", "--threads-per-task", "0", "--", sys.executable, script)
+    expected = [os.environ.get(v, "-") for v in THREAD_VARIABLES]
+    assert "[worker:0] threads %r" % expected in result.stdout, result.stdout
+
+
+def test_threads_per_task_split_and_refusals():
+    from tf_nestpipe.launch.threads import thread_env, threads_per_task
+
+    assert threads_per_task(2, cores=2) == 1 and threads_per_task(3, cores=16) == 5
+    assert threads_per_task(8, cores=2) == 1  # never 0
+    assert thread_env(4, {"OMP_NUM_THREADS": "2"}) == {"TF_NUM_INTRAOP_THREADS": "4",
+                                                      "TF_NUM_INTEROP_THREADS": "4"}
+    with pytest.raises(ValueError, match="at least one task"):
+        threads_per_task(0)
+    with pytest.raises(ValueError, match=">= 0"):
+        LocalCluster(["true"], 2, threads_per_task=-1)

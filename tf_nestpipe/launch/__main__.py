@@ -59,6 +59,12 @@ def main(argv=None):
                         help="on SIGTERM / SIGINT the launcher forwards SIGTERM to the tasks "
                              "(a PreemptionCheckpointHandler then saves) and kills what still "
                              "runs after this many seconds (default %(default)s)")
+    parser.add_argument("--threads-per-task", type=int, default=None, metavar="N",
+                        help="size of each task's TensorFlow thread pools (intra-op, inter-op; "
+                             "TF_NUM_INTRAOP_THREADS etc.). Default: this machine's cores split "
+                             "among the tasks (at least 1 each); 0: TensorFlow's default, every "
+                             "task sized to all cores. Variables already set in the environment "
+                             "or with --env win")
     args = parser.parse_args(flags)
     if not command:
         parser.error("no command: add `-- python script.py ARGS`")
@@ -90,7 +96,8 @@ def main(argv=None):
                                horovod_address=args.horovod_address,
                                horovod_interface=args.horovod_interface,
                                output_mode=args.output, log_dir=args.log_dir,
-                               grace_period=args.grace_period)
+                               grace_period=args.grace_period,
+                               threads_per_task=args.threads_per_task)
     except ValueError as e:
         parser.error(str(e))
     if args.restarts < 0:

@@ -32,6 +32,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tf_nestpipe.launch.cluster_check import RESTARTED_ENV
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
+from tf_nestpipe.launch import threads as thread_pools
 
 _PR_SET_PDEATHSIG = 1
 OUTPUT_ENV = "TF_NESTPIPE_LAUNCH_OUTPUT"
@@ -115,7 +116,8 @@ class LocalCluster:
                  task_prefix: str = "", horovod: bool = False,
                  horovod_address: Optional[str] = None, horovod_interface: Optional[str] = None,
                  output_mode: Optional[str] = None, log_dir: Optional[str] = None,
-                 grace_period: float = DEFAULT_GRACE_PERIOD):
+                 grace_period: float = DEFAULT_GRACE_PERIOD,
+                 threads_per_task: Optional[int] = None):
         """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
         namespaces); `task_prefix` is a command template put before each task's command, with
         `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`). `horovod`
@@ -164,6 +166,11 @@ class LocalCluster:
         self.max_worker_restarts = 3  # per worker server, parameter-server mode only
         self._restarts: Dict[str, int] = {}
         self.env = dict(env or {})
+        if threads_per_task is None:  # every task runs on this machine: split its cores
+            threads_per_task = thread_pools.threads_per_task(
+                sum(len(addresses) for addresses in self.cluster.values()))
+        thread_pools.thread_env(threads_per_task, {})  # refuses a negative count now
+        self.threads_per_task = threads_per_task
         self.output = output or sys.stdout
         self._lock = threading.Lock()
         self.tasks: List[_Task] = []
@@ -230,6 +237,7 @@ class LocalCluster:
             env.update(self._rendezvous.env(rank))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
+        env.update(thread_pools.thread_env(self.threads_per_task, env))
         try:  # its server listens only on its TF_CONFIG address, not on every interface
             env.update(listen_only_env(self.cluster[role][index], env))
         except ShimMissingError as error:
