@@ -84,8 +84,84 @@ def test_auto_falls_back_to_row_wise_when_the_replica_does_not_fit():
     t = plan.place(pl.TableSpec("t", 2_000, 4))  # replica 96,000 B fits
     u = plan.place(pl.TableSpec("u", 2_000, 4))  # a second replica would not; its shard does
     assert (t.placement, u.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
-    assert u.reason == "replica does not fit the budget"
+    assert u.reason == ("replica (96000 bytes with 2 optimizer slots) does not fit "
+                        "memory_budget_bytes=150000 (96000 held, 48000 for the tables placed "
+                        "with it)")
     assert plan.used_bytes() == 96_000 + 48_000
+
+
+def test_under_a_budget_tables_that_do_not_fit_replicated_are_row_wise():
+    """Placed together: every table's row-wise bytes reserved (small 2,400 B, big 240,000 B),
+    then the replicas admitted smallest first; big's replica (480,000 B) does not fit, small's
+    (4,800 B) does, and stays replicated with big's exchange paid (0.0032 ms < 0.004 ms)."""
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    unlimited = planner().place_all([small, big])
+    assert [p.placement for p in unlimited] == [pl.DATA_PARALLEL, pl.DATA_PARALLEL]
+    plan = planner(budget=300_000)
+    placed = plan.place_all([small, big])
+    assert [p.placement for p in placed] == [pl.DATA_PARALLEL, pl.ROW_WISE]
+    assert placed[1].reason.startswith("replica (480000 bytes with 2 optimizer slots) does not "
+                                       "fit memory_budget_bytes=300000")
+    assert plan.used_bytes() == 4_800 + 240_000
+    text = pl.render_plan(plan.plans, 2)
+    assert "does not fit memory_budget_bytes=300000" in text
+
+
+def test_placed_together_the_budget_is_reserved_for_every_table():
+    """Budget 244,000 B: small's replica (4,800 B) and big's row shard (240,000 B) do not both
+    fit, so placed together small is row-wise too; placed one by one (small built first, its
+    replica taken), big is refused, and the message says to place small row-wise."""
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    together = planner(budget=244_000)
+    assert [p.placement for p in together.place_all([small, big])] == [pl.ROW_WISE, pl.ROW_WISE]
+    assert together.used_bytes() == 2_400 + 240_000
+    apart = planner(budget=244_000)
+    assert apart.place(small).placement == pl.DATA_PARALLEL
+    with pytest.raises(pl.PlacementError) as error:
+        apart.place(big)
+    message = str(error.value)
+    for part in ("'big'", "10000 rows x 4", "row_wise, chosen by auto",
+                 "240000 bytes per worker", "already holds 4800 of its memory_budget_bytes=244000",
+                 "at least 244800", "place the replicated table(s) 'small' 'row_wise'",
+                 "more workers"):
+        assert part in message, (part, message)
+
+
+def test_a_plan_is_refused_when_a_table_does_not_fit_even_row_wise():
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    with pytest.raises(pl.PlacementError) as error:
+        planner(budget=200_000).place_all([small, big])
+    message = str(error.value)
+    for part in ("'big'", "row_wise, chosen by auto", "240000 bytes per worker",
+                 "already holds 2400 of its memory_budget_bytes=200000", "at least 242400",
+                 "more workers"):
+        assert part in message, (part, message)
+    assert "replicated table(s)" not in message  # small was made row-wise: nothing to free
+    with pytest.raises(pl.PlacementError, match="'big'.*240000 bytes per worker"):
+        pl.plan_tables([small, big], 2, memory_budget_bytes=200_000, collectives=COSTS)
+    # Positive control: the budget that holds both shards.
+    assert [p.placement for p in pl.plan_tables([small, big], 2, memory_budget_bytes=242_400,
+                                                collectives=COSTS)] == [pl.ROW_WISE] * 2
+
+
+def test_linear_costs_carry_everything_the_planner_reads():
+    """The strategy plans with worker 0's costs (gathered as `linear_costs`): rebuilt from them,
+    every collective costs the same, so every plan is the same."""
+    for transport in ("tf", "sockets"):
+        costs = pl.default_collectives(transport)
+        for workers in (2, 3, 4):
+            again = pl.collectives_from_linear(pl.linear_costs(costs, workers), workers)
+            for kind in ("all_to_all", "all_reduce"):
+                for nbytes in (0, 1234, 5e6):
+                    assert pl.collective_ms(kind, again[kind], workers, nbytes) == pytest.approx(
+                        pl.collective_ms(kind, costs[kind], workers, nbytes), rel=1e-12)
+            tables = [pl.TableSpec("t%d" % i, rows, dim) for i, (rows, dim) in enumerate(
+                [(7, 16), (20_000, 16), (3_000, 8), (500_000, 16)])]
+            assert ([p.placement for p in pl.plan_tables(tables, workers, collectives=again)]
+                    == [p.placement for p in pl.plan_tables(tables, workers, collectives=costs)])
+    assert pl.linear_costs(COSTS, 2) == [1.0, 1.0, 5.0, 2.0]
+    with pytest.raises(pl.PlacementError, match="4 numbers"):
+        pl.collectives_from_linear([1.0, 2.0], 2)
 
 
 def test_a_table_that_does_not_fit_is_refused_with_the_fix():
@@ -217,6 +293,22 @@ def test_cli_shows_a_plan_without_training(capsys):
     assert "'big'" in capsys.readouterr().err
     assert cli.main(["placement", "--table", "bad"]) == 2
     assert "NAME:ROWS:DIM" in capsys.readouterr().err
+
+
+def test_cli_gives_each_tables_reason_and_refuses_column_wise(capsys):
+    assert cli.main(["placement", "--table", "small:7:4", "--table", "big:2000000:16",
+                     "--table", "whole:5000:8", "--placement", "whole=table_wise",
+                     "--workers", "2", "--transport", "sockets"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith(("small ", "big ", "whole "))}
+    assert "all-reduce +" in lines["small"] and "data_parallel" in lines["small"]
+    assert "all-to-all +" in lines["big"] and "row_wise" in lines["big"]
+    assert "requested (auto never chooses table_wise)" in lines["whole"]
+    for placement in ("column_wise", "big=column_wise"):
+        assert cli.main(["placement", "--table", "big:2000000:16", "--placement",
+                         placement]) == 2
+        err = capsys.readouterr().err
+        assert "'column_wise' is not implemented" in err and "use 'row_wise'" in err, err
 
 
 def _tiny_model():
