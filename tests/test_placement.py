@@ -1,10 +1,15 @@
-"""Table placement (issue 15): the planner's rule by hand, its errors, the strategy's checks, the
-CLI, and data-parallel / mixed / auto placements on 2 and 3 workers equal to one process (runs
+"""Table placement (issue 15): the planner's rule by hand (costs, memory budget), its errors, the
+strategy's checks, the CLI, the default ("auto") planned alike on every worker for a lazily built
+model, and data-parallel / mixed / auto placements on 2 and 3 workers equal to one process (runs
 of the shared exactness launches, see conftest.PLACEMENT_RUNS)."""
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from conftest import PLACEMENT_RUNS, load_run
+from conftest import PLACEMENT_RUNS, PROGRAMS, launch, load_run, run_command
 from tf_nestpipe.plan import __main__ as cli
 from tf_nestpipe.plan import placement as pl
 from tf_nestpipe.plan.model import CollectiveParams
@@ -334,6 +339,7 @@ def test_the_strategy_refuses_bad_placements_before_starting():
         tnp.NestPipeStrategy(placement="column_wise")
     with pytest.raises(pl.PlacementError, match="memory_budget_bytes"):
         tnp.NestPipeStrategy(placement="auto", memory_budget_bytes=-1)
+    assert tnp.NestPipeStrategy().placement == "auto"  # the default (positive control)
 
 
 def test_the_strategy_refuses_a_table_over_the_memory_budget_when_it_is_built():
@@ -377,6 +383,40 @@ def test_the_strategy_refuses_an_unknown_table_name_at_the_first_step():
         table = tnp.ShardedEmbedding(10, 2, name="known_table")
     strategy.run(tf.function(step))
     assert [p.table.name for p in strategy.placement_plan()] == ["known_table"]
+
+
+# --- the default ("auto") on 2 workers: one plan on every worker ---------------------------
+@pytest.mark.cluster
+def test_the_default_auto_plan_is_worker_0s_on_every_worker_for_a_lazily_built_model(tmp_path):
+    """tests/programs/placement_default.py: tables constructed in a layer's build (the model's
+    first call, inside fit), placement and pipeline left at their defaults ("auto"); worker 1's
+    own all-reduce costs made 1000 times dearer. Both workers plan with worker 0's costs (placed
+    together: both tables replicated), worker 0 prints the plan once, and the model equals one
+    process's."""
+    program = os.path.join(PROGRAMS, "placement_default.py")
+    one = run_command([sys.executable, program, str(tmp_path / "one"), "12"])
+    assert one.returncode == 0, one.stdout[-4000:]
+    two = launch(2, [program, str(tmp_path / "two"), "12", "--disagree"], timeout=900)
+    assert two.returncode == 0, two.stdout[-6000:]
+    reports = [json.loads((tmp_path / "two" / ("rank%d.json" % r)).read_text()) for r in (0, 1)]
+    assert all(r["placement"] == "auto" for r in reports)  # the default
+    assert reports[0]["plan"] == reports[1]["plan"]
+    assert reports[1]["agreed_costs"] == reports[0]["agreed_costs"] == reports[0]["own_costs"]
+    assert reports[1]["own_costs"] != reports[0]["own_costs"]  # the disagreement took effect
+    tables = [pl.TableSpec(n, *reports[0]["tables"][n]) for n, *_ in reports[0]["plan"]]
+    placed = lambda costs: [[p.table.name, p.placement, p.owner, p.reason] for p in  # noqa: E731
+                            pl.plan_tables(tables, 2, collectives=pl.collectives_from_linear(
+                                costs, 2))]
+    assert reports[0]["plan"] == placed(reports[0]["own_costs"])  # placed together
+    assert {p for _, p, _, _ in reports[0]["plan"]} == {pl.DATA_PARALLEL}
+    # Positive control: worker 1's own costs would have placed the tables otherwise.
+    assert {p for _, p, _, _ in placed(reports[1]["own_costs"])} == {pl.ROW_WISE}
+    assert two.stdout.count("tf_nestpipe placement on 2 worker(s)") == 1
+    assert "[worker:0] tf_nestpipe placement on 2 worker(s)" in two.stdout
+    ref, got = np.load(tmp_path / "one" / "params.npz"), np.load(tmp_path / "two" / "params.npz")
+    assert sorted(ref.files) == sorted(got.files) and "table_a" in ref.files
+    for name in ref.files:
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 # --- exactness on 2 and 3 workers (the shared exactness launches) --------------------------
