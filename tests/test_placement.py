@@ -90,8 +90,8 @@ def test_auto_falls_back_to_row_wise_when_the_replica_does_not_fit():
     u = plan.place(pl.TableSpec("u", 2_000, 4))  # a second replica would not; its shard does
     assert (t.placement, u.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
     assert u.reason == ("replica (96000 bytes with 2 optimizer slots) does not fit "
-                        "memory_budget_bytes=150000 (96000 held, 48000 for the tables placed "
-                        "with it)")
+                        "memory_budget_bytes=150000 (96000 held by tables placed before, 48000 "
+                        "reserved for those placed with it, its own row shard included)")
     assert plan.used_bytes() == 96_000 + 48_000
 
 

@@ -364,8 +364,9 @@ class Planner:
                 reserved += extra
                 continue
             over[table.name] = (ROW_WISE, "replica (%d bytes with %d optimizer slots) does "
-                                "not fit memory_budget_bytes=%d (%d held, %d for the tables "
-                                "placed with it)" % (self._bytes(table, DATA_PARALLEL),
+                                "not fit memory_budget_bytes=%d (%d held by tables placed "
+                                "before, %d reserved for those placed with it, its own row "
+                                "shard included)" % (self._bytes(table, DATA_PARALLEL),
                                                      self.optimizer_slots, budget, held,
                                                      reserved))
         return over
