@@ -511,10 +511,12 @@ def add_ratios(rows):
                                for r in rows):
                 row.setdefault("baselines_not_fitting", []).append(base)
         if row["system"] == "nestpipe":
-            # ms/step over ours without pipeline (same collectives, cell): <= 1.0 is faster.
+            # ms/step over ours without pipeline (same collectives, placement, cell): <= 1.0
+            # is faster.
             none = [r for r in measured if r["system"] == "nestpipe" and r["pipeline"] == "none"
-                    and all(r[k] == row[k] for k in ("model", "data", "network", "workers",
-                                                     "collectives"))]
+                    and all(r.get(k) == row.get(k) for k in ("model", "data", "network",
+                                                             "workers", "collectives",
+                                                             "placement"))]
             row["vs_none"] = row["ms_median"] / none[0]["ms_median"] if none else None
 
 

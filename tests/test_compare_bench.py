@@ -104,6 +104,12 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     assert rows[0]["vs_none"] == pytest.approx(1.0)
     assert rows[1]["vs_none"] == pytest.approx(0.9) and rows[2]["vs_none"] == pytest.approx(1.5)
     assert rows[3]["vs_none"] == pytest.approx(1.0)  # against ours none with its own collectives
+    # ... and its own placement.
+    placed = [dict(_row("nestpipe", 20.0, pipeline="none"), placement="row_wise"),
+              dict(_row("nestpipe", 10.0, pipeline="none"), placement="auto"),
+              dict(_row("nestpipe", 12.0, pipeline="dbp"), placement="auto")]
+    compare.add_ratios(placed)
+    assert placed[2]["vs_none"] == pytest.approx(1.2)
     assert "vs_none" not in rows[4]
     assert compare.collectives_text(rows[1]) == "6 (1), auto chose dbp"
     assert compare.collectives_text(rows[4]) == "-"
