@@ -19,6 +19,15 @@ through `python -m tf_nestpipe.launch --horovod` when the launcher has that flag
 only) `horovodrun --gloo`; without Horovod they are listed as not run. A row that
 fails is listed with its error. Writes bench/results/compare.md, compare.json (one dict per
 row) and compare.png (samples/s per system vs workers); `--plot-only` redraws the PNG.
+
+Ours runs with `--placement` (default "auto", the strategy's default; one row of ours per
+placement given). `--memory-budget-bytes N` is a per-worker budget for tables + optimizer slots
+(issue 15: a cell whose tables do not fit replicated): ours gets `NestPipeStrategy(
+memory_budget_bytes=N)` (its planner places row-wise what does not fit replicated, or refuses
+the model naming the table: the row then fails with that error); for every baseline the bytes
+its fullest process holds are computed first (bench/compare_memory.py: its layout, its tables +
+Adagrad's slot) and a baseline over the budget is not run, its row saying "does not fit: X >
+budget Y". That is arithmetic, not a memory limit imposed on the processes.
 """
 import argparse
 import datetime
@@ -151,6 +160,66 @@ def plan_rows(blocks, pipelines, collectives):
     return rows
 
 
+def memory_check(row, args):
+    """The `MEMORY` verdict of bench/compare_worker.py for a baseline row under
+    `--memory-budget-bytes` (see bench/compare_memory.py): computed in one process, nothing
+    trained; raises RuntimeError when the check itself fails."""
+    command = [sys.executable, "-u", WORKER, "--system", row["system"], "--data", row["data"],
+               "--dim", str(args.dim), "--table-scale", str(args.table_scale),
+               "--synthetic-tables", args.synthetic_tables,
+               "--memory-budget-bytes", str(args.memory_budget_bytes),
+               "--memory-check-workers", str(row["workers"])]
+    process = subprocess.run(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True, timeout=args.row_timeout,
+                             env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
+                                      TF_USE_LEGACY_KERAS="1", PYTHONPATH=_python_path()))
+    for line in process.stdout.splitlines():
+        if line.startswith("MEMORY "):
+            return json.loads(line[len("MEMORY "):])
+    raise RuntimeError("memory check: " + error_summary(process.stdout, process.returncode))
+
+
+def checked_rows(rows, args, exclude=(), check=memory_check):
+    """{row index: its result without running} for the baseline rows whose tables do not fit
+    `--memory-budget-bytes` ("does not fit: ..."), and {row index: the verdict} of every baseline
+    row checked (not those in `exclude`); ours and rows of a system not computed are run as
+    usual."""
+    skipped, verdicts = {}, {}
+    if not args.memory_budget_bytes:
+        return skipped, verdicts
+    cache = {}
+    for i, row in enumerate(rows):
+        if row["system"] == "nestpipe" or i in exclude:
+            continue
+        key = (row["system"], row["data"], row["workers"])
+        if key not in cache:
+            try:
+                cache[key] = check(row, args)
+            except (RuntimeError, subprocess.SubprocessError) as e:
+                cache[key] = {"computed": False, "note": str(e).splitlines()[0][:300]}
+        verdicts[i] = cache[key]
+        if cache[key].get("computed") and not cache[key]["fits"]:
+            skipped[i] = dict(empty_result(row, args, cache[key]["note"], "does not fit"),
+                              table_bytes_per_process=cache[key]["bytes"])
+    return skipped, verdicts
+
+
+def add_memory_notes(done, verdicts, args):
+    """Under `--memory-budget-bytes`: every row records the budget, a checked baseline that ran
+    its computed bytes and verdict ("fits: ..." or why it was not computed)."""
+    if not args.memory_budget_bytes:
+        return
+    for i, row in enumerate(done):
+        row["memory_budget_bytes"] = args.memory_budget_bytes
+        verdict = verdicts.get(i)
+        if verdict is None or row["status"] == "does not fit":
+            continue
+        if verdict.get("computed"):
+            row["table_bytes_per_process"] = verdict["bytes"]
+        row["note"] = "; ".join(n for n in (row["note"], verdict["note"]) if n)
+        row["details"] = "; ".join(n for n in (row["details"], verdict["note"]) if n)
+
+
 def row_label(row):
     """Short name of a row's system, e.g. `nestpipe dbp/tf` or `mwms`."""
     if row["system"] == "nestpipe":
@@ -187,7 +256,8 @@ def worker_argv(row, args):
             "--synthetic-tables", args.synthetic_tables,
             "--auto-timed-steps", str(args.auto_timed_steps),
             "--profile-steps", str(profile_steps(row, args)),
-            "--placement", row.get("placement", "row_wise")]
+            "--placement", row.get("placement") or "auto",
+            "--memory-budget-bytes", str(args.memory_budget_bytes or 0)]
 
 
 def profile_steps(row, args):
@@ -383,7 +453,7 @@ def summarize_rounds(row, args, out, results):
         if key in first:
             out[key] = median(key)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
-                "auto_timings_ms", "auto_probe_steps"):
+                "auto_timings_ms", "auto_probe_steps", "placements", "table_bytes_per_worker"):
         if key in first:
             out[key] = first[key]
     if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
@@ -401,9 +471,18 @@ def summarize_rounds(row, args, out, results):
         extras.append("profile failed: " + first["profile_error"])
     if "async_samples_per_s" in out:
         extras.append("one join for all steps: %.0f samples/s" % out["async_samples_per_s"])
+    if out.get("placements"):
+        extras.append(plan_text(out))
     out["details"] = "; ".join(extras)
     out["note"] = "; ".join([out["note"]] + extras)
     return out
+
+
+def plan_text(row):
+    """Ours: the planner's placements and the fullest worker's tables + slots, e.g. `plan: 20
+    data_parallel, 6 row_wise; tables 12.0 MiB/worker`."""
+    counts = ", ".join("%d %s" % (n, p) for p, n in sorted(row["placements"].items()))
+    return "plan: %s; tables %.1f MiB/worker" % (counts, row["table_bytes_per_worker"] / 2 ** 20)
 
 
 def empty_result(row, args, note, status):
@@ -427,12 +506,29 @@ def add_ratios(rows):
             ref = [r for r in measured if r["system"] == base and all(
                 r[k] == row[k] for k in ("model", "data", "network", "workers"))]
             row["vs_" + base] = row["samples_per_s"] / ref[0]["samples_per_s"] if ref else None
+            if not ref and any(r["system"] == base and r["status"] == "does not fit" and all(
+                    r[k] == row[k] for k in ("model", "data", "network", "workers"))
+                               for r in rows):
+                row.setdefault("baselines_not_fitting", []).append(base)
         if row["system"] == "nestpipe":
-            # ms/step over ours without pipeline (same collectives, cell): <= 1.0 is faster.
+            # ms/step over ours without pipeline (same collectives, placement, cell): <= 1.0
+            # is faster.
             none = [r for r in measured if r["system"] == "nestpipe" and r["pipeline"] == "none"
-                    and all(r[k] == row[k] for k in ("model", "data", "network", "workers",
-                                                     "collectives"))]
+                    and all(r.get(k) == row.get(k) for k in ("model", "data", "network",
+                                                             "workers", "collectives",
+                                                             "placement"))]
             row["vs_none"] = row["ms_median"] / none[0]["ms_median"] if none else None
+
+
+def ratio_cell(row, key, base, target):
+    """A ratio cell of the report: the target's verdict on target rows, else the ratio; where
+    the baseline's tables do not fit the memory budget, says so."""
+    value = row.get(key)
+    if value is None and base in row.get("baselines_not_fitting", ()):
+        return "%s does not fit" % base
+    if target:
+        return verdict(value, TARGETS[base])
+    return _num(value, "%.2fx")
 
 
 def verdict(value, target):
@@ -505,6 +601,21 @@ def _num(value, fmt):
     return "-" if value is None else fmt % value
 
 
+def memory_lines(args):
+    """The report's paragraph on `--memory-budget-bytes` (none without it)."""
+    if not args.memory_budget_bytes:
+        return []
+    return ["Memory budget: %d bytes (%.2f GiB) of tables + optimizer slots per worker. Ours: "
+            "`NestPipeStrategy(memory_budget_bytes=...)`, whose planner places row-wise the "
+            "tables whose replica does not fit (2 optimizer slots assumed) or refuses the model; "
+            "its plan and the bytes its fullest worker holds are in the notes. Baselines: the "
+            "bytes of tables + 1 Adagrad slot their fullest process holds are computed "
+            "(bench/compare_memory.py, not measured) and a baseline over the budget is not run "
+            "(\"does not fit\"); no memory limit is imposed on any process, and runtime memory "
+            "is not counted." % (args.memory_budget_bytes, args.memory_budget_bytes / 2 ** 30),
+            ""]
+
+
 def markdown(rows, args, env, seconds):
     """The Markdown report: setup, the table of every row, the targets and the failures."""
     singles = {(r["model"], r["data"]): r["ms_median"] for r in rows if r["system"] == "single"}
@@ -539,6 +650,7 @@ def markdown(rows, args, env, seconds):
             args.table_scale, args.dim,
             LEARNING_RATE, args.profile_steps, TARGET_WORKERS, TARGETS["efficiency"], TARGETS["mwms"],
             TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
+        *memory_lines(args),
         "| system | model | data | network | W | ms/step median | p90 | samples/s | E | exposure "
         "| vs MWMS | vs PSv2 | vs Horovod repl. | vs ours none | collectives/step (exchanges) "
         "| notes |",
@@ -546,13 +658,10 @@ def markdown(rows, args, env, seconds):
     for r in rows:
         target = targets_apply(r)
         cells = []
-        for key, goal in (("efficiency", "efficiency"), ("vs_mwms", "mwms"),
-                          ("vs_psv2", "psv2"), ("vs_hvd_replicated", "hvd_replicated")):
-            value = r.get(key)
-            if target:
-                cells.append(verdict(value, TARGETS[goal]))
-            else:
-                cells.append(_num(value, "%.2f" if key == "efficiency" else "%.2fx"))
+        cells.append(verdict(r.get("efficiency"), TARGETS["efficiency"]) if target
+                     else _num(r.get("efficiency"), "%.2f"))
+        for base in ("mwms", "psv2", "hvd_replicated"):
+            cells.append(ratio_cell(r, "vs_" + base, base, target))
         network = r["network"] + (" (RTT %.2f ms)" % r["rtt_ms"] if r.get("rtt_ms") else "")
         lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             row_label(r), r["model"], r["data"], network, r["workers"],
@@ -594,7 +703,9 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement"]
+              "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement",
+              "memory_budget_bytes", "placements", "table_bytes_per_worker",
+              "table_bytes_per_process", "baselines_not_fitting"]
 
 
 def json_rows(rows):
@@ -683,10 +794,15 @@ def parse_args(argv=None):
     parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
-    parser.add_argument("--placement", nargs="+", default=["row_wise"],
-                        choices=["row_wise", "data_parallel", "auto"],
-                        help="ours: NestPipeStrategy(placement=...), one row each: row_wise "
-                             "(default), data_parallel and/or auto (issue 15)")
+    parser.add_argument("--placement", nargs="+", default=["auto"],
+                        choices=["auto", "row_wise", "table_wise", "data_parallel"],
+                        help="ours: NestPipeStrategy(placement=...), one row each: auto "
+                             "(default, the strategy's), row_wise, table_wise and/or "
+                             "data_parallel (issue 15)")
+    parser.add_argument("--memory-budget-bytes", type=int, default=None,
+                        help="per-worker bytes of tables + optimizer slots: ours plans within "
+                             "it; a baseline whose tables (computed) do not fit is not run "
+                             "(see the module docstring)")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
     parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true",
@@ -744,24 +860,27 @@ def main(argv=None):
         len(rows), env["horovod_text"], env["launcher_horovod"]), flush=True)
     started = time.perf_counter()
     done = []
-    unprepared = lambda row: bool(movielens_error) and row["data"] == "movielens-1m"  # noqa: E731
+    # Rows with a result before they run: MovieLens not prepared, or tables over the budget.
+    ready = {i: empty_result(row, args, movielens_error, "failed") for i, row in enumerate(rows)
+             if movielens_error and row["data"] == "movielens-1m"}
+    skipped, verdicts = checked_rows(rows, args, exclude=set(ready))
+    ready.update(skipped)
     if args.interleave:
-        measured = iter(run_interleaved([r for r in rows if not unprepared(r)], args, env))
-        done = [empty_result(row, args, movielens_error, "failed") if unprepared(row)
-                else next(measured) for row in rows]  # in the plan's order
+        measured = iter(run_interleaved([r for i, r in enumerate(rows) if i not in ready],
+                                        args, env))
+        done = [ready[i] if i in ready else next(measured)
+                for i in range(len(rows))]  # in the plan's order
     else:
         for i, row in enumerate(rows):
             print("[%d/%d] %s %s/%s/%s W=%d ..." % (i + 1, len(rows), row_label(row), row["model"],
                                                    row["data"], row["network"], row["workers"]),
                   flush=True)
-            if unprepared(row):
-                result = empty_result(row, args, movielens_error, "failed")
-            else:
-                result = run_row(row, args, env)
+            result = ready[i] if i in ready else run_row(row, args, env)
             done.append(result)
             print("    -> %s" % (("%.1f ms/step, %.0f samples/s" % (result["ms_median"],
                                                                   result["samples_per_s"]))
                                  if result["samples_per_s"] else result["note"]), flush=True)
+    add_memory_notes(done, verdicts, args)
     add_ratios(done)
     seconds = time.perf_counter() - started
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:

@@ -32,7 +32,12 @@ loss is the mean binary cross-entropy over the global batch; Adagrad everywhere.
 
 `--wire-dtype FORWARD-BACKWARD` (nestpipe; e.g. int8-bf16, or one name for both) compresses the
 embedding exchanges; the RESULT then has `wire_bytes_per_step` (bytes rank 0 sent per step by
-exchange kind, from the strategy's wire counters) and `clamped`. `--eval-batches N` (dlrm) adds
+exchange kind, from the strategy's wire counters) and `clamped`. `--placement` (nestpipe, default "auto") and `--memory-budget-bytes N` (nestpipe: tables +
+slots per worker) go to `NestPipeStrategy`; ours' RESULT then has `placements` (tables per
+placement) and `table_bytes_per_worker` (the planner's). With `--memory-check-workers W` the
+worker trains nothing: it prints `MEMORY {json}`, whether `--system`'s tables + Adagrad slots fit
+the budget per process on W workers (bench/compare_memory.py, computed), and exits.
+`--eval-batches N` (dlrm) adds
 `auc`: the AUC after training on N held-out global batches (synthetic: batches 10**6 and on, never
 trained on; MovieLens-1M: its test split).
 """
@@ -54,6 +59,7 @@ import tf_keras  # noqa: E402
 
 import dlrm  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
+from compare_memory import memory_verdict  # noqa: E402
 from dlrm_worker import profile  # noqa: E402
 from ps_worker import MeanBag  # noqa: E402
 from tf_nestpipe.data import (SyntheticClickLog, criteo_kaggle_table_sizes,  # noqa: E402
@@ -80,15 +86,29 @@ class Data:
         self.dataset_fn = dataset_fn
 
 
+def synthetic_table_sizes(args):
+    """The synthetic data's table sizes: the Criteo Kaggle profile times `--table-scale`, or
+    `--synthetic-tables N:ROWS` tables of ROWS rows each."""
+    if args.synthetic_tables:
+        count, rows = (int(v) for v in args.synthetic_tables.split(":"))
+        return [rows] * count
+    return list(criteo_kaggle_table_sizes(args.table_scale))
+
+
+def table_sizes_of(args):
+    """(single-hot table sizes, {bag name: size}) of `--data`, without reading its records."""
+    if args.data == "synthetic":
+        return synthetic_table_sizes(args), {}
+    _, metadata = load_or_prepare_movielens("movielens-1m")
+    _, _, table_sizes, bag_sizes = dlrm.model_inputs(metadata)
+    return table_sizes, bag_sizes
+
+
 def synthetic_data(args):
     """The Zipf Criteo-profile click log of bench/dlrm_worker.py (or `--synthetic-tables N:ROWS`
     tables of ROWS rows each), each worker's slices of `min(total steps, 100)` global batches
     generated up front and repeated."""
-    if args.synthetic_tables:
-        count, rows = (int(v) for v in args.synthetic_tables.split(":"))
-        table_sizes = [rows] * count
-    else:
-        table_sizes = criteo_kaggle_table_sizes(args.table_scale)
+    table_sizes = synthetic_table_sizes(args)
     log = SyntheticClickLog(table_sizes, seed=1)
     batches = min(args.warmup + args.steps + args.profile_steps + 3, 100)
     return Data(table_sizes, {}, log.num_dense,
@@ -320,8 +340,9 @@ def run_fit(args, data):
         if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}
-        if args.placement != "row_wise":  # table placement (issue 15)
-            options["placement"] = args.placement
+        options["placement"] = args.placement  # table placement (issue 15)
+        if args.memory_budget_bytes:  # per worker, tables + optimizer slots (issue 15)
+            options["memory_budget_bytes"] = args.memory_budget_bytes
         strategy = tnp.NestPipeStrategy(**options)
         rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"
     with strategy.scope():
@@ -356,6 +377,8 @@ def run_fit(args, data):
                            % AUTO_PROBE_STEPS_LIMIT)
     result = summarize(timer.times[probe:], args.warmup)
     result.update(pipeline_facts(model))
+    if kind == "sharded":
+        result.update(placement_facts(strategy))
     if probe:
         result["auto_probe_steps"] = probe
     if exchange is not None:
@@ -407,6 +430,16 @@ def pipeline_facts(model):
         facts["auto_choice"] = str(pipeline.choice)
         facts["auto_timings_ms"] = pipeline.timings_ms
     return facts
+
+
+def placement_facts(strategy):
+    """Ours: the planner's placements (how many tables each) and the bytes of tables + slots
+    the fullest worker holds (the planner's count: 2 optimizer slots assumed)."""
+    planner = strategy.extended.placement_planner
+    counts = {}
+    for plan in planner.plans:
+        counts[plan.placement] = counts.get(plan.placement, 0) + 1
+    return {"placements": counts, "table_bytes_per_worker": planner.used_bytes()}
 
 
 HELD_OUT_FIRST_BATCH = 10 ** 6  # synthetic batches from here on are never trained on
@@ -577,11 +610,26 @@ def main():
     parser.add_argument("--min-shard-bytes", type=int, default=64 << 10, help="psv2 partitioner")
     parser.add_argument("--wire-dtype", default="fp32",
                         help="nestpipe: FORWARD-BACKWARD wire dtypes, e.g. int8-bf16 (issue 19)")
-    parser.add_argument("--placement", default="row_wise",
-                        help="nestpipe: row_wise, data_parallel or auto (issue 15)")
+    parser.add_argument("--placement", default="auto",
+                        help="nestpipe: auto (the strategy's default), row_wise, table_wise or "
+                             "data_parallel (issue 15)")
+    parser.add_argument("--memory-budget-bytes", type=int, default=0,
+                        help="nestpipe: NestPipeStrategy(memory_budget_bytes=...), tables + "
+                             "slots per worker (0: none); with --memory-check-workers, the "
+                             "budget checked")
+    parser.add_argument("--memory-check-workers", type=int, default=0,
+                        help="print `MEMORY {json}`: whether --system's tables + Adagrad slots "
+                             "fit --memory-budget-bytes per process on this many workers "
+                             "(bench/compare_memory.py; computed, nothing trained), and exit")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="dlrm: held-out global batches for the AUC after training")
     args = parser.parse_args()
+    if args.memory_check_workers:
+        table_sizes, bag_sizes = table_sizes_of(args)
+        print("MEMORY " + json.dumps(memory_verdict(
+            args.system, table_sizes, bag_sizes, args.dim, args.memory_check_workers,
+            args.memory_budget_bytes)), flush=True)
+        return
     data = synthetic_data(args) if args.data == "synthetic" else movielens_data(args)
     if args.system == "psv2":
         rank, workers, result, profiling = run_psv2(args, data)

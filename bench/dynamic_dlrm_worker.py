@@ -92,7 +92,8 @@ def main():
     sizes = (criteo_kaggle_table_sizes(args.table_sizes_scale) if args.mode == "fixed"
              else None)
     train, test = read_all(args.train, sizes), read_all(args.test, sizes)
-    strategy = tnp.NestPipeStrategy(pipeline="none")
+    # row_wise: the fixed tables sharded as the dynamic ones are ("auto" may replicate them).
+    strategy = tnp.NestPipeStrategy(pipeline="none", placement="row_wise")
     baseline = current_rss_bytes()
     with strategy.scope():
         if args.mode == "fixed":

@@ -38,7 +38,8 @@ def main():
     die_at = int(sys.argv[sys.argv.index("--die-at") + 1]) if "--die-at" in sys.argv else None
     pause = (float(sys.argv[sys.argv.index("--step-seconds") + 1])
              if "--step-seconds" in sys.argv else 0.0)
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the faults hit the table's exchange ("auto" would replicate this table).
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     rank, workers = strategy.worker_index, strategy.num_workers
     tf_keras.utils.set_random_seed(1)
     with strategy.scope():

@@ -28,7 +28,7 @@ def main():
     parser.add_argument("--rows", type=int, default=4 << 20)
     parser.add_argument("--dim", type=int, default=64)
     args = parser.parse_args()
-    strategy = tnp.NestPipeStrategy()
+    strategy = tnp.NestPipeStrategy(placement="row_wise")  # the row shards' memory is measured
     with strategy.scope():
         table = tnp.ShardedEmbedding(args.rows, args.dim, name="big", embeddings_initializer=
                                      tf_keras.initializers.RandomUniform(-0.01, 0.01, seed=1))

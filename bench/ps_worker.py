@@ -325,7 +325,7 @@ class _StepClock(tf_keras.callbacks.Callback):
 
 def run_sync(args, metadata, table_sizes, bag_sizes):
     """tnp.NestPipeStrategy (2 workers, no ps) with tf_keras fit: the synchronous reference."""
-    strategy = tnp.NestPipeStrategy()
+    strategy = tnp.NestPipeStrategy(placement="row_wise")  # row-sharded, as the ps tasks' tables
     with strategy.scope():
         model = RecModel("sharded", table_sizes, bag_sizes, args.dim)
         model.compile(optimizer=tf_keras.optimizers.Adagrad(args.learning_rate),

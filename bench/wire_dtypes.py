@@ -37,7 +37,8 @@ def worker_argv(args, cell, wire):
             "--model", "dlrm", "--data", data, "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
             "--dim", str(args.dim), "--table-scale", str(args.table_scale),
-            "--wire-dtype", wire, "--eval-batches", str(args.eval_batches)]
+            "--wire-dtype", wire, "--eval-batches", str(args.eval_batches),
+            "--placement", "row_wise"]  # the exchanges are what is compressed
 
 
 def run_row(args, cell, wire):

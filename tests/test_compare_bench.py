@@ -104,6 +104,12 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     assert rows[0]["vs_none"] == pytest.approx(1.0)
     assert rows[1]["vs_none"] == pytest.approx(0.9) and rows[2]["vs_none"] == pytest.approx(1.5)
     assert rows[3]["vs_none"] == pytest.approx(1.0)  # against ours none with its own collectives
+    # ... and its own placement.
+    placed = [dict(_row("nestpipe", 20.0, pipeline="none"), placement="row_wise"),
+              dict(_row("nestpipe", 10.0, pipeline="none"), placement="auto"),
+              dict(_row("nestpipe", 12.0, pipeline="dbp"), placement="auto")]
+    compare.add_ratios(placed)
+    assert placed[2]["vs_none"] == pytest.approx(1.2)
     assert "vs_none" not in rows[4]
     assert compare.collectives_text(rows[1]) == "6 (1), auto chose dbp"
     assert compare.collectives_text(rows[4]) == "-"
@@ -239,3 +245,153 @@ def test_interleave_runs_round_r_of_every_row_before_round_r_plus_1(monkeypatch)
     args.interleave = False
     compare.run_row(rows[0], args, {})
     assert order == ["none"] * 3
+
+
+# --- memory budget (issue 15: a cell whose tables do not fit replicated) ---------------------
+def test_ours_runs_with_auto_by_default_and_gets_the_memory_budget():
+    args = compare.parse_args(["--steps", "5"])
+    assert args.placement == ["auto"] and args.memory_budget_bytes is None
+    row = dict(compare.make_row("nestpipe", "none", "sockets", "dlrm", "synthetic", "loopback", 2),
+               placement="auto")
+    argv = compare.worker_argv(row, args)
+    assert argv[argv.index("--placement") + 1] == "auto"
+    assert argv[argv.index("--memory-budget-bytes") + 1] == "0"  # none
+    args = compare.parse_args(["--memory-budget-bytes", "700000000", "--placement", "row_wise",
+                               "table_wise"])
+    assert args.memory_budget_bytes == 700_000_000 and args.placement == ["row_wise", "table_wise"]
+    argv = compare.worker_argv(dict(row, placement="row_wise"), args)
+    assert argv[argv.index("--memory-budget-bytes") + 1] == "700000000"
+    assert argv[argv.index("--placement") + 1] == "row_wise"
+    with pytest.raises(SystemExit):
+        compare.parse_args(["--placement", "column_wise"])
+
+
+def _verdicts(fits_by_system):
+    calls = []
+
+    def check(row, args):
+        calls.append((row["system"], row["workers"]))
+        fits = fits_by_system[row["system"]]
+        if fits is None:
+            return {"computed": False, "note": "memory not computed for %s" % row["system"]}
+        if fits == "error":
+            raise RuntimeError("memory check: failed (rc=1): OSError: no data")
+        return {"computed": True, "fits": fits, "bytes": 9 << 30 if not fits else 1 << 20,
+                "note": ("does not fit: 9.00 GiB > budget 1.00 GiB" if not fits
+                         else "fits: 1.0 MiB <= budget 1.00 GiB")}
+    return check, calls
+
+
+def test_baselines_whose_tables_do_not_fit_are_not_run_and_ours_is():
+    args = compare.parse_args(["--memory-budget-bytes", str(1 << 30), "--steps", "5"])
+    rows = [compare.make_row(s, "-", "tf", "dlrm", "synthetic", "loopback", 2)
+            for s in ("mwms", "hvd_replicated", "psv2", "hvd_alltoall")]
+    rows.append(dict(compare.make_row("nestpipe", "none", "sockets", "dlrm", "synthetic",
+                                      "loopback", 2), placement="auto"))
+    rows.append(compare.make_row("mwms", "-", "tf", "dcn", "synthetic", "loopback", 2))
+    rows.append(compare.make_row("single", "-", "-", "dlrm", "synthetic", "-", 1))
+    check, calls = _verdicts({"mwms": False, "hvd_replicated": False, "psv2": None,
+                              "hvd_alltoall": True, "single": "error"})
+    skipped, verdicts = compare.checked_rows(rows, args, exclude={6}, check=check)
+    assert sorted(skipped) == [0, 1, 5]  # mwms (both models), hvd_replicated
+    assert all(skipped[i]["status"] == "does not fit" for i in skipped)
+    assert skipped[0]["note"] == "does not fit: 9.00 GiB > budget 1.00 GiB"
+    assert skipped[0]["table_bytes_per_process"] == 9 << 30 and skipped[0]["samples_per_s"] is None
+    assert 4 not in verdicts and 6 not in verdicts  # ours: its planner checks; excluded row
+    # One check per system, data and cluster size (the model does not change the tables).
+    assert calls == [("mwms", 2), ("hvd_replicated", 2), ("psv2", 2), ("hvd_alltoall", 2)]
+    # Without a budget nothing is checked (positive control of the skip).
+    assert compare.checked_rows(rows, compare.parse_args([]), check=check) == ({}, {})
+    # A check that fails leaves its row to run, with the reason.
+    _, failed = compare.checked_rows(rows[6:], args, check=check)
+    assert failed[0] == {"computed": False, "note": "memory check: failed (rc=1): OSError: no data"}
+
+
+def test_the_report_says_which_baseline_does_not_fit_and_shows_ours_plan():
+    args = compare.parse_args(["--memory-budget-bytes", str(1 << 30), "--steps", "10"])
+    ours = _row("nestpipe", 20.0, pipeline="none", collectives="sockets")
+    ours["placement"] = "auto"
+    summarized = compare.summarize_rounds(
+        ours, args, dict(ours, note="ours", details=""),
+        [{"ms_median": 20.0, "ms_p90": 22.0, "steps": 10,
+          "placements": {"row_wise": 20, "data_parallel": 6},
+          "table_bytes_per_worker": 700 << 20}])
+    assert "plan: 6 data_parallel, 20 row_wise; tables 700.0 MiB/worker" in summarized["details"]
+    hvd = compare.empty_result(compare.make_row("hvd_replicated", "-", "horovod", "dlrm",
+                                                "synthetic", "loopback", 2),
+                               args, "does not fit: 1.61 GiB > budget 1.00 GiB", "does not fit")
+    hvd["table_bytes_per_process"] = 1 << 31  # as checked_rows leaves it
+    mwms = _row("mwms", 100.0)
+    psv2 = _row("psv2", 40.0)
+    rows = [summarized, hvd, mwms, psv2]
+    compare.add_memory_notes(rows, {2: {"computed": True, "fits": True, "bytes": 5 << 20,
+                                        "note": "fits: 5.0 MiB <= budget 1.00 GiB"},
+                                    1: {"computed": True, "fits": False, "bytes": 1 << 31,
+                                        "note": "does not fit"}}, args)
+    assert all(r["memory_budget_bytes"] == 1 << 30 for r in rows)
+    assert mwms["table_bytes_per_process"] == 5 << 20 and "fits: 5.0 MiB" in mwms["details"]
+    assert hvd["note"] == "does not fit: 1.61 GiB > budget 1.00 GiB"  # its own note, once
+    compare.add_ratios(rows)
+    assert summarized["vs_hvd_replicated"] is None
+    assert summarized["baselines_not_fitting"] == ["hvd_replicated"]
+    assert summarized["vs_mwms"] == pytest.approx(5.0)
+    text = compare.markdown(rows, args, {"load": 0.5, "horovod": True, "horovod_version": "x",
+                                         "horovod_text": "Horovod x"}, 1.0)
+    assert "hvd_replicated does not fit |" in text
+    assert "Memory budget: 1073741824 bytes (1.00 GiB)" in text and "not measured" in text
+    assert "does not fit: 1.61 GiB > budget 1.00 GiB" in text  # in the rows without numbers
+    stored = compare.json_rows(rows)
+    assert stored[0]["placements"] == {"row_wise": 20, "data_parallel": 6}
+    assert stored[1]["table_bytes_per_process"] == 1 << 31
+    # Positive control: without a budget no paragraph and no "does not fit" cell.
+    plain = compare.markdown([_row("nestpipe", 20.0, pipeline="none"), _row("mwms", 100.0)],
+                             compare.parse_args(["--steps", "10"]),
+                             {"load": 0.5, "horovod": False, "horovod_version": None,
+                              "horovod_text": "no Horovod rows"}, 1.0)
+    assert "Memory budget" not in plain and "does not fit" not in plain
+
+
+def test_table_memory_of_each_baseline_by_hand():
+    import compare_memory as cm
+
+    sizes, bags = [10, 20, 30], {"g": 5}
+    # dim 4, fp32, table + 1 Adagrad slot: 32 bytes per row.
+    assert cm.process_table_bytes("mwms", sizes, bags, 4, 2) == (
+        65 * 32, "4 tables whole in every process")
+    assert cm.process_table_bytes("single", sizes, bags, 4, 1)[0] == 65 * 32
+    # hvd_alltoall: rank 0 holds tables 0 and 2, rank 1 table 1; both hold the bag.
+    assert cm.process_table_bytes("hvd_alltoall", sizes, bags, 4, 2)[0] == (10 + 30 + 5) * 32
+    assert cm.process_table_bytes("psv2", sizes, bags, 4, 2) is None
+    assert cm.process_table_bytes("nestpipe", sizes, bags, 4, 2) is None
+    over = cm.memory_verdict("hvd_replicated", sizes, bags, 4, 2, 2000)
+    assert over == {"system": "hvd_replicated", "budget": 2000, "computed": True, "bytes": 2080,
+                    "fits": False, "note": "does not fit: 2.0 KiB (2080 bytes) > budget 2.0 KiB "
+                                           "(2000 bytes) per process (4 tables whole in every "
+                                           "process, table + 1 Adagrad slot; computed, not run)"}
+    assert cm.memory_verdict("hvd_replicated", sizes, bags, 4, 2, 2080)["fits"]  # just fits
+    assert cm.memory_verdict("psv2", sizes, bags, 4, 2, 2000)["computed"] is False
+    with pytest.raises(ValueError, match="positive number of bytes"):
+        cm.memory_verdict("mwms", sizes, bags, 4, 2, 0)
+
+
+def test_memory_check_runs_the_worker_without_a_cluster():
+    """The large-table cell (dim 64, table scale 0.05, 2 workers) under a 700 MB budget: MWMS's
+    replicated tables + Adagrad slot (864,333,824 bytes) do not fit; ours row-wise with 2 slots
+    (648 MB per worker, the planner's count) does."""
+    from tf_nestpipe.plan import placement as pl
+
+    args = compare.parse_args(["--memory-budget-bytes", "700000000", "--dim", "64",
+                               "--table-scale", "0.05"])
+    row = compare.make_row("mwms", "-", "tf", "dlrm", "synthetic", "loopback", 2)
+    verdict = compare.memory_check(row, args)
+    assert verdict["computed"] and not verdict["fits"] and verdict["bytes"] == 864_333_824
+    assert verdict["note"].startswith("does not fit: 824.3 MiB (864333824 bytes) > budget "
+                                      "667.6 MiB (700000000 bytes) per process (26 tables")
+    from tf_nestpipe.data import criteo_kaggle_table_sizes
+
+    tables = [pl.TableSpec("t%d" % i, n, 64)
+              for i, n in enumerate(criteo_kaggle_table_sizes(0.05))]
+    plans = pl.plan_tables(tables, 2, memory_budget_bytes=700_000_000, transport="sockets")
+    held = max(sum(p.bytes_on(w) for p in plans) for w in range(2))
+    assert held <= 700_000_000 < verdict["bytes"]
+    assert any(p.placement == pl.ROW_WISE for p in plans)

@@ -1,10 +1,15 @@
-"""Table placement (issue 15): the planner's rule by hand, its errors, the strategy's checks, the
-CLI, and data-parallel / mixed / auto placements on 2 and 3 workers equal to one process (runs
+"""Table placement (issue 15): the planner's rule by hand (costs, memory budget), its errors, the
+strategy's checks, the CLI, the default ("auto") planned alike on every worker for a lazily built
+model, and data-parallel / mixed / auto placements on 2 and 3 workers equal to one process (runs
 of the shared exactness launches, see conftest.PLACEMENT_RUNS)."""
+import json
+import os
+import sys
+
 import numpy as np
 import pytest
 
-from conftest import PLACEMENT_RUNS, load_run
+from conftest import PLACEMENT_RUNS, PROGRAMS, launch, load_run, run_command
 from tf_nestpipe.plan import __main__ as cli
 from tf_nestpipe.plan import placement as pl
 from tf_nestpipe.plan.model import CollectiveParams
@@ -84,8 +89,84 @@ def test_auto_falls_back_to_row_wise_when_the_replica_does_not_fit():
     t = plan.place(pl.TableSpec("t", 2_000, 4))  # replica 96,000 B fits
     u = plan.place(pl.TableSpec("u", 2_000, 4))  # a second replica would not; its shard does
     assert (t.placement, u.placement) == (pl.DATA_PARALLEL, pl.ROW_WISE)
-    assert u.reason == "replica does not fit the budget"
+    assert u.reason == ("replica (96000 bytes with 2 optimizer slots) does not fit "
+                        "memory_budget_bytes=150000 (96000 held by tables placed before, 48000 "
+                        "reserved for those placed with it, its own row shard included)")
     assert plan.used_bytes() == 96_000 + 48_000
+
+
+def test_under_a_budget_tables_that_do_not_fit_replicated_are_row_wise():
+    """Placed together: every table's row-wise bytes reserved (small 2,400 B, big 240,000 B),
+    then the replicas admitted smallest first; big's replica (480,000 B) does not fit, small's
+    (4,800 B) does, and stays replicated with big's exchange paid (0.0032 ms < 0.004 ms)."""
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    unlimited = planner().place_all([small, big])
+    assert [p.placement for p in unlimited] == [pl.DATA_PARALLEL, pl.DATA_PARALLEL]
+    plan = planner(budget=300_000)
+    placed = plan.place_all([small, big])
+    assert [p.placement for p in placed] == [pl.DATA_PARALLEL, pl.ROW_WISE]
+    assert placed[1].reason.startswith("replica (480000 bytes with 2 optimizer slots) does not "
+                                       "fit memory_budget_bytes=300000")
+    assert plan.used_bytes() == 4_800 + 240_000
+    text = pl.render_plan(plan.plans, 2)
+    assert "does not fit memory_budget_bytes=300000" in text
+
+
+def test_placed_together_the_budget_is_reserved_for_every_table():
+    """Budget 244,000 B: small's replica (4,800 B) and big's row shard (240,000 B) do not both
+    fit, so placed together small is row-wise too; placed one by one (small built first, its
+    replica taken), big is refused, and the message says to place small row-wise."""
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    together = planner(budget=244_000)
+    assert [p.placement for p in together.place_all([small, big])] == [pl.ROW_WISE, pl.ROW_WISE]
+    assert together.used_bytes() == 2_400 + 240_000
+    apart = planner(budget=244_000)
+    assert apart.place(small).placement == pl.DATA_PARALLEL
+    with pytest.raises(pl.PlacementError) as error:
+        apart.place(big)
+    message = str(error.value)
+    for part in ("'big'", "10000 rows x 4", "row_wise, chosen by auto",
+                 "240000 bytes per worker", "already holds 4800 of its memory_budget_bytes=244000",
+                 "at least 244800", "place the replicated table(s) 'small' 'row_wise'",
+                 "more workers"):
+        assert part in message, (part, message)
+
+
+def test_a_plan_is_refused_when_a_table_does_not_fit_even_row_wise():
+    small, big = pl.TableSpec("small", 100, 4), pl.TableSpec("big", 10_000, 4)
+    with pytest.raises(pl.PlacementError) as error:
+        planner(budget=200_000).place_all([small, big])
+    message = str(error.value)
+    for part in ("'big'", "row_wise, chosen by auto", "240000 bytes per worker",
+                 "already holds 2400 of its memory_budget_bytes=200000", "at least 242400",
+                 "more workers"):
+        assert part in message, (part, message)
+    assert "replicated table(s)" not in message  # small was made row-wise: nothing to free
+    with pytest.raises(pl.PlacementError, match="'big'.*240000 bytes per worker"):
+        pl.plan_tables([small, big], 2, memory_budget_bytes=200_000, collectives=COSTS)
+    # Positive control: the budget that holds both shards.
+    assert [p.placement for p in pl.plan_tables([small, big], 2, memory_budget_bytes=242_400,
+                                                collectives=COSTS)] == [pl.ROW_WISE] * 2
+
+
+def test_linear_costs_carry_everything_the_planner_reads():
+    """The strategy plans with worker 0's costs (gathered as `linear_costs`): rebuilt from them,
+    every collective costs the same, so every plan is the same."""
+    for transport in ("tf", "sockets"):
+        costs = pl.default_collectives(transport)
+        for workers in (2, 3, 4):
+            again = pl.collectives_from_linear(pl.linear_costs(costs, workers), workers)
+            for kind in ("all_to_all", "all_reduce"):
+                for nbytes in (0, 1234, 5e6):
+                    assert pl.collective_ms(kind, again[kind], workers, nbytes) == pytest.approx(
+                        pl.collective_ms(kind, costs[kind], workers, nbytes), rel=1e-12)
+            tables = [pl.TableSpec("t%d" % i, rows, dim) for i, (rows, dim) in enumerate(
+                [(7, 16), (20_000, 16), (3_000, 8), (500_000, 16)])]
+            assert ([p.placement for p in pl.plan_tables(tables, workers, collectives=again)]
+                    == [p.placement for p in pl.plan_tables(tables, workers, collectives=costs)])
+    assert pl.linear_costs(COSTS, 2) == [1.0, 1.0, 5.0, 2.0]
+    with pytest.raises(pl.PlacementError, match="4 numbers"):
+        pl.collectives_from_linear([1.0, 2.0], 2)
 
 
 def test_a_table_that_does_not_fit_is_refused_with_the_fix():
@@ -219,6 +300,22 @@ def test_cli_shows_a_plan_without_training(capsys):
     assert "NAME:ROWS:DIM" in capsys.readouterr().err
 
 
+def test_cli_gives_each_tables_reason_and_refuses_column_wise(capsys):
+    assert cli.main(["placement", "--table", "small:7:4", "--table", "big:2000000:16",
+                     "--table", "whole:5000:8", "--placement", "whole=table_wise",
+                     "--workers", "2", "--transport", "sockets"]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()
+             if line.strip().startswith(("small ", "big ", "whole "))}
+    assert "all-reduce +" in lines["small"] and "data_parallel" in lines["small"]
+    assert "all-to-all +" in lines["big"] and "row_wise" in lines["big"]
+    assert "requested (auto never chooses table_wise)" in lines["whole"]
+    for placement in ("column_wise", "big=column_wise"):
+        assert cli.main(["placement", "--table", "big:2000000:16", "--placement",
+                         placement]) == 2
+        err = capsys.readouterr().err
+        assert "'column_wise' is not implemented" in err and "use 'row_wise'" in err, err
+
+
 def _tiny_model():
     import tf_keras
 
@@ -242,6 +339,7 @@ def test_the_strategy_refuses_bad_placements_before_starting():
         tnp.NestPipeStrategy(placement="column_wise")
     with pytest.raises(pl.PlacementError, match="memory_budget_bytes"):
         tnp.NestPipeStrategy(placement="auto", memory_budget_bytes=-1)
+    assert tnp.NestPipeStrategy().placement == "auto"  # the default (positive control)
 
 
 def test_the_strategy_refuses_a_table_over_the_memory_budget_when_it_is_built():
@@ -285,6 +383,40 @@ def test_the_strategy_refuses_an_unknown_table_name_at_the_first_step():
         table = tnp.ShardedEmbedding(10, 2, name="known_table")
     strategy.run(tf.function(step))
     assert [p.table.name for p in strategy.placement_plan()] == ["known_table"]
+
+
+# --- the default ("auto") on 2 workers: one plan on every worker ---------------------------
+@pytest.mark.cluster
+def test_the_default_auto_plan_is_worker_0s_on_every_worker_for_a_lazily_built_model(tmp_path):
+    """tests/programs/placement_default.py: tables constructed in a layer's build (the model's
+    first call, inside fit), placement and pipeline left at their defaults ("auto"); worker 1's
+    own all-reduce costs made 1000 times dearer. Both workers plan with worker 0's costs (placed
+    together: both tables replicated), worker 0 prints the plan once, and the model equals one
+    process's."""
+    program = os.path.join(PROGRAMS, "placement_default.py")
+    one = run_command([sys.executable, program, str(tmp_path / "one"), "12"])
+    assert one.returncode == 0, one.stdout[-4000:]
+    two = launch(2, [program, str(tmp_path / "two"), "12", "--disagree"], timeout=900)
+    assert two.returncode == 0, two.stdout[-6000:]
+    reports = [json.loads((tmp_path / "two" / ("rank%d.json" % r)).read_text()) for r in (0, 1)]
+    assert all(r["placement"] == "auto" for r in reports)  # the default
+    assert reports[0]["plan"] == reports[1]["plan"]
+    assert reports[1]["agreed_costs"] == reports[0]["agreed_costs"] == reports[0]["own_costs"]
+    assert reports[1]["own_costs"] != reports[0]["own_costs"]  # the disagreement took effect
+    tables = [pl.TableSpec(n, *reports[0]["tables"][n]) for n, *_ in reports[0]["plan"]]
+    placed = lambda costs: [[p.table.name, p.placement, p.owner, p.reason] for p in  # noqa: E731
+                            pl.plan_tables(tables, 2, collectives=pl.collectives_from_linear(
+                                costs, 2))]
+    assert reports[0]["plan"] == placed(reports[0]["own_costs"])  # placed together
+    assert {p for _, p, _, _ in reports[0]["plan"]} == {pl.DATA_PARALLEL}
+    # Positive control: worker 1's own costs would have placed the tables otherwise.
+    assert {p for _, p, _, _ in placed(reports[1]["own_costs"])} == {pl.ROW_WISE}
+    assert two.stdout.count("tf_nestpipe placement on 2 worker(s)") == 1
+    assert "[worker:0] tf_nestpipe placement on 2 worker(s)" in two.stdout
+    ref, got = np.load(tmp_path / "one" / "params.npz"), np.load(tmp_path / "two" / "params.npz")
+    assert sorted(ref.files) == sorted(got.files) and "table_a" in ref.files
+    for name in ref.files:
+        np.testing.assert_allclose(got[name], ref[name], rtol=0, atol=1e-5, err_msg=name)
 
 
 # --- exactness on 2 and 3 workers (the shared exactness launches) --------------------------

@@ -25,6 +25,7 @@ def test_rows_pass_the_wire_dtype_and_the_held_out_batches():
     assert flags["--wire-dtype"] == "int8-bf16" and flags["--eval-batches"] == "3"
     assert flags["--pipeline"] == "dbp" and flags["--global-batch"] == "4096"
     assert flags["--dim"] == "64"
+    assert flags["--placement"] == "row_wise"  # compressed exchanges need exchanged tables
 
 
 def test_report_puts_each_wire_next_to_fp32():

@@ -1,7 +1,8 @@
 """tf_nestpipe: a TensorFlow distribution strategy for recommendation models.
 
-Embedding tables are row-sharded across workers (model parallel), dense weights mirrored (data
-parallel), with exact synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`).
+Embedding tables are placed per table by a planner (row-sharded across workers, model parallel,
+or replicated where that is cheaper), dense weights mirrored (data parallel), with exact
+synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`).
 """
 import os
 import sys

@@ -102,7 +102,9 @@ def counted_training(strategy, pattern, policy):
 
 def main():
     out_dir, pattern, cases = sys.argv[1], sys.argv[2], sys.argv[3:]
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the sharded table's exchange under the uneven last steps ("auto", the
+    # default, would replicate this small table).
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     for case in cases:
         try:
             result = run_case(strategy, pattern, case)

@@ -16,7 +16,9 @@ import tf_nestpipe as tnp  # noqa: E402
 
 
 def main():
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the survivor waits in the tables' exchange, as it did before "auto" (which
+    # would replicate these small tables) became the default.
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     rank, workers = strategy.worker_index, strategy.num_workers
     with strategy.scope():
         model = ex.TinyRanker()

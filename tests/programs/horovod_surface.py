@@ -70,4 +70,4 @@ def surface(strategy, out):
 if __name__ == "__main__":
     import tf_nestpipe as tnp  # noqa: E402
 
-    surface(tnp.NestPipeStrategy(), sys.argv[1])
+    surface(tnp.NestPipeStrategy(placement="row_wise"), sys.argv[1])  # the row shards' paths

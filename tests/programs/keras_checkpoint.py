@@ -135,7 +135,8 @@ def killed(strategy, out, data):
 
 def main():
     out, phase = sys.argv[1], sys.argv[2]
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the row shards' checkpoints ("auto" would replicate these small tables).
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     chief = strategy.worker_index == 0
     data, batches = dataset(strategy)
     if phase == "killed":

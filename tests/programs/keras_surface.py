@@ -200,7 +200,9 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
 def main():
     out = sys.argv[1]
     reference = sys.argv[2] if len(sys.argv) > 2 else None
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the row shards' save / load / export paths ("auto" would replicate these
+    # small tables).
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     rank = strategy.worker_index
     x, y = make_data(GLOBAL_BATCH * STEPS, 0)
     test_x, test_y = make_data(GLOBAL_BATCH * 2, 1)

@@ -46,7 +46,8 @@ def expected_rows(layout):
 
 def main():
     out, modes = sys.argv[1], sys.argv[2:]
-    strategy = tnp.NestPipeStrategy()
+    # row_wise: the row shards are what is resized ("auto" would replicate these tables).
+    strategy = tnp.NestPipeStrategy(placement="row_wise")
     if "save" in modes:
         save(strategy, out)
     if "restore" in modes:

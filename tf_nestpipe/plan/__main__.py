@@ -81,8 +81,10 @@ def build_placement_parser():
                              "strategy) whose ShardedEmbedding tables are planned")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--placement", default="auto",
-                        help="auto, data_parallel, table_wise, row_wise, or "
-                             "NAME=PLACEMENT,... (others auto)")
+                        help="auto (NestPipeStrategy's default), data_parallel, row_wise, "
+                             "table_wise (only when asked: auto never chooses it, its owner "
+                             "answers every worker's lookups), or NAME=PLACEMENT,... (others "
+                             "auto); column_wise is refused (not implemented)")
     parser.add_argument("--memory-budget-bytes", type=int, default=None)
     parser.add_argument("--optimizer-slots", type=int, default=placement_lib.DEFAULT_OPTIMIZER_SLOTS)
     parser.add_argument("--ids-per-step", type=int, default=placement_lib.DEFAULT_IDS_PER_STEP,

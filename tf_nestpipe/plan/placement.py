@@ -20,7 +20,18 @@ for `ids_per_step` looked-up ids, plus, for the group's first row-wise table, th
 the three all-to-alls), and when the replica with its optimizer slots fits the per-worker
 `memory_budget_bytes`; row_wise otherwise. The tables placed together (all those constructed
 before the first is built, see the strategy) are decided per group at once: all replicated, or
-each where it costs less with the exchange paid, whichever costs less in total.
+each where it costs less with the exchange paid, whichever costs less in total. Under a budget,
+the bytes of every table placed together are reserved first (row-wise for the auto ones), and
+the replicas auto chose are then admitted smallest first while they fit: a table whose replica
+does not fit is placed row_wise (its reason says so, and the other auto tables of its group are
+decided again with its exchange paid); a table that does not fit even so is refused, naming the
+table, its bytes, what the worker already holds and what to change.
+
+The plan is a pure function of the tables (in build order), the placement asked, the budget, the
+worker count and the collective costs: every worker of a strategy must compute the same one,
+since placement decides which variables each worker creates. The strategy makes the costs
+agree (`linear_costs` / `collectives_from_linear`: worker 0's, gathered at start-up), so a
+worker whose costs file differs or is missing still plans as worker 0 does.
 
 The collective costs depend on the transport the strategy's collectives use (`transport`,
 `Collectives.backend`): "tf" (TensorFlow's collectives; also used for Horovod's, not measured
@@ -137,6 +148,29 @@ def default_collectives(transport="tf"):
         return {kind: params[kind] for kind in ("all_to_all", "all_reduce")}
     except Exception:  # pylint: disable=broad-except
         return dict(_TESTBED_SOCKETS if section == "collectives_sockets" else _TESTBED)
+
+
+def linear_costs(collectives, workers):
+    """All the planner reads of `collectives` on `workers` workers, as four floats: (intercept
+    ms, ms per MB) of the all-to-all, then of the all-reduce (`collective_ms` is linear in the
+    bytes). What the strategy gathers from worker 0 so that every worker plans alike."""
+    values = []
+    for kind in ("all_to_all", "all_reduce"):
+        zero = collective_ms(kind, collectives[kind], workers, 0)
+        values += [zero, collective_ms(kind, collectives[kind], workers, 1e6) - zero]
+    return values
+
+
+def collectives_from_linear(values, workers):
+    """The inverse of `linear_costs`: CollectiveParams costing exactly `values` on `workers`
+    workers."""
+    if len(values) != 4:
+        raise PlacementError("linear collective costs are 4 numbers (all-to-all intercept and "
+                             "slope, all-reduce intercept and slope), got %r" % (values,))
+    a2a, a2a_slope, reduce, reduce_slope = (float(v) for v in values)
+    return {"all_to_all": CollectiveParams(0.0, 0.0, 0.0, "ring", {int(workers): (a2a, a2a_slope)}),
+            "all_reduce": CollectiveParams(0.0, 0.0, 0.0, "ring",
+                                           {int(workers): (reduce, reduce_slope)})}
 
 
 def _marginal_ms(params, kind, workers, nbytes):
@@ -279,7 +313,8 @@ class Planner:
 
     def place_all(self, tables):
         """Places `tables` together (one decision for the tables of one exchange group: the
-        exchange's fixed cost is paid once); returns their TablePlans in order."""
+        exchange's fixed cost is paid once; one memory reservation for all of them); returns
+        their TablePlans in order."""
         new = []
         for table in tables:
             previous = self.planned(table.name)
@@ -289,18 +324,52 @@ class Planner:
                 previous = None
             if previous is None and all(t.name != table.name for t in new):
                 new.append(table)
-        choices = self._choose(new)
+        forced = {}
+        choices = self._choose(new, forced)
+        for _ in range(len(new)):  # each round forces at least one more table row-wise
+            over = self._replicas_over_budget(new, choices, forced)
+            if not over:
+                break
+            forced.update(over)
+            choices = self._choose(new, forced)
         for table in new:
             placement, reason = choices[table.name]
-            budget = self.memory_budget_bytes
-            if (placement == DATA_PARALLEL and reason != "requested" and budget is not None
-                    and self.used_bytes() + table_bytes(table, self.workers, DATA_PARALLEL,
-                                                        self.optimizer_slots) > budget):
-                placement, reason = ROW_WISE, "replica does not fit the budget"
             plan = self._plan(table, placement, reason)
             self._check_budget(plan, self.requested(table.name))
             self.plans.append(plan)
         return [self.planned(t.name) for t in tables]
+
+    def _bytes(self, table, placement):
+        return table_bytes(table, self.workers, placement, self.optimizer_slots)
+
+    def _replicas_over_budget(self, tables, choices, forced):
+        """{name: (ROW_WISE, reason)} for the replicas auto chose among `tables` that do not fit
+        the budget once every table of `tables` has its bytes reserved (row-wise for those
+        replicas, the placement chosen for the others; a table_wise table's owner is found when
+        it is placed and checked then). Replicas are admitted smallest first (ties in build
+        order)."""
+        budget = self.memory_budget_bytes
+        if budget is None:
+            return {}
+        optional = [t for t in tables if choices[t.name][0] == DATA_PARALLEL
+                    and self.requested(t.name) == AUTO and t.name not in forced]
+        names = {t.name for t in optional}
+        reserved = sum(self._bytes(t, ROW_WISE if t.name in names else choices[t.name][0])
+                       for t in tables if choices[t.name][0] != TABLE_WISE)
+        held = self.used_bytes()
+        over = {}
+        for table in sorted(optional, key=lambda t: self._bytes(t, DATA_PARALLEL)):
+            extra = self._bytes(table, DATA_PARALLEL) - self._bytes(table, ROW_WISE)
+            if held + reserved + extra <= budget:
+                reserved += extra
+                continue
+            over[table.name] = (ROW_WISE, "replica (%d bytes with %d optimizer slots) does "
+                                "not fit memory_budget_bytes=%d (%d held by tables placed "
+                                "before, %d reserved for those placed with it, its own row "
+                                "shard included)" % (self._bytes(table, DATA_PARALLEL),
+                                                     self.optimizer_slots, budget, held,
+                                                     reserved))
+        return over
 
     def _paid(self, group):
         return any(p.placement in EXCHANGED and group_of(p.table) == group for p in self.plans)
@@ -313,8 +382,9 @@ class Planner:
                          table_bytes(table, self.workers, placement, self.optimizer_slots),
                          nbytes, ms, owner)
 
-    def _choose(self, tables):
-        """{name: (placement, reason)}: requested placements as asked; per exchange group, the
+    def _choose(self, tables, forced):
+        """{name: (placement, reason)}: requested placements as asked, `forced` ones ({name:
+        (placement, reason)}: replicas over the budget) as given; per exchange group, the other
         auto tables either all replicated, or each placed where it costs less with the group's
         exchange paid, whichever costs less in total (the exchange's fixed cost counted once)."""
         choices = {}
@@ -324,7 +394,10 @@ class Planner:
             if self.workers <= 1:
                 choices[table.name] = (ROW_WISE, "one worker: nothing to place")
             elif requested != AUTO:
-                choices[table.name] = (requested, "requested")
+                choices[table.name] = (requested, "requested" if requested != TABLE_WISE else
+                                       "requested (auto never chooses table_wise)")
+            elif table.name in forced:
+                choices[table.name] = forced[table.name]
             else:
                 auto.setdefault(group_of(table), []).append(table)
         for group, members in auto.items():
@@ -346,16 +419,16 @@ class Planner:
             for t in members:
                 n = t.name
                 if replicate_all and mixed[n] == ROW_WISE:
-                    choices[n] = (DATA_PARALLEL, "group: all-reduce +%.2f ms <= exchange "
-                                  "+%.2f ms" % (all_dp_ms, mixed_ms))
+                    choices[n] = (DATA_PARALLEL, "group: all-reduce +%.3g ms <= exchange "
+                                  "+%.3g ms" % (all_dp_ms, mixed_ms))
                 elif replicate_all or mixed[n] == DATA_PARALLEL:
-                    choices[n] = (DATA_PARALLEL, "all-reduce +%.2f ms <= all-to-all +%.2f ms"
+                    choices[n] = (DATA_PARALLEL, "all-reduce +%.3g ms <= all-to-all +%.3g ms"
                                   % (dp[n], rw[n] + (0.0 if paid else fixed)))
                 else:
-                    reason = "all-to-all +%.2f ms < all-reduce +%.2f ms" % (rw[n], dp[n])
+                    reason = "all-to-all +%.3g ms < all-reduce +%.3g ms" % (rw[n], dp[n])
                     if not paid:  # this table's traffic includes the group's fixed cost
-                        reason += (", and the group's exchange +%.2f ms once (group: %.2f ms < "
-                                   "all replicated %.2f ms)" % (fixed, mixed_ms, all_dp_ms))
+                        reason += (", and the group's exchange +%.3g ms once (group: %.3g ms < "
+                                   "all replicated %.3g ms)" % (fixed, mixed_ms, all_dp_ms))
                     choices[n] = (ROW_WISE, reason)
                     paid = True  # the first row-wise table pays the exchange
         return choices
@@ -372,6 +445,13 @@ class Planner:
         if plan.placement in (DATA_PARALLEL, TABLE_WISE):
             fixes.append("place it 'row_wise' (%d bytes per worker)" % table_bytes(
                 t, self.workers, ROW_WISE, self.optimizer_slots))
+        replicas = [p for p in self.plans if p.placement == DATA_PARALLEL]
+        if replicas and worker is None:
+            fixes.append("place the replicated table(s) %s 'row_wise' (%d bytes per worker "
+                         "now; tables constructed together in the scope are planned together, "
+                         "the budget reserved for all of them)" % (
+                             ", ".join(repr(p.table.name) for p in replicas),
+                             sum(p.bytes_per_worker for p in replicas)))
         fixes.append("train on more workers")
         raise PlacementError(
             "table %r (%d rows x %d, %s%s) needs %d bytes per worker (table + %d optimizer "

@@ -1,4 +1,5 @@
-"""`ShardedEmbedding`: a tf_keras embedding layer whose table is row-sharded across workers."""
+"""`ShardedEmbedding`: a tf_keras embedding layer whose table a NestPipeStrategy places over its
+workers (row-sharded, whole on one worker, or replicated: the strategy's planner decides)."""
 import contextlib
 
 import numpy as np
@@ -45,7 +46,8 @@ def table_owner_of(strategy, layer):
 
 
 class ShardedEmbedding(tf_keras.layers.Layer):
-    """Embedding table row-sharded over the workers of a `NestPipeStrategy` (owner = id mod W).
+    """Embedding table placed over the workers of a `NestPipeStrategy` by its planner: row-sharded
+    (owner = id mod W), whole on one worker, or replicated (see `self.placement`).
 
     Outside a NestPipeStrategy scope it is an ordinary embedding. Inputs: int ids `[batch]` or
     `[batch, k]`, or a `tf.RaggedTensor` `[batch, None]` of multi-hot ids. With `combiner=None`
@@ -56,7 +58,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     built (`self.placement`): "row_wise" (row shards, the exchange), "table_wise" (the whole
     table on one worker, `self.layout.owner_shard`, looked up through the same exchange) or
     "data_parallel" (a mirrored whole table, local gathers; see
-    `NestPipeStrategy(placement=...)`).
+    `NestPipeStrategy(placement=...)`, "auto" by default: small tables replicated).
     """
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",

@@ -1,12 +1,13 @@
 """`NestPipeStrategy`: synchronous hybrid-parallel training over the workers of a `TF_CONFIG` cluster.
 
 Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredStrategy` (one
-replica per worker). Variables created by `tf_nestpipe.ShardedEmbedding` are *row shards*: plain
-worker-local variables holding only the rows this worker owns; their optimizer slots are
-worker-local too, and their gradients bypass the dense all-reduce because the lookup's backward
-all-to-all already delivered each owner the summed gradient of its rows. A table the planner
-places `data_parallel` (issue 15) is a mirrored variable instead, its gradient made dense and
-all-reduced with the dense ones.
+replica per worker). Each `tf_nestpipe.ShardedEmbedding` table is placed by the planner
+(issue 15, `placement="auto"` by default). A table placed `row_wise` (or `table_wise`) is a *row
+shard*: a plain worker-local variable holding only the rows this worker owns; its optimizer
+slots are worker-local too, and its gradient bypasses the dense all-reduce because the lookup's
+backward all-to-all already delivered each owner the summed gradient of its rows. A table placed
+`data_parallel` is a mirrored variable instead, its gradient made dense and all-reduced with the
+dense ones.
 """
 import contextlib
 import sys
@@ -25,7 +26,8 @@ from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
-from tf_nestpipe.plan.placement import Planner, TableSpec, render_plan
+from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear,
+                                        default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
@@ -123,11 +125,26 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- table placement (issue 15) -----------------------------------------------------------
     def set_placement(self, placement, memory_budget_bytes):
         """A new planner for the tables built from now on (checks `placement` at once)."""
-        # Costed with the collectives of the transport in use (the socket mesh once open).
+        # Costed with the collectives of the transport in use (the socket mesh once open), as
+        # worker 0 measured them (`_agreed_plan_costs`, gathered once).
+        if getattr(self, "_nestpipe_plan_costs", None) is None:
+            self._nestpipe_plan_costs = self._agreed_plan_costs()
         self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
+                                         collectives=self._nestpipe_plan_costs,
                                          transport=self._nestpipe_collectives.backend)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
+
+    def _agreed_plan_costs(self):
+        """The planner's collective costs, worker 0's on every worker (one all-gather at
+        start-up): placement decides which variables each worker creates, so every worker must
+        plan alike even where its costs file differs or is missing."""
+        costs = default_collectives(self._nestpipe_collectives.backend)
+        if self._num_workers <= 1:
+            return costs
+        mine = tf.constant([linear_costs(costs, self._num_workers)], tf.float64)
+        gathered = self._nestpipe_collectives.all_gather(mine, "nestpipe/plan_costs").numpy()
+        return collectives_from_linear(gathered[0], self._num_workers)
 
     @staticmethod
     def _table_spec(layer):
@@ -525,16 +542,19 @@ class NestPipeStrategy(distribute_lib.Strategy):
     (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
     differ from one process's.
     `placement` says how each `ShardedEmbedding` table is laid out (issue 15, see
-    `tf_nestpipe.plan.placement`): "row_wise" (default: row-sharded, looked up through the
-    fused exchange), "table_wise" (the whole table on one worker, tables balanced over the
-    workers by bytes, looked up through the same fused exchange), "data_parallel" (a mirrored
-    variable on every worker: local gathers, its gradient in the dense all-reduce), "auto" (the
-    planner picks data_parallel or row_wise per table from its size and the measured collective
-    costs) or a dict {table name: placement or "auto"} (tables it does not name: "auto").
-    "column_wise" is refused: not implemented. `memory_budget_bytes` bounds the
-    bytes per worker of all tables with their optimizer slots (2 slots assumed): a table that
-    does not fit is refused with its name, its bytes and what to change. The plan is printed on
-    worker 0 at the first training step (`placement_plan()` returns it).
+    `tf_nestpipe.plan.placement`): "auto" (default: the planner picks data_parallel or row_wise
+    per table from its size and the collective costs of the transport in use, worker 0's on
+    every worker), "row_wise" (row-sharded, looked up through the fused exchange),
+    "table_wise" (only when requested, auto never picks it: the whole table on one worker,
+    tables balanced over the workers by bytes, looked up through the same fused exchange),
+    "data_parallel" (a mirrored variable on every worker: local gathers, its gradient in the
+    dense all-reduce) or a dict {table name: placement or "auto"} (tables it does not name:
+    "auto"). "column_wise" is refused: not implemented. One worker holds every table whole
+    under any placement. `memory_budget_bytes` bounds the bytes per worker of all tables with
+    their optimizer slots (2 slots assumed): auto places row_wise the tables whose replica does
+    not fit, and a table that does not fit even so is refused with its name, its bytes and what
+    to change. The plan is printed on worker 0 at the first training step (`placement_plan()`
+    returns it).
     `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
     for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
     "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
@@ -549,7 +569,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
                  collectives="auto", auto_warmup_steps=1, auto_timed_steps=4,
                  auto_probe_rounds=3, auto_micro_batches=None,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
-                 placement="row_wise", memory_budget_bytes=None):
+                 placement="auto", memory_budget_bytes=None):
         if collectives not in COLLECTIVES:
             raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
         if collectives == "horovod" and cluster_resolver is not None:
@@ -603,8 +623,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     @property
     def placement(self):
-        """How tables built from now on are placed: "row_wise", "data_parallel", "auto" or a
-        dict {table name: placement}; settable (a new plan for the tables built after)."""
+        """How tables built from now on are placed: "auto" (the default), "row_wise",
+        "table_wise", "data_parallel" or a dict {table name: placement}; settable (a new plan
+        for the tables built after)."""
         return self._placement
 
     @placement.setter
