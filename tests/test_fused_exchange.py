@@ -10,8 +10,9 @@ from tensorflow.python.ops import collective_ops
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.counting import count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
-from tf_nestpipe.pipeline.fused_exchange import RoundTracker, _window_rounds
+from tf_nestpipe.pipeline.fused_exchange import RoundTracker
 from tf_nestpipe.sharding.layout import ShardLayout
+from tf_nestpipe.sharding.lookup import round_keys, window_layout
 from tf_nestpipe.sharding.tables import FusedTables
 
 
@@ -124,18 +125,42 @@ def test_fused_tables_refuse_mixed_dims():
         FusedTables(layers + other, 2, 0)
 
 
-def test_window_rounds_fetch_each_id_once_in_the_round_that_first_reads_it():
-    rounds = [np.array([5, 3, 5]), np.array([3, 8, 1, 8]), np.array([], np.int64),
-              np.array([1, 9, 5])]
-    new_keys, inverse = _window_rounds([tf.constant(r, tf.int64) for r in rounds])
-    seen, expected = set(), []
+@pytest.mark.parametrize("num_shards", [2, 3])
+def test_window_layout_fetches_each_id_once_in_the_round_that_first_reads_it(num_shards):
+    """A frozen window routed as one (`route_rounds`): each distinct id is asked of its owner in
+    the first round that reads it (the counts per owner and round), and each looked-up id's
+    window row, in the rounds' buffers laid one after another (each round's keys in owner
+    order), holds that id."""
+    rounds = [np.array([5, 3, 5]), np.array([3, 8, 1, 8, 4]), np.array([], np.int64),
+              np.array([1, 9, 5, 12])]
+    ids = tf.constant(np.concatenate(rounds), tf.int64)
+    keys, splits, inverse = ops.route_keys(ids, num_shards, 100)
+    counts, window_row = window_layout(inverse, splits, [len(r) for r in rounds], num_shards)
+    seen, fresh = set(), []
     for r in rounds:
-        fresh = [k for k in dict.fromkeys(r.tolist()) if k not in seen]
-        seen.update(fresh)
-        expected.append(fresh)
-    assert [k.numpy().tolist() for k in new_keys] == expected
-    unique = np.concatenate([k.numpy() for k in new_keys])
-    np.testing.assert_array_equal(unique[inverse.numpy()], np.concatenate(rounds))
+        fresh.append([k for k in dict.fromkeys(r.tolist()) if k not in seen])
+        seen.update(fresh[-1])
+    expected_counts = [[sum(1 for k in f if k % num_shards == j) for f in fresh]
+                       for j in range(num_shards)]
+    assert counts.numpy().tolist() == expected_counts
+    # The window: round by round, that round's new ids in owner order (first-seen per owner).
+    window = np.array([k for f in fresh for j in range(num_shards) for k in f if k % num_shards == j])
+    rows = tf.gather(window_row, inverse).numpy()
+    np.testing.assert_array_equal(window[rows], np.concatenate(rounds))
+    # Every id is read from a row its round (or an earlier one) fetched.
+    ends = np.cumsum([len(f) for f in fresh])
+    for r, start, stop in zip(range(len(rounds)), np.cumsum([0] + [len(x) for x in rounds]),
+                              np.cumsum([len(x) for x in rounds])):
+        assert (rows[start:stop] < ends[r]).all()
+
+
+def test_round_keys_slices_each_rounds_keys_out_of_one_exchange():
+    """The owner's side: requester i's block holds its keys round after round, then -1."""
+    keys_in = tf.constant([[7, 8, 9, 4, -1, -1], [1, 2, -1, -1, -1, -1]], tf.int64)
+    sent = tf.constant([[2, 0, 2], [1, 1, 0]], tf.int32)  # [requester, round]
+    assert round_keys(keys_in, sent, 0).numpy().tolist() == [[7, 8], [1, -1]]
+    assert round_keys(keys_in, sent, 1).numpy().tolist() == [[-1], [2]]
+    assert round_keys(keys_in, sent, 2).numpy().tolist() == [[9, 4], [-1, -1]]
 
 
 def test_rounds_end_where_a_table_is_looked_up_again():

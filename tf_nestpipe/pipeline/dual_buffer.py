@@ -1,9 +1,10 @@
 """Dual-Buffer Pipeline stages for one exchange (DESIGN.md section 3). `tables` is the exchange's
 row source (`FusedTables`: one table or a group fused in one id space).
 
-- `prefetch`: routing (stage 3) and retrieval (stage 4) of a batch's fused ids, reading the
-  tables before any later update. The result is a `PrefetchedRows` buffer: one row per unique id
-  plus the routing its backward pass needs. Under DBP it also plans the sync: the owner finds
+- `fetch`: retrieval (stage 4) of a batch's routed fused ids (routing, stage 3, is
+  `sharding.lookup.route` / `route_rounds`), reading the tables before any later update. The
+  result is a `PrefetchedRows` buffer: one row per unique id plus the routing its backward pass
+  needs. Under DBP it also plans the sync: the owner finds
   which prefetched slots hold rows that the current batch updates (keys updated ∩ keys
   prefetched; only routing data, so before the update finishes), and the counts ride on the rows
   all-to-all, so the sync's padded size is agreed without a collective of its own.
@@ -24,7 +25,7 @@ from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, header_rows, int32_bits,
                                           pack_header, unpack_header)
-from tf_nestpipe.sharding.lookup import exchange_rows, route
+from tf_nestpipe.sharding.lookup import exchange_rows
 from tf_nestpipe.sharding.records import PrefetchedRows
 
 # Float32 carries the slot position next to each synced row; exact below 2**24.
@@ -36,23 +37,26 @@ _MAX_EXACT_POSITION = 1 << 24
 _SYNC_HEADER_ROWS = 2
 
 
+def check_dtype(tables, tag):
+    """Refuses tables the pipelines cannot buffer (the sync's positions ride as floats)."""
+    if tables.dtype not in (tf.float32, tf.float64):
+        raise ValueError("the pipelines need float32 or float64 tables; '%s' is %s"
+                         % (tag, tables.dtype.name))
+
+
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
-def prefetch(tables, fused_ids, collectives, tag, hint, updated_rows=None, all_updated=False,
-             share_size=None, wire=None):
-    """Routes `fused_ids` of `tables` and retrieves their rows; returns `(PrefetchedRows, plan)`.
+def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=False, wire=None):
+    """Retrieval (stage 4) of a routed exchange (`routing`, a `RoutingRecord` of
+    `sharding.lookup.route` or `route_rounds`): the owners' rows, read before any later update;
+    returns `(PrefetchedRows, plan)`.
 
     With `updated_rows` (the local rows the batch computed meanwhile updates), the owner also
     plans the buffer sync: which prefetched slots hold one of those rows (every slot if
     `all_updated`). Its counts ride on the rows all-to-all (a header per block), so every worker
     learns the largest and agrees the sync's padded size with no collective of its own. The
-    plan is None without `updated_rows`. `share_size` rides in the keys header (see `route`).
-    """
-    if tables.dtype not in (tf.float32, tf.float64):
-        raise ValueError("the pipelines need float32 or float64 tables; '%s' is %s"
-                         % (tag, tables.dtype.name))
+    plan is None without `updated_rows`."""
     wire = wire or PLAIN
     layout = tables.layout
-    routing = route(fused_ids, layout, collectives, tag, hint, share_size, wire)
     owned = tf.stop_gradient(tables.gather(routing.local_rows))
     if updated_rows is None:
         incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False,

@@ -11,9 +11,9 @@ the step with a `BufferReader` installed: each lookup takes its rows from its bu
 order the route pass recorded, and the backward is one reverse all-to-all per buffer.
 
 In a frozen window (`frozen_window()` inside either pass) the window is kept per group, once per
-batch: one dedup of all the batch's fused ids (first-seen order), round r fetching exactly the
-ids first seen in round r, and round r's lookups reading the rows of rounds 0..r. Outside one,
-each round's buffer holds its own ids (the exchange's route dedups them).
+batch: one route of all the batch's fused ids (one dedup, one keys exchange, `route_rounds`),
+round r's rows exchange fetching exactly the ids first seen in round r, and round r's lookups
+reading the rows of rounds 0..r. Outside one, each round routes its own ids.
 
 Buffers are kept as `{group key: GroupBuffers}` (tuples and dicts of tensors, so the pipelines
 can store them between steps).
@@ -26,6 +26,8 @@ import tensorflow as tf
 from tf_nestpipe import ops
 from tf_nestpipe.pipeline import dual_buffer
 from tf_nestpipe.sharding.fetch import RowFetcher
+from tf_nestpipe.sharding.lookup import route, route_rounds
+from tf_nestpipe.sharding.records import RoutingRecord
 
 
 def round_key(round_index):
@@ -36,6 +38,11 @@ def round_key(round_index):
 def buffer_tag(group_key, round_index):
     """The collective tag of one fused exchange."""
     return "nestpipe/fused/%s/%s" % (group_key, round_key(round_index))
+
+
+def window_tag(group_key):
+    """The collective tag of a frozen window's one keys exchange of a group."""
+    return "nestpipe/fused/%s/window" % group_key
 
 
 class GroupBuffers(NamedTuple):
@@ -108,52 +115,48 @@ class RouteRecorder(_WindowAware):
         return {name: tf.concat(ids, axis=0) for name, ids in self._dynamic_ids.items()}
 
 
-def _window_rounds(fused_by_round):
-    """One frozen window's dedup: `fused_by_round` (fused ids of each round, in order) ->
-    (the ids each round fetches: those first seen in it; each id's index among the unique)."""
-    unique, inverse = tf.unique(tf.concat(fused_by_round, axis=0), out_idx=tf.int32)
-    new_keys, start, end, seen = [], 0, 0, tf.constant(0, tf.int32)
-    for ids in fused_by_round:
-        end = end + tf.size(ids, tf.int32)
-        # First-seen order: the ids new in this round follow those of the earlier rounds.
-        seen_after = tf.maximum(seen, tf.reduce_max(tf.concat([[-1], inverse[start:end]], 0)) + 1)
-        new_keys.append(unique[seen:seen_after])
-        start, seen = end, seen_after
-    return new_keys, inverse
-
-
 @tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False,
                      share_size=None):
     """One exchange per (round, group) of the recorded `lookups`, in round order (the first
     micro-batch's rows arrive first); returns `(buffers, plans)`. With `updated` (group -> the
     local rows the batch computed meanwhile updates), each buffer of those groups comes with
-    its sync plan (`dual_buffer.prefetch`): `plans[group][round key]`. `share_size` (this
+    its sync plan (`dual_buffer.fetch`): `plans[group][round key]`. `share_size` (this
     worker's share of the batch) rides in every keys header (`shares_of` reads it back)."""
     entries = {}
     for round_index, layer, ids in lookups:
         entries.setdefault(exchange.group_key(layer), {}).setdefault(round_index, []).append(
             (layer, ids))
-    fetch = {}  # (round, group) -> the fused ids its exchange fetches
+    routed = {}  # (round, group) -> its exchange's RoutingRecord, or the fused ids to route
     inverses = {}
-    for group, rounds in entries.items():
+    for group, rounds in sorted(entries.items()):
         tables = exchange.tables(group)
+        dual_buffer.check_dtype(tables, group)
         order = sorted(rounds)
         fused = [tf.concat([tables.fuse(layer, ids) for layer, ids in rounds[r]], axis=0)
                  for r in order]
         if windowed:
-            fused, inverses[group] = _window_rounds(fused)
-        for r, ids in zip(order, fused):
-            fetch[(r, group)] = ids
+            # One keys exchange for the whole window: each id fetched by its first round.
+            tag = window_tag(group)
+            records, inverses[group] = route_rounds(
+                tf.concat(fused, axis=0), [tf.size(ids, tf.int32) for ids in fused],
+                tables.layout, exchange.collectives, tag, exchange.capacity_hint(tag),
+                share_size, exchange.wire)
+            routed.update({(r, group): record for r, record in zip(order, records)})
+        else:
+            routed.update({(r, group): ids for r, ids in zip(order, fused)})
     buffers, plans = {}, {}
     updated = updated or {}
-    for (round_index, group), ids in sorted(fetch.items()):
+    for (round_index, group), routing in sorted(routed.items()):
         tag = buffer_tag(group, round_index)
         key = round_key(round_index)
-        buffers.setdefault(group, {})[key], plan = dual_buffer.prefetch(
-            exchange.tables(group), ids, exchange.collectives, tag, exchange.capacity_hint(tag),
-            updated_rows=updated.get(group), all_updated=all_updated, share_size=share_size,
-            wire=exchange.wire)
+        tables = exchange.tables(group)
+        if not isinstance(routing, RoutingRecord):
+            routing = route(routing, tables.layout, exchange.collectives, tag,
+                            exchange.capacity_hint(tag), share_size, exchange.wire)
+        buffers.setdefault(group, {})[key], plan = dual_buffer.fetch(
+            tables, routing, exchange.collectives, tag, updated_rows=updated.get(group),
+            all_updated=all_updated, wire=exchange.wire)
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
     buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))

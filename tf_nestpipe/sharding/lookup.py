@@ -7,7 +7,9 @@ dim and dtype in one fused id space) with its `layout` and `gather(local_rows)`.
   capacity hint and headed by the sender's split sizes, so every worker learns the whole count
   matrix from it (no separate counts all-gather); if a count exceeded the hint, a second
   all-to-all carries the overflow (every worker sees the same counts, so all take it or none:
-  no key is ever dropped); the owner's dedup (custom op).
+  no key is ever dropped); the owner's dedup (custom op). `route_rounds` routes the rounds
+  (micro-batches) of a frozen window with one keys exchange: one dedup of the whole window,
+  each id fetched by the round that first reads it, one `RoutingRecord` per round.
 - fetch: the owner gathers the owned rows (`source.gather`).
 - output: the rows all-to-all back to the requesters and the inverse-index rebuild.
 - backward (the adjoint): segment-sum per unique key (custom op), the reverse all-to-all and the
@@ -30,30 +32,29 @@ def _padded(ragged_keys, width):
         [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
 
-def route(ids, layout, collectives, tag, hint, share_size=None, wire=None):
-    """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
-    `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
-    (optional int scalar: this worker's share of the batch) rides in the keys header, so every
-    worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes."""
-    wire = wire or PLAIN
-    ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
-    num_shards = layout.num_shards
-    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
+def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, hint, wire):
+    """The keys all-to-all of one route: `keys` (unique, bucketed by owner, `splits[j]` for
+    owner j) padded to the tag's capacity hint, each block headed by this worker's `counts`
+    (int64 `[H]`, e.g. its splits) and `share_size`; if a split exceeded the hint, a second
+    all-to-all carries the overflow (every worker sees the same counts, so all take it or none:
+    no key is ever dropped). Returns (every sender's header `[W, H + 1]`, the received keys
+    `[W, width]`, each row its sender's keys first, then -1 padding)."""
     splits64 = tf.cast(splits, tf.int64)
     by_owner = tf.RaggedTensor.from_row_lengths(keys, splits64)
     hint_bucket, hint_capacity = hint.read()
-    # Block j: this worker's split sizes and share size (the header), then up to hint_capacity
-    # keys for owner j.
     share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
-    header = tf.tile(tf.concat([splits64, [share]], 0)[None, :], [num_shards, 1])
-    first = tf.concat([header, _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
-    first_counts = num_shards + 1 + tf.minimum(splits, hint_capacity)
+    header = tf.concat([tf.cast(counts, tf.int64), [share]], 0)
+    width = header.shape[0]
+    first = tf.concat([tf.tile(header[None, :], [num_shards, 1]),
+                       _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
+    first_counts = width + tf.minimum(splits, hint_capacity)
     with tf.control_dependencies(wire.count("keys", first, collectives, first_counts)):
         received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
                                                 send_counts=first_counts, fill=-1)
-    # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
-    sent = tf.cast(received_first[:, :num_shards], tf.int32)
-    largest = tf.reduce_max(sent)
+    headers = received_first[:, :width]
+    # The keys every sender put in its block for this worker: it learns them all from the
+    # headers' (equal on every worker) counts, so the overflow decision is the same everywhere.
+    largest = tf.reduce_max(_keys_per_pair(headers, num_shards))
 
     def overflow():
         extra_bucket, extra_capacity = capacity_bucket(largest - hint_capacity)
@@ -67,21 +68,123 @@ def route(ids, layout, collectives, tag, hint, share_size=None, wire=None):
     extra = tf.cond(largest > hint_capacity, overflow,
                     lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
     with tf.control_dependencies([hint.follow(largest)]):
-        bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
+        keys_in = tf.concat([received_first[:, width:], extra], axis=1)
+    return headers, keys_in
+
+
+def _keys_per_pair(headers, num_shards):
+    """`[W, W]` int32: keys worker i sent worker j, from the headers of `_send_keys` whose
+    counts are `[W, rounds]` per sender (round-major per owner), flattened."""
+    counts = tf.cast(headers[:, :-1], tf.int32)
+    return tf.reduce_sum(tf.reshape(counts, [num_shards, num_shards, -1]), axis=2)
+
+
+def _owner_side(received_keys, received, capacity, layout):
+    """The owner's view of a rows exchange: the distinct local rows requested and each slot's
+    index into them (`owner_dedup`) from the keys each requester sent (`[W, n]`, -1 padded,
+    `received[i]` of them valid), laid out at `capacity` slots per requester."""
+    keys = _padded(tf.RaggedTensor.from_row_lengths(
+        tf.boolean_mask(received_keys, received_keys >= 0), tf.cast(received, tf.int64)), capacity)
+    return ops.owner_dedup(keys, layout.num_shards, layout.shard_index)
+
+
+def _slots(splits, capacity, num_shards):
+    """Slot of each bucketed unique id in the rows exchange: from owner j, its splits[j] ids
+    at slots j * capacity + 0, 1, ...."""
+    offsets = tf.cumsum(splits, exclusive=True)
+    owner = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
+    return owner * capacity + tf.range(tf.size(owner, tf.int32)) - tf.gather(offsets, owner)
+
+
+def route(ids, layout, collectives, tag, hint, share_size=None, wire=None):
+    """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
+    `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
+    (optional int scalar: this worker's share of the batch) rides in the keys header, so every
+    worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes."""
+    wire = wire or PLAIN
+    ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    num_shards = layout.num_shards
+    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
+    headers, keys_in = _send_keys(keys, splits, splits, share_size, num_shards, collectives, tag,
+                                  hint, wire)
+    # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
+    sent = _keys_per_pair(headers, num_shards)
+    bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(sent), 1))
     # The rows exchange's slot layout: from requester i, its sent[i, me] keys, then padding.
     received = sent[:, layout.shard_index]
-    keys_in = tf.concat([received_first[:, num_shards + 1:], extra], axis=1)
-    received_keys = _padded(tf.RaggedTensor.from_row_lengths(
-        tf.boolean_mask(keys_in, keys_in >= 0), tf.cast(received, tf.int64)), capacity)
-    local_rows, slot_to_unique = ops.owner_dedup(received_keys, num_shards, layout.shard_index)
-    offsets = tf.cumsum(splits, exclusive=True)
-    owner_of_bucket_pos = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
-    slot_of_bucket_pos = (owner_of_bucket_pos * capacity + tf.range(tf.size(keys, tf.int32))
-                          - tf.gather(offsets, owner_of_bucket_pos))
-    return RoutingRecord(splits=splits, inverse=inverse, slot_of_bucket_pos=slot_of_bucket_pos,
+    local_rows, slot_to_unique = _owner_side(keys_in, received, capacity, layout)
+    return RoutingRecord(splits=splits, inverse=inverse,
+                         slot_of_bucket_pos=_slots(splits, capacity, num_shards),
                          bucket=bucket, capacity=capacity, local_rows=local_rows,
                          slot_to_unique=slot_to_unique, received=received,
-                         shares=tf.cast(received_first[:, num_shards], tf.int32))
+                         shares=tf.cast(headers[:, -1], tf.int32))
+
+
+def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=None, wire=None):
+    """Routes the ids of a frozen window's rounds (micro-batches) with one keys exchange:
+    `ids` (int64, the rounds' fused ids one after another, `round_sizes[r]` of round r) are
+    deduplicated once, each distinct id fetched by the round that first reads it. Returns
+    (one `RoutingRecord` per round, whose buffer holds that round's new ids in its own bucketed
+    order (its `inverse` is the identity); `window_inverse` `[n]`: each id's row among the
+    rounds' buffers concatenated in round order).
+
+    Each block of the keys all-to-all carries the sender's `[W, rounds]` count matrix, so every
+    worker learns how many keys each requester sends each owner in each round: the owner slices
+    each round's keys out of the one exchange, and each round's rows exchange has its own
+    padded size, as if the round had been routed alone."""
+    wire = wire or PLAIN
+    ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
+    num_shards, rounds = layout.num_shards, len(round_sizes)
+    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
+    counts, window_row = window_layout(inverse, splits, round_sizes, num_shards)
+    headers, keys_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size, num_shards,
+                                  collectives, tag, hint, wire)
+    every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
+    mine = every[:, layout.shard_index, :]  # [requester, round]: keys it sent this worker
+    shares = tf.cast(headers[:, -1], tf.int32)
+    records = []
+    for r in range(rounds):
+        bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(every[:, :, r]), 1))
+        local_rows, slot_to_unique = _owner_side(round_keys(keys_in, mine, r), mine[:, r],
+                                                 capacity, layout)
+        records.append(RoutingRecord(
+            splits=counts[:, r], inverse=tf.range(tf.reduce_sum(counts[:, r])),
+            slot_of_bucket_pos=_slots(counts[:, r], capacity, num_shards), bucket=bucket,
+            capacity=capacity, local_rows=local_rows, slot_to_unique=slot_to_unique,
+            received=mine[:, r], shares=shares))
+    return records, tf.gather(window_row, inverse)
+
+
+def window_layout(inverse, splits, round_sizes, num_shards):
+    """The requester's bookkeeping of a window routed as one (`route_rounds`), from the route's
+    `inverse` (each id -> its key) and `splits` (keys per owner, first-seen order within an
+    owner, so an owner's keys are in round order). Returns (`counts` `[W, rounds]`: the keys
+    of round r, those first read by it, asked of owner j; each key's row in the window: the
+    rounds' buffers one after another, a round's keys in owner order)."""
+    rounds = len(round_sizes)
+    round_of_id = tf.repeat(tf.range(rounds, dtype=tf.int32), tf.stack(round_sizes))
+    round_of_key = tf.math.unsorted_segment_min(round_of_id, inverse, tf.reduce_sum(splits))
+    owner_of_key = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
+    counts = tf.reshape(tf.math.unsorted_segment_sum(
+        tf.ones_like(owner_of_key), owner_of_key * rounds + round_of_key, num_shards * rounds),
+        [num_shards, rounds])
+    # A key's index among its round's keys (in key order, i.e. owner order).
+    in_round = tf.one_hot(round_of_key, rounds, dtype=tf.int32)
+    index_in_round = tf.reduce_sum((tf.cumsum(in_round, axis=0) - 1) * in_round, axis=1)
+    round_starts = tf.cumsum(tf.reduce_sum(counts, axis=0), exclusive=True)
+    return counts, tf.gather(round_starts, round_of_key) + index_in_round
+
+
+def round_keys(keys_in, sent, r):
+    """The keys of round `r` each requester sent this owner, `[W, n]` padded with -1, from the
+    keys it received in one exchange (`keys_in`: each requester's keys in round order, then -1)
+    and `sent[i, r']` (keys of round r' from requester i)."""
+    first = tf.cumsum(sent, axis=1, exclusive=True)[:, r:r + 1]
+    count = sent[:, r:r + 1]
+    positions = first + tf.range(tf.reduce_max(sent[:, r]))[None, :]
+    width = tf.shape(keys_in)[1]
+    taken = tf.gather(keys_in, tf.minimum(positions, tf.maximum(width - 1, 0)), batch_dims=1)
+    return tf.where(positions < first + count, taken, tf.constant(-1, tf.int64))
 
 
 def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True, wire=None):
