@@ -9,7 +9,8 @@
 //   cluster's nonce, sender index, worker count), then starts one receiver thread per peer and a
 //   heartbeat thread. Fails within `timeout_seconds`, naming the workers it could not reach.
 // - NestpipeSocketAllToAll(input [W, n, ...], send_counts [W], fill, key) -> (output, recv_counts):
-//   sends the first send_counts[j] entries of input[j] to worker j, returns [W, n, ...] whose row i
+//   sends the first send_counts[j] entries of input[j] to worker j (queued for that peer's sender
+//   thread: the op never blocks on the network), returns [W, n, ...] whose row i
 //   holds the entries worker i sent (recv_counts[i] of them, then `fill`). Messages are matched by
 //   (key, sequence number of this key's calls in this process): every worker issues a key's calls
 //   in the same order (the Python layer chains each stream's exchanges), so the i-th call of a
@@ -37,6 +38,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <cstring>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
@@ -159,9 +161,18 @@ struct Exchange {
   std::vector<char> fill;        // one entry of `fill`
   std::vector<bool> received;
   int missing = 0;         // peers whose row has not arrived
-  bool self_done = false;  // this worker's own row written and its sends made
+  bool self_done = false;  // this worker's own row written and its messages queued
   Status status;
   std::function<void(Status)> done;
+};
+
+// A message waiting in a peer's send queue; `keep` holds its payload's memory (the op's input
+// tensor) alive until it is written.
+struct Outgoing {
+  MessageHeader header;
+  const char* data;
+  size_t size;
+  std::shared_ptr<const void> keep;
 };
 
 class Peer {
@@ -174,11 +185,38 @@ class Peer {
   int fd() const { return fd_; }
   const std::string& address() const { return address_; }
 
-  bool Send(const MessageHeader& header, const char* data, size_t size) {
-    struct iovec iov[2] = {{const_cast<MessageHeader*>(&header), sizeof(header)},
-                           {const_cast<char*>(data), size}};
-    std::lock_guard<std::mutex> lock(send_mu_);
-    return WriteAll(fd_, iov, size > 0 ? 2 : 1);
+  // Starts the thread that writes the queued messages in order; `on_failure(errno)` is called
+  // once if a write fails (the peer's process died, or the mesh was shut down).
+  void StartSender(std::function<void(int)> on_failure) {
+    std::thread([this, on_failure] {
+      while (true) {
+        Outgoing message;
+        {
+          std::unique_lock<std::mutex> lock(queue_mu_);
+          queue_cv_.wait(lock, [this] { return !queue_.empty(); });
+          message = std::move(queue_.front());
+          queue_.pop_front();
+        }
+        struct iovec iov[2] = {{&message.header, sizeof(message.header)},
+                               {const_cast<char*>(message.data), message.size}};
+        if (!WriteAll(fd_, iov, message.size > 0 ? 2 : 1)) {
+          on_failure(errno);
+          return;
+        }
+      }
+    }).detach();
+  }
+
+  // Queues a message for the sender thread and returns at once: the op that posts it never
+  // blocks its (TensorFlow inter-op) thread on the network, so ops keep running while a large
+  // message drains through a slow link. Messages to a peer are written in posting order.
+  void Post(const MessageHeader& header, const char* data, size_t size,
+            std::shared_ptr<const void> keep) {
+    {
+      std::lock_guard<std::mutex> lock(queue_mu_);
+      queue_.push_back(Outgoing{header, data, size, std::move(keep)});
+    }
+    queue_cv_.notify_one();
   }
 
   void Heard() { last_heard_.store(Clock::now()); }
@@ -191,7 +229,9 @@ class Peer {
   int index_;
   int fd_;
   std::string address_;
-  std::mutex send_mu_;
+  std::mutex queue_mu_;
+  std::condition_variable queue_cv_;
+  std::deque<Outgoing> queue_;
   std::atomic<Clock::time_point> last_heard_;
 };
 
@@ -334,6 +374,11 @@ class Mesh {
       if (j == index) continue;
       Peer* peer = peers_[j].get();
       std::thread([this, peer] { Receive(peer); }).detach();
+      peer->StartSender([this, peer](int err) {
+        Fail(errors::Unavailable("nestpipe sockets: worker ", index_, " could not send to worker ",
+                                 peer->index(), " (", peer->address(), "): ", strerror(err),
+                                 "; that worker has probably failed (see its log)"));
+      });
     }
     std::thread([this] { Watch(); }).detach();
     return absl::OkStatus();
@@ -343,9 +388,11 @@ class Mesh {
   int num_workers() const { return num_workers_; }
   int index() const { return index_; }
 
-  // Starts the exchange of `input` (see the op's doc); calls ex->done(status) when it completes.
-  void AllToAll(int64_t key, const char* input, const int32_t* send_counts,
-                std::unique_ptr<Exchange> exchange) {
+  // Starts the exchange of `input` (see the op's doc; `keep` holds its memory until every
+  // message is written); calls ex->done(status) when this worker's row is written, its
+  // messages queued and every peer's row has arrived.
+  void AllToAll(int64_t key, const char* input, std::shared_ptr<const void> keep,
+                const int32_t* send_counts, std::unique_ptr<Exchange> exchange) {
     Exchange* ex = exchange.get();
     const int64_t row_bytes = ex->capacity * ex->entry_bytes;
     int64_t seq;
@@ -380,13 +427,7 @@ class Mesh {
       int j = (index_ + step) % num_workers_;
       MessageHeader header = {kMagic, kData, key, seq, send_counts[j],
                               send_counts[j] * ex->entry_bytes};
-      if (!peers_[j]->Send(header, input + j * row_bytes, header.nbytes)) {
-        Fail(errors::Unavailable("nestpipe sockets: worker ", index_,
-                                 " could not send to worker ", j, " (", peers_[j]->address(),
-                                 "): ", strerror(errno),
-                                 "; that worker has probably failed (see its log)"));
-        break;
-      }
+      peers_[j]->Post(header, input + j * row_bytes, header.nbytes, keep);
     }
     std::unique_ptr<Exchange> complete;
     {
@@ -534,7 +575,7 @@ class Mesh {
       }
       MessageHeader beat = {kMagic, kHeartbeat, 0, 0, 0, 0};
       for (auto& peer : peers_) {
-        if (peer) peer->Send(beat, nullptr, 0);
+        if (peer) peer->Post(beat, nullptr, 0, nullptr);
       }
       int silent = -1;
       {
@@ -673,6 +714,12 @@ class SocketAllToAllOp : public AsyncOpKernel {
  public:
   explicit SocketAllToAllOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
 
+  // Starting an exchange copies this worker's own row and queues the messages (the peers'
+  // sender threads write them): cheap, so TensorFlow's executor starts it inline as soon as its
+  // input is ready instead of queueing it behind the compute ops that are ready (with one
+  // inter-op thread per worker those would delay every message, and the overlap, by their run).
+  bool IsExpensive() override { return false; }
+
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
     Mesh* mesh = Mesh::Get();
     OP_REQUIRES_ASYNC(ctx, mesh->connected(),
@@ -717,7 +764,9 @@ class SocketAllToAllOp : public AsyncOpKernel {
       ctx->SetStatus(status);
       done();
     };
-    mesh->AllToAll(ctx->input(3).scalar<int64>()(), input.tensor_data().data(), send.data(),
+    // The messages may be written after the op is done: they keep the input's buffer alive.
+    auto keep = std::make_shared<const Tensor>(input);
+    mesh->AllToAll(ctx->input(3).scalar<int64>()(), input.tensor_data().data(), keep, send.data(),
                    std::move(ex));
   }
 };
