@@ -51,7 +51,7 @@ RESULTS = os.path.join(HERE, "results")
 MODELS = ["dlrm", "dcn"]
 DATA = ["synthetic", "movielens-1m"]
 BASELINES = ["mwms", "psv2", "hvd_replicated"]
-PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall"]
+PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "compute_only"]
 PIPELINES = ["none", "dbp", "fwp", "nested", "auto"]
 COLLECTIVES = ["sockets", "tf", "horovod"]
 ALL_OURS = ["nestpipe:%s:%s" % (p, c) for c in COLLECTIVES for p in PIPELINES]
@@ -80,6 +80,9 @@ SYSTEM_NOTES = {
     "hvd_replicated": "Horovod DistributedGradientTape, replicated Embedding (IndexedSlices allgathered)",
     "hvd_alltoall": "Horovod, table t on rank t mod W, hvd.alltoall of ids and rows",
     "nestpipe": "NestPipeStrategy, fused ShardedEmbeddingCollection, fit",
+    "compute_only": ("the compute-only bound: W processes at once on these cores, each one "
+                     "process (as single) on its own share B/W of the global batch, no "
+                     "communication; vs compute-only = row ms/step / its ms/step"),
 }
 HOROVOD_MISSING = "not run: horovod not installed (scripts/install_horovod.sh)"
 # horovodrun cannot start ranks inside network namespaces; our launcher can.
@@ -123,7 +126,8 @@ def expand_systems(tokens, pipelines, collectives):
                                  % (token, ",".join(PIPELINES), ",".join(COLLECTIVES)))
             out.append(("nestpipe", pipeline, coll))
         elif token in PLAIN_SYSTEMS:
-            out.append((token, "-", {"single": "-", "mwms": "tf", "psv2": "tf"}.get(token, "horovod")))
+            out.append((token, "-", {"single": "-", "mwms": "tf", "psv2": "tf",
+                                     "compute_only": "-"}.get(token, "horovod")))
         else:
             raise ValueError("unknown system %r; choose from %s, nestpipe, nestpipe:P:C"
                              % (token, ", ".join(PLAIN_SYSTEMS)))
@@ -156,7 +160,9 @@ def plan_rows(blocks, pipelines, collectives):
             for system, pipeline, coll in expand_systems(tokens, pipelines, collectives):
                 if system == "single" or (network != "loopback" and w < 2):
                     continue
-                add(make_row(system, pipeline, coll, model, data, network, w))
+                # No communication: one row per cluster size, whatever the network.
+                add(make_row(system, pipeline, coll, model, data,
+                             "-" if system == "compute_only" else network, w))
     return rows
 
 
@@ -510,6 +516,10 @@ def add_ratios(rows):
                     r[k] == row[k] for k in ("model", "data", "network", "workers"))
                                for r in rows):
                 row.setdefault("baselines_not_fitting", []).append(base)
+        bound = [r for r in measured if r["system"] == "compute_only" and all(
+            r[k] == row[k] for k in ("model", "data", "workers"))]
+        if bound and row["system"] != "compute_only":
+            row["vs_compute_only"] = row["ms_median"] / bound[0]["ms_median"]
         if row["system"] == "nestpipe":
             # ms/step over ours without pipeline (same collectives, placement, cell): <= 1.0
             # is faster.
@@ -652,9 +662,9 @@ def markdown(rows, args, env, seconds):
             TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
         *memory_lines(args),
         "| system | model | data | network | W | ms/step median | p90 | samples/s | E | exposure "
-        "| vs MWMS | vs PSv2 | vs Horovod repl. | vs ours none | collectives/step (exchanges) "
-        "| notes |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        "| vs MWMS | vs PSv2 | vs Horovod repl. | vs ours none | vs compute-only "
+        "| collectives/step (exchanges) | notes |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         target = targets_apply(r)
         cells = []
@@ -663,11 +673,12 @@ def markdown(rows, args, env, seconds):
         for base in ("mwms", "psv2", "hvd_replicated"):
             cells.append(ratio_cell(r, "vs_" + base, base, target))
         network = r["network"] + (" (RTT %.2f ms)" % r["rtt_ms"] if r.get("rtt_ms") else "")
-        lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %d | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s | %s |" % (
             row_label(r), r["model"], r["data"], network, r["workers"],
             _num(r["ms_median"], "%.1f"), _num(r["ms_p90"], "%.1f"),
             _num(r["samples_per_s"], "%.0f"), cells[0], _num(r["exposure"], "%.2f"),
-            cells[1], cells[2], cells[3], _num(r.get("vs_none"), "%.2fx"), collectives_text(r),
+            cells[1], cells[2], cells[3], _num(r.get("vs_none"), "%.2fx"),
+            _num(r.get("vs_compute_only"), "%.2fx"), collectives_text(r),
             r["details"].replace("|", "/")))
     lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
               + ". nestpipe P/C: pipeline P, collectives C."]
@@ -702,7 +713,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
              "exposure", "note"]
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
-              "vs_none", "collectives_per_step", "collectives_detail", "exchanges",
+              "vs_none", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker",
               "table_bytes_per_process", "baselines_not_fitting"]

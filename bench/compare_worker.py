@@ -6,6 +6,9 @@ does not take the timing with it).
 
 Systems (`--system`), all on the same model, data and global batch:
 - `single`: one process, no strategy, replicated tf_keras `Embedding` per table, tf_keras fit;
+- `compute_only`: the compute-only bound of a W-worker row: `single` on its own share (global
+  batch / W) of the data, started W times at once by the launcher on the same cores, no
+  communication;
 - `mwms`: `tf.distribute.MultiWorkerMirroredStrategy` (RING), tf_keras `Embedding`, fit;
 - `psv2`: `tf.distribute.ParameterServerStrategy` (chief of a `--workers W --ps W --chief`
   cluster) with `MinSizePartitioner`-sharded tf_keras `Embedding`s; synchronous-style: one step
@@ -65,7 +68,7 @@ from ps_worker import MeanBag  # noqa: E402
 from tf_nestpipe.data import (SyntheticClickLog, criteo_kaggle_table_sizes,  # noqa: E402
                               load_or_prepare_movielens, make_dataset, split_files)
 
-SYSTEMS = ("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "nestpipe")
+SYSTEMS = ("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "nestpipe", "compute_only")
 LEARNING_RATE = 0.05
 MOVIELENS_CYCLE = 20  # distinct MovieLens batches per worker, cached after the first pass
 
@@ -323,10 +326,17 @@ def summarize(times_s, warmup):
 
 # --- systems -------------------------------------------------------------------------------------
 def run_fit(args, data):
-    """single / mwms / nestpipe: tf_keras fit with a per-step timer; for nestpipe with
-    --profile-steps, also the profiling pass to run after the timing is printed."""
+    """single / compute_only / mwms / nestpipe: tf_keras fit with a per-step timer; for nestpipe
+    with --profile-steps, also the profiling pass to run after the timing is printed."""
     if args.system == "single":
         strategy, rank, workers = tf.distribute.get_strategy(), 0, 1
+        kind = "keras"
+    elif args.system == "compute_only":
+        # One process as `single`, on its own share of the global batch, started W times at
+        # once by the launcher (TF_CONFIG says W and this task's index; no server, no strategy).
+        strategy = tf.distribute.get_strategy()
+        task = json.loads(os.environ["TF_CONFIG"])
+        workers, rank = len(task["cluster"]["worker"]), task["task"]["index"]
         kind = "keras"
     elif args.system == "mwms":
         strategy = tf.distribute.MultiWorkerMirroredStrategy(
@@ -354,6 +364,8 @@ def run_fit(args, data):
         model = build_model(args, data, embedder, args.global_batch)
     if args.system == "single":
         dataset = data.dataset_fn(tf.distribute.InputContext())
+    elif args.system == "compute_only":
+        dataset = data.dataset_fn(_context(workers, rank))  # its share: global batch / W
     else:
         dataset = strategy.distribute_datasets_from_function(data.dataset_fn)
     timer = dlrm.StepTimer()
