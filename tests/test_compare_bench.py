@@ -116,7 +116,23 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     text = compare.markdown(rows, compare.parse_args(["--steps", "10"]),
                             {"load": 0.5, "horovod": False, "horovod_version": None,
                              "horovod_text": "no Horovod rows"}, 1.0)
-    assert "| 0.90x | 6 (1), auto chose dbp |" in text
+    assert "| 0.90x | - | 6 (1), auto chose dbp |" in text  # no compute-only row: "-"
+
+
+def test_rows_are_compared_with_the_compute_only_bound_of_their_cluster_size():
+    """compute_only (W processes each on its share, no communication) is one row per model,
+    data and W whatever the network; every other row of that size is divided by it."""
+    rows = compare.plan_rows([(["dlrm"], ["synthetic"], [2], ["loopback", "1ms:200mbit"],
+                               ["compute_only", "nestpipe:none:sockets"])], ["none"], ["sockets"])
+    assert [(r["system"], r["network"]) for r in rows] == [
+        ("single", "-"), ("compute_only", "-"), ("nestpipe", "loopback"),
+        ("nestpipe", "1ms:200mbit")]
+    measured = [_row("compute_only", 40.0, network="-"), _row("nestpipe", 50.0, pipeline="none"),
+                _row("nestpipe", 60.0, pipeline="none", workers=4), _row("mwms", 100.0)]
+    compare.add_ratios(measured)
+    assert measured[1]["vs_compute_only"] == pytest.approx(1.25)
+    assert measured[3]["vs_compute_only"] == pytest.approx(2.5)
+    assert "vs_compute_only" not in measured[0] and "vs_compute_only" not in measured[2]
 
 
 def test_error_summary_names_the_last_error_line():
