@@ -7,8 +7,11 @@ preempt one another (measured on the 2-core testbed: the natural-code DLRM step 
 took 11.9 ms with TensorFlow's pools, 10.1 ms with one thread of each per task; see
 bench/results/). Like `torchrun`, which sets `OMP_NUM_THREADS=1` when it starts several
 processes per node, the launcher gives each task `cores // tasks` threads (at least 1) through
-TensorFlow's environment variables. A variable the user set (in the launcher's environment or
-with `--env`) is never overridden.
+TensorFlow's environment variables. The inter-op pool keeps at least `MIN_INTEROP_THREADS`:
+with a single inter-op thread, parameter-server training deadlocks (a `ClusterCoordinator`
+step's remote function waits on the one thread that would serve it; measured: the DOWNPOUR
+program hung until the launcher's timeout, and finished with 2). A variable the user set (in
+the launcher's environment or with `--env`) is never overridden.
 """
 import os
 from typing import Dict, Mapping, Optional
@@ -16,6 +19,10 @@ from typing import Dict, Mapping, Optional
 # The environment variables that size a task's thread pools: TensorFlow's intra-op (also the
 # pool oneDNN's kernels run on) and inter-op pools, and OpenMP's for any library that uses it.
 THREAD_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS")
+
+# The fewest inter-op threads a task gets: one blocked op must never stall every other op of the
+# process (parameter-server mode deadlocks with 1).
+MIN_INTEROP_THREADS = 2
 
 
 def host_cores() -> int:
@@ -36,12 +43,15 @@ def threads_per_task(num_tasks: int, cores: Optional[int] = None) -> int:
 
 
 def thread_env(threads: int, env: Mapping[str, str]) -> Dict[str, str]:
-    """The thread variables to add to a task's environment `env` for `threads` threads per pool:
-    those `env` does not set already (the user's choice wins); none for `threads` 0 (TensorFlow's
-    own sizing)."""
+    """The thread variables to add to a task's environment `env` for `threads` threads per pool
+    (the inter-op pool at least `MIN_INTEROP_THREADS`): those `env` does not set already (the
+    user's choice wins); none for `threads` 0 (TensorFlow's own sizing)."""
     if threads < 0:
         raise ValueError("threads per task must be >= 0 (0: TensorFlow's default), got %d"
                          % threads)
     if threads == 0:
         return {}
-    return {name: str(threads) for name in THREAD_VARIABLES if name not in env}
+    sizes = {"TF_NUM_INTRAOP_THREADS": threads,
+             "TF_NUM_INTEROP_THREADS": max(MIN_INTEROP_THREADS, threads),
+             "OMP_NUM_THREADS": threads}
+    return {name: str(sizes[name]) for name in THREAD_VARIABLES if name not in env}
