@@ -328,13 +328,17 @@ def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path
         import os
         print("threads", [os.environ.get(v, "-") for v in %r])
     """ % (THREAD_VARIABLES,))
-    each = max(1, host_cores() // 3)
-    sizes = {"TF_NUM_INTRAOP_THREADS": each, "TF_NUM_INTEROP_THREADS": max(2, each),
-             "OMP_NUM_THREADS": each}
+    each = str(max(1, host_cores() // 3))
     result = launcher("--workers", "3", "--output", "all", "--", sys.executable, script)
     assert result.returncode == 0, result.stdout
-    expected = [os.environ.get(v, str(sizes[v])) for v in THREAD_VARIABLES]  # the caller's win
+    expected = [os.environ.get(v, each) for v in THREAD_VARIABLES]  # the caller's own win
     assert "[worker:2] threads %r" % expected in result.stdout
+    # A parameter-server cluster keeps at least 2 inter-op threads per task (1 deadlocks it).
+    result = launcher("--workers", "1", "--ps", "1", "--chief", "--", sys.executable, script)
+    assert result.returncode == 0, result.stdout
+    sizes = {"TF_NUM_INTEROP_THREADS": str(max(2, int(each)))}
+    expected = [os.environ.get(v, sizes.get(v, each)) for v in THREAD_VARIABLES]
+    assert "[chief:0] threads %r" % expected in result.stdout, result.stdout
     result = launcher("--workers", "2", "--env", "TF_NUM_INTEROP_THREADS=7", "--threads-per-task",
                       "5", "--", sys.executable, script)
     assert "[worker:0] threads %r" % ["5", "7", "5"] in result.stdout, result.stdout
@@ -350,9 +354,11 @@ def test_threads_per_task_split_and_refusals():
     assert threads_per_task(8, cores=2) == 1  # never 0
     assert thread_env(4, {"OMP_NUM_THREADS": "2"}) == {"TF_NUM_INTRAOP_THREADS": "4",
                                                       "TF_NUM_INTEROP_THREADS": "4"}
-    # The inter-op pool never drops below 2 (parameter-server mode deadlocks with 1).
-    assert thread_env(1, {}) == {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
+    # A parameter-server cluster's inter-op pool never drops below 2 (it deadlocks with 1).
+    assert thread_env(1, {}) == {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
                                  "OMP_NUM_THREADS": "1"}
+    assert thread_env(1, {}, parameter_server=True) == {
+        "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2", "OMP_NUM_THREADS": "1"}
     with pytest.raises(ValueError, match="at least one task"):
         threads_per_task(0)
     with pytest.raises(ValueError, match=">= 0"):

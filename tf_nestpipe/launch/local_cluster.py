@@ -237,7 +237,8 @@ class LocalCluster:
             env.update(self._rendezvous.env(rank))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(thread_pools.thread_env(self.threads_per_task, env))
+        env.update(thread_pools.thread_env(self.threads_per_task, env,
+                                           parameter_server=self.parameter_server_mode))
         try:  # its server listens only on its TF_CONFIG address, not on every interface
             env.update(listen_only_env(self.cluster[role][index], env))
         except ShimMissingError as error:

@@ -7,11 +7,15 @@ preempt one another (measured on the 2-core testbed: the natural-code DLRM step 
 took 11.9 ms with TensorFlow's pools, 10.1 ms with one thread of each per task; see
 bench/results/). Like `torchrun`, which sets `OMP_NUM_THREADS=1` when it starts several
 processes per node, the launcher gives each task `cores // tasks` threads (at least 1) through
-TensorFlow's environment variables. The inter-op pool keeps at least `MIN_INTEROP_THREADS`:
-with a single inter-op thread, parameter-server training deadlocks (a `ClusterCoordinator`
-step's remote function waits on the one thread that would serve it; measured: the DOWNPOUR
-program hung until the launcher's timeout, and finished with 2). A variable the user set (in
-the launcher's environment or with `--env`) is never overridden.
+TensorFlow's environment variables. In parameter-server mode the inter-op pool keeps at least
+`MIN_PARAMETER_SERVER_INTEROP_THREADS`: with a single inter-op thread a `ClusterCoordinator`
+cluster deadlocks (measured: the DOWNPOUR program hung until the launcher's 240 s timeout, and
+finished in 22 s with 2). Synchronous (collective) workers keep one: their collectives never hold
+an inter-op thread while they wait (TensorFlow's are asynchronous kernels; the socket mesh's
+exchange queues its messages and returns), and a second thread per worker preempted the first
+(natural DLRM step, 2 workers on 2 cores, 3 interleaved rounds, median ms/step with 1 vs 2
+inter-op threads: none 8.3 vs 10.7, dbp 9.6 vs 11.0, fwp 9.8 vs 9.9, nested 9.4 vs 13.1).
+A variable the user set (in the launcher's environment or with `--env`) is never overridden.
 """
 import os
 from typing import Dict, Mapping, Optional
@@ -20,9 +24,8 @@ from typing import Dict, Mapping, Optional
 # pool oneDNN's kernels run on) and inter-op pools, and OpenMP's for any library that uses it.
 THREAD_VARIABLES = ("TF_NUM_INTRAOP_THREADS", "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS")
 
-# The fewest inter-op threads a task gets: one blocked op must never stall every other op of the
-# process (parameter-server mode deadlocks with 1).
-MIN_INTEROP_THREADS = 2
+# The fewest inter-op threads a task of a parameter-server cluster gets (it deadlocks with 1).
+MIN_PARAMETER_SERVER_INTEROP_THREADS = 2
 
 
 def host_cores() -> int:
@@ -42,16 +45,19 @@ def threads_per_task(num_tasks: int, cores: Optional[int] = None) -> int:
     return max(1, cores // num_tasks)
 
 
-def thread_env(threads: int, env: Mapping[str, str]) -> Dict[str, str]:
+def thread_env(threads: int, env: Mapping[str, str],
+               parameter_server: bool = False) -> Dict[str, str]:
     """The thread variables to add to a task's environment `env` for `threads` threads per pool
-    (the inter-op pool at least `MIN_INTEROP_THREADS`): those `env` does not set already (the
-    user's choice wins); none for `threads` 0 (TensorFlow's own sizing)."""
+    (in a `parameter_server` cluster the inter-op pool at least
+    `MIN_PARAMETER_SERVER_INTEROP_THREADS`): those `env` does not set already (the user's choice
+    wins); none for `threads` 0 (TensorFlow's own sizing)."""
     if threads < 0:
         raise ValueError("threads per task must be >= 0 (0: TensorFlow's default), got %d"
                          % threads)
     if threads == 0:
         return {}
     sizes = {"TF_NUM_INTRAOP_THREADS": threads,
-             "TF_NUM_INTEROP_THREADS": max(MIN_INTEROP_THREADS, threads),
+             "TF_NUM_INTEROP_THREADS": (max(MIN_PARAMETER_SERVER_INTEROP_THREADS, threads)
+                                        if parameter_server else threads),
              "OMP_NUM_THREADS": threads}
     return {name: str(sizes[name]) for name in THREAD_VARIABLES if name not in env}
