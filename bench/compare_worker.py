@@ -298,6 +298,13 @@ class CompareDCN(tfrs.Model):
         features, labels = inputs
         return self.summed_loss(features, labels) / self.loss_denominator
 
+    def nestpipe_route(self, inputs):
+        """tf_nestpipe's route pass: what `compute_loss` looks up (the embeddings of the
+        features), so that ours fuses every table's lookup into one exchange per step and can
+        pipeline this TFRS model (its train_step is TFRS's own)."""
+        features, _ = inputs
+        self.embeddings(features)
+
 
 def build_model(args, data, embedder, loss_denominator):
     """The `--model` on `embedder`; compiled (Adagrad, and for DLRM binary cross-entropy on the
@@ -422,8 +429,9 @@ class AutoSettled(tf_keras.callbacks.Callback):
         self.probe_steps = None
 
     def on_train_batch_end(self, batch, logs=None):
-        if self.probe_steps is None and self.model._nestpipe_pipeline.choice is not None:  # pylint: disable=protected-access
-            self.probe_steps = batch + 1
+        pipeline = getattr(self.model, "_nestpipe_pipeline", None)
+        if self.probe_steps is None and (pipeline is None or pipeline.choice is not None):
+            self.probe_steps = batch + 1  # no pipeline (Keras's own train function): no probe
         if self.probe_steps is not None and batch + 1 - self.probe_steps >= self.steps_after:
             self.model.stop_training = True
 
