@@ -112,6 +112,36 @@ def test_a_ps_failure_is_explained():
         None, None, "GRPC error information from remote target /job:worker/replica:0/task:0")) is None
 
 
+def test_a_ps_failure_whose_error_names_no_task_is_named_by_probing_the_ps_addresses():
+    """TensorFlow's PSUnavailableError (from the coordination service) may carry a message
+    naming no ps task (CI: "parameter server a ps task became unavailable"); the ps addresses
+    are probed and the one that refuses connections is named."""
+    import socket
+
+    import tensorflow as tf
+    from tensorflow.python.distribute.coordinator import cluster_coordinator
+    from tf_nestpipe.launch.local_cluster import free_ports
+    from tf_nestpipe.strategy.downpour import explain_ps_failure
+
+    listening = socket.socket()
+    listening.bind(("127.0.0.1", 0))
+    listening.listen(4)
+    try:
+        live = "127.0.0.1:%d" % listening.getsockname()[1]
+        dead = "127.0.0.1:%d" % free_ports(1)[0]  # nothing listens there
+        error = cluster_coordinator.PSUnavailableError(tf.errors.UnavailableError(
+            None, None, "Socket closed"))
+        explained = explain_ps_failure(error, [live, dead])
+        assert "/job:ps/task:1 at %s" % dead in str(explained), str(explained)
+        assert "/job:ps/task:0" not in str(explained)
+        # Positive control: with every address live, no task is named (and it says why).
+        explained = explain_ps_failure(error, [live])
+        assert "/job:ps/task:" not in str(explained).split("Original error")[0]
+        assert "every ps address still accepts connections" in str(explained)
+    finally:
+        listening.close()
+
+
 class _FailingCoordinator:
     """What ClusterCoordinator does after a window failed: schedule and join raise its error."""
 

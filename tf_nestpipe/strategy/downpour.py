@@ -30,7 +30,7 @@ from tensorflow.python.framework import ops
 from tensorflow.python.saved_model import save_context
 
 from tf_nestpipe.sharding import partitioners
-from tf_nestpipe.strategy.ps_watch import UnreachablePsError, call_watching_ps
+from tf_nestpipe.strategy.ps_watch import UnreachablePsError, call_watching_ps, refusing_ps
 from tf_nestpipe.sharding.fetch import RowFetcher, installed
 
 
@@ -241,14 +241,25 @@ class ParameterServerUnavailableError(RuntimeError):
     `--restarts N` does) and resume with `DownpourTrainer.restore`."""
 
 
-def explain_ps_failure(error):
+def explain_ps_failure(error, ps_addresses=None):
     """A `ParameterServerUnavailableError` naming the failed ps tasks if `error` is a ps
-    failure as `ClusterCoordinator` reports it, else None."""
+    failure as `ClusterCoordinator` reports it, else None. The tasks are read from the error's
+    message; when it names none (TensorFlow's `PSUnavailableError` from the coordination
+    service carries the worker's message only), each of `ps_addresses` is probed and the ones
+    that refuse connections are named."""
     if not _coordinator_lib._is_ps_failure(error):  # pylint: disable=protected-access
         return None
     message = str(getattr(error, "original_exception", None) or error)
-    tasks = sorted(_coordinator_lib._extract_failed_ps_instances(message))  # pylint: disable=protected-access
-    named = ", ".join("/job:ps/task:%d" % t for t in tasks) or "a ps task"
+    tasks = set(_coordinator_lib._extract_failed_ps_instances(message))  # pylint: disable=protected-access
+    tasks.update(int(t) for t in re.findall(r"/job:ps/task:(\d+)", message))
+    if tasks:
+        named = ", ".join("/job:ps/task:%d" % t for t in sorted(tasks))
+    else:
+        refusing = refusing_ps(ps_addresses or [])
+        named = ", ".join("/job:ps/task:%d at %s (it refuses connections: %s)" % (
+            t, ps_addresses[t], why) for t, why in sorted(refusing.items())) or (
+            "a ps task (the error names none and every ps address still accepts connections)"
+            if ps_addresses else "a ps task (the error names none)")
     return ParameterServerUnavailableError(
         "parameter server %s became unavailable, so training stopped (the ps tasks hold the only "
         "copy of the parameters). Restart the cluster (python -m tf_nestpipe.launch ... "
@@ -257,10 +268,10 @@ def explain_ps_failure(error):
 
 
 @contextlib.contextmanager
-def _explaining_ps_failures():
+def _explaining_ps_failures(ps_addresses=None):
     """Re-raises a ps failure (as `ClusterCoordinator.schedule` / `join` report it, or as the
     ps watch finds it: `ps_watch`) as a `ParameterServerUnavailableError`; other errors pass
-    unchanged."""
+    unchanged. `ps_addresses` name the failed task when the error does not (`explain_ps_failure`)."""
     try:
         yield
     except UnreachablePsError as error:
@@ -271,7 +282,7 @@ def _explaining_ps_failures():
             "N restarts it automatically) and resume from the last checkpoint with "
             "DownpourTrainer.restore(directory)." % error) from error
     except Exception as error:  # pylint: disable=broad-except
-        explained = explain_ps_failure(error)
+        explained = explain_ps_failure(error, ps_addresses)
         if explained is None:
             raise
         raise explained from error
@@ -415,8 +426,9 @@ class DownpourTrainer:
         TensorFlow took it for a transient failure and would retry forever: while it waits,
         every ps address is probed, and one that refuses 3 probes in a row is a failure
         (`ps_watch`)."""
-        with _explaining_ps_failures():
-            call_watching_ps(self.coordinator.join, getattr(self, "_ps_addresses", None))
+        addresses = getattr(self, "_ps_addresses", None)
+        with _explaining_ps_failures(addresses):
+            call_watching_ps(self.coordinator.join, addresses)
 
     def _manager(self, directory, max_to_keep=3):
         if directory not in self._managers:
@@ -446,7 +458,8 @@ class DownpourTrainer:
         """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
         pushed, values pulled). A ps failure of an earlier window (which `ClusterCoordinator`
         raises here) is raised as a `ParameterServerUnavailableError`, as in `join`."""
-        with _explaining_ps_failures():  # schedule raises the error of an earlier window
+        # schedule raises the error of an earlier window
+        with _explaining_ps_failures(getattr(self, "_ps_addresses", None)):
             remote = self.coordinator.schedule(self._window, args=(iterator,))
         self.windows += 1
         return remote

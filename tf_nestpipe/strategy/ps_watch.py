@@ -35,6 +35,17 @@ def _accepts(address: str, timeout: float) -> Optional[str]:
         return error.strerror or str(error)
 
 
+def refusing_ps(addresses: List[str], probe_timeout: float = 2.0) -> Dict[int, str]:
+    """{task: why} for each ps address in `addresses` that does not accept a TCP connection now
+    (one probe each)."""
+    reasons = {}
+    for task, address in enumerate(addresses or []):
+        reason = _accepts(address, probe_timeout)
+        if reason:
+            reasons[task] = reason
+    return reasons
+
+
 def call_watching_ps(fn: Callable, addresses: Optional[List[str]], interval: float = 1.0,
                      failures_needed: int = 3, probe_timeout: float = 2.0):
     """`fn()`, raising `UnreachablePsError` if some ps address stops accepting connections
@@ -56,12 +67,9 @@ def call_watching_ps(fn: Callable, addresses: Optional[List[str]], interval: flo
     thread.start()
     failures: Dict[int, int] = {}
     while not done.wait(interval):
-        reasons = {}
-        for task, address in enumerate(addresses):
-            reason = _accepts(address, probe_timeout)
-            failures[task] = failures.get(task, 0) + 1 if reason else 0
-            if reason:
-                reasons[task] = reason
+        reasons = refusing_ps(addresses, probe_timeout)
+        for task in range(len(addresses)):
+            failures[task] = failures.get(task, 0) + 1 if task in reasons else 0
         down = {t: addresses[t] for t, n in failures.items() if n >= failures_needed}
         if down and not done.is_set():
             raise UnreachablePsError(down, "%d probes %.0f s apart: %s" % (
