@@ -32,7 +32,7 @@ from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
                                             row_shard_being_created, row_shard_layout)
-from tf_nestpipe.strategy import equal_shares
+from tf_nestpipe.strategy import equal_shares, exit_guard
 from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
@@ -106,6 +106,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 hvd, num_workers=size, worker_index=rank, device=self.worker_devices[0],
                 timeout_seconds=collective_timeout_seconds)
             self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, size)
+            if size > 1:
+                exit_guard.install()
             return
         # "auto" / "sockets": the exchange on the socket mesh once it is open (below).
         collectives_class = Collectives if collectives == "tf" else SocketCollectives
@@ -119,6 +121,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_collectives.worker_index = self._collective_rank()
         if collectives != "tf" and self._num_workers > 1:
             self._open_socket_mesh(collectives)
+        if self._num_workers > 1:
+            exit_guard.install()  # a worker dying of an uncaught error exits (peers wait on it)
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
 

@@ -1,0 +1,71 @@
+"""A worker that dies of an uncaught error exits, even when its shutdown would block.
+
+Seen in a loaded full-suite run: worker 1's step raised (an out-of-range id), Python printed the
+traceback, and the process never exited: its shutdown blocked (the peers' pending requests to
+it; its gRPC server's teardown), its socket mesh kept sending heartbeats, so worker 0 waited in
+its exchange and the launcher, which tears the cluster down when a task exits, never saw an
+exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
+`faulthandler.dump_traceback_later(grace_seconds, exit=True)`, a native watchdog that outlives
+the interpreter's own threads during shutdown. A shutdown that finishes in time is untouched
+(atexit handlers run as usual); one that blocks longer prints every thread's stack (where it
+blocked) and exits with status 1, so the launcher (or a cluster manager) sees the failure and
+the peers' exchanges fail naming this worker.
+"""
+import faulthandler
+import os
+import sys
+import threading
+
+# Seconds a worker's shutdown may take after an uncaught error (TF_NESTPIPE_EXIT_GRACE_SECONDS).
+DEFAULT_GRACE_SECONDS = 15.0
+_ENV = "TF_NESTPIPE_EXIT_GRACE_SECONDS"
+
+_lock = threading.Lock()
+_installed = {"grace": None, "previous": None}
+
+
+def grace_from_env(default=DEFAULT_GRACE_SECONDS):
+    """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard), else
+    `default`; a value that is not a number >= 0 is refused naming the variable."""
+    raw = os.environ.get(_ENV)
+    if raw is None or raw == "":
+        return float(default)
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 0:
+        raise ValueError("%s must be a number of seconds >= 0 (0 turns the exit guard off), "
+                         "got %r" % (_ENV, raw))
+    return value
+
+
+def _guarded_excepthook(kind, value, traceback):
+    previous = _installed["previous"] or sys.__excepthook__
+    previous(kind, value, traceback)
+    grace = _installed["grace"]
+    if not grace or issubclass(kind, KeyboardInterrupt):
+        return
+    print("tf_nestpipe: this worker exits after an uncaught %s; if its shutdown blocks (e.g. on "
+          "a peer's pending collective) it is forced out in %.0f s (%s)"
+          % (kind.__name__, grace, _ENV), file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # pylint: disable=broad-except
+            pass
+    faulthandler.dump_traceback_later(grace, exit=True)
+
+
+def install(grace_seconds=None):
+    """Chains `sys.excepthook` (once per process; a later call only updates the grace period)
+    so that after an uncaught error the process exits within `grace_seconds` (default:
+    `grace_from_env()`; 0: never forced)."""
+    grace = grace_from_env() if grace_seconds is None else float(grace_seconds)
+    if grace < 0:
+        raise ValueError("grace_seconds must be >= 0, got %r" % (grace_seconds,))
+    with _lock:
+        _installed["grace"] = grace
+        if sys.excepthook is not _guarded_excepthook:
+            _installed["previous"] = sys.excepthook
+            sys.excepthook = _guarded_excepthook
