@@ -255,11 +255,15 @@ def explain_ps_failure(error, ps_addresses=None):
     if tasks:
         named = ", ".join("/job:ps/task:%d" % t for t in sorted(tasks))
     else:
-        refusing = refusing_ps(ps_addresses or [])
-        named = ", ".join("/job:ps/task:%d at %s (it refuses connections: %s)" % (
-            t, ps_addresses[t], why) for t, why in sorted(refusing.items())) or (
-            "a ps task (the error names none and every ps address still accepts connections)"
-            if ps_addresses else "a ps task (the error names none)")
+        refusing = refusing_ps(ps_addresses)
+        if refusing:
+            named = ", ".join("/job:ps/task:%d at %s (it refuses connections: %s)" % (
+                t, ps_addresses[t], why) for t, why in sorted(refusing.items()))
+        elif ps_addresses:
+            named = ("a ps task (the error names none and every ps address still accepts "
+                     "connections)")
+        else:
+            named = "a ps task (the error names none)"
     return ParameterServerUnavailableError(
         "parameter server %s became unavailable, so training stopped (the ps tasks hold the only "
         "copy of the parameters). Restart the cluster (python -m tf_nestpipe.launch ... "

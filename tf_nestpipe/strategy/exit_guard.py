@@ -3,9 +3,8 @@
 Seen in a loaded full-suite run: worker 1's step raised (an out-of-range id), Python printed the
 traceback, and the process never exited: its shutdown blocked (where was not captured: it did
 not reproduce in 6 reruns; the guard's stack dump names it next time), its socket mesh kept
-sending heartbeats, so worker 0 waited in
-its exchange and the launcher, which tears the cluster down when a task exits, never saw an
-exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
+sending heartbeats, so worker 0 waited in its exchange and the launcher, which tears the
+cluster down when a task exits, never saw an exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
 `faulthandler.dump_traceback_later(grace_seconds, exit=True)`, a native watchdog that outlives
 the interpreter's own threads during shutdown. A shutdown that finishes in time is untouched
 (atexit handlers run as usual); one that blocks longer prints every thread's stack (where it
@@ -50,11 +49,10 @@ def _guarded_excepthook(kind, value, traceback):
     print("tf_nestpipe: this worker exits after an uncaught %s; if its shutdown blocks (e.g. on "
           "a peer's pending collective) it is forced out in %.0f s (%s)"
           % (kind.__name__, grace, _ENV), file=sys.stderr, flush=True)
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except Exception:  # pylint: disable=broad-except
-            pass
+    try:
+        sys.stdout.flush()  # the faulthandler dump and a forced exit skip Python's own flush
+    except Exception:  # pylint: disable=broad-except
+        pass
     faulthandler.dump_traceback_later(grace, exit=True)
 
 
