@@ -132,7 +132,8 @@ def _train_pipeline(model, strategy, pipeline, micro_batches=None):
     return TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
                          reduce_fn=_reducer(model, strategy),
                          skip_buffer_sync=strategy.unsafe_skip_buffer_sync,
-                         lookahead=LOOKAHEAD[pipeline])
+                         lookahead=LOOKAHEAD[pipeline],
+                         trainable_variables=lambda: model.trainable_variables)
 
 
 def _slowest_worker(strategy, times):

@@ -30,6 +30,7 @@ from tf_nestpipe.pipeline.fused_exchange import (BufferReader, RouteRecorder, pr
                                                  rows_requested, shares_of)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
+from tf_nestpipe.tracing import user_function
 
 
 def updates_only_touched_rows(optimizer):
@@ -74,13 +75,28 @@ class TrainPipeline:
     `step_fn` does); it runs with the layers' lookups recorded and answered with zeros, so its
     dense compute is pruned. `reduce_fn(outputs)` (optional) reduces the per-replica outputs
     inside the step function.
+
+    `trainable_variables` (optional, a callable returning the variables `optimizer` updates,
+    e.g. `lambda: model.trainable_variables`) lets the pipeline create, before it traces its
+    first step, the variables that step would create: the model's (a route pass is traced, never
+    run, if the callable returns none yet) and a tf_keras optimizer's slots
+    (`optimizer.build`). A `tf.function` whose first trace creates variables is traced twice,
+    so this halves the tracing of the first steps. Give every variable the optimizer updates:
+    a tf_keras optimizer refuses to update a variable it was not built with.
     """
 
     def __init__(self, strategy, step_fn, route_fn, optimizer=None, reduce_fn=None,
-                 skip_buffer_sync=False, lookahead=1):
+                 skip_buffer_sync=False, lookahead=1, trainable_variables=None):
         if lookahead not in (0, 1):
             raise ValueError("lookahead must be 0 or 1, got %r" % (lookahead,))
+        if trainable_variables is not None and not callable(trainable_variables):
+            raise TypeError("trainable_variables must be a callable returning the variables the "
+                            "optimizer updates (e.g. lambda: model.trainable_variables), got %r"
+                            % (trainable_variables,))
         self._strategy = strategy
+        self._optimizer = optimizer
+        self._trainable_variables = trainable_variables
+        self._variables_created = trainable_variables is None
         self._step_fn = step_fn
         self._route_fn = route_fn
         self._reduce_fn = reduce_fn
@@ -122,7 +138,7 @@ class TrainPipeline:
         # the keys headers instead of an all-gather of its own.
         share_size_of = getattr(self._strategy.extended, "share_size_of", lambda batch: None)
         with installed(recorder), self._collectives.stream("prefetch"):
-            self._route_fn(batch)
+            user_function(self._route_fn)(batch)
             buffers, plans = prefetch_lookups(self._exchange, recorder.lookups,
                                               recorder.windowed, updated, self._all_updated,
                                               share_size_of(batch))
@@ -134,7 +150,7 @@ class TrainPipeline:
         shares_known = getattr(self._strategy.extended, "shares_known",
                                lambda sizes: contextlib.nullcontext())
         with installed(reader), shares_known(shares_of(buffers)):
-            outputs = self._step_fn(batch)
+            outputs = user_function(self._step_fn)(batch)
         if reader.untaken():
             raise ValueError("the training step did not look up the prefetched tables %s as "
                              "often as the route pass did" % reader.untaken())
@@ -147,7 +163,9 @@ class TrainPipeline:
             lambda v: self._strategy.experimental_local_results(v)[0], value)
 
     def _reduce(self, outputs):
-        return self._reduce_fn(outputs) if self._reduce_fn is not None else outputs
+        if self._reduce_fn is None:
+            return outputs
+        return user_function(self._reduce_fn)(outputs)
 
     def _synchronous_step(self, iterator):
         """lookahead=0: route, retrieve and compute the next batch."""
@@ -234,6 +252,36 @@ class TrainPipeline:
         return self._reduce(self._strategy.run(self._compute_pass,
                                                args=(batch, states, dynamic_ids)))
 
+    # --- variables ahead of the first trace ---------------------------------------------------
+    def _create_variables(self, iterator):
+        """Creates the model's variables (tracing, never running, a route pass over `iterator`'s
+        element spec, if `trainable_variables()` returns none yet) and a tf_keras optimizer's
+        slots, before the first step function is traced (see the class docstring)."""
+        self._variables_created = True
+        if not isinstance(self._optimizer, tf_keras.optimizers.Optimizer):
+            return  # a legacy optimizer creates its slots in its own way, on its first update
+        if not self._trainable_variables():
+            traced = []
+
+            def route_once(iterator):
+                # TF traces a function again once its first trace created variables; the second
+                # trace has nothing left to create.
+                if traced:
+                    return
+                traced.append(True)
+
+                def replica_route(batch):
+                    with installed(RouteRecorder()):
+                        user_function(self._route_fn)(batch)
+
+                self._strategy.run(replica_route, args=(self._local(next(iterator)),))
+
+            tf.function(route_once).get_concrete_function(iterator)
+        variables = self._trainable_variables()
+        if variables:
+            with self._strategy.scope():
+                self._optimizer.build(variables)
+
     # --- driver ------------------------------------------------------------------------------
     def _count_requested(self, requested):
         requested = requested.numpy().tolist()
@@ -243,6 +291,8 @@ class TrainPipeline:
     def progress(self, iterator):
         """Trains on the next batch of `iterator` and returns `step_fn`'s (reduced) outputs.
         Raises StopIteration / OutOfRangeError once the iterator and the pipeline are empty."""
+        if not self._variables_created:
+            self._create_variables(iterator)
         if self._lookahead == 0:
             outputs, requested = self._synchronous(iterator)
             self._count_requested(requested)
