@@ -23,6 +23,10 @@ def _started_as_launcher(argv=None):
 
 
 if not _started_as_launcher():
+    from tf_nestpipe import tracing as _tracing  # noqa: E402
+
+    _tracing.register_library()  # before any of our functions is traced
+
     from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
     from tf_nestpipe.sharding import (DynamicEmbedding, ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                       ShardLayout)

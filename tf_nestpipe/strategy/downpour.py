@@ -32,6 +32,7 @@ from tensorflow.python.saved_model import save_context
 from tf_nestpipe.sharding import partitioners
 from tf_nestpipe.strategy.ps_watch import UnreachablePsError, call_watching_ps, refusing_ps
 from tf_nestpipe.sharding.fetch import RowFetcher, installed
+from tf_nestpipe.tracing import user_function
 
 
 class _LocalVariable(ps_values.PerWorkerVariable):
@@ -387,7 +388,8 @@ class DownpourTrainer:
             for step, (features, labels) in enumerate(batches):
                 with tf.control_dependencies(after + pulls[step]):
                     with tf.GradientTape() as tape:
-                        loss = self.loss_fn(labels, self.local_model(features, training=True))
+                        outputs = self.local_model(features, training=True)
+                        loss = user_function(self.loss_fn)(labels, outputs)
                     gradients = tape.gradient(loss, variables)
                     after = [self.local_optimizer.apply(v, g, s) for v, g, s in
                              zip(variables, gradients, self.local_slots)]
