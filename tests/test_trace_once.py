@@ -32,13 +32,16 @@ def _batches():
              rng.normal(size=(BATCH, 1)).astype(np.float32)) for _ in range(STEPS)]
 
 
-def _train(with_variables):
+def _train(with_variables, partly_built=False):
     """Trains a fresh model through a DBP TrainPipeline; returns (its weights, the number of
-    times the step function and the route pass ran in Python, i.e. were traced)."""
+    times the step function and the route pass ran in Python, i.e. were traced). `partly_built`:
+    the table is called on its own first (the model has some variables, not all)."""
     strategy = tnp.NestPipeStrategy()
     with strategy.scope():
         model = Ranker()
         optimizer = tf_keras.optimizers.Adam(0.05)
+    if partly_built:
+        model.table(tf.constant([[0, 1]], tf.int64))
     traced = {"step": 0, "route": 0}
 
     def step_fn(batch):
@@ -74,6 +77,14 @@ def test_created_ahead_each_step_function_is_traced_once_with_the_same_results()
     control_weights, control_traced = _train(with_variables=False)
     assert control_traced == {"route": 4, "step": 3}
     assert len(weights) == len(control_weights)
+    for got, want in zip(weights, control_weights):
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_partly_built_model_gets_every_slot_before_its_first_step():
+    weights, traced = _train(with_variables=True, partly_built=True)
+    assert traced == {"route": 3, "step": 2}
+    control_weights, _ = _train(with_variables=False)
     for got, want in zip(weights, control_weights):
         np.testing.assert_array_equal(got, want)
 

@@ -255,28 +255,32 @@ class TrainPipeline:
     # --- variables ahead of the first trace ---------------------------------------------------
     def _create_variables(self, iterator):
         """Creates the model's variables (tracing, never running, a route pass over `iterator`'s
-        element spec, if `trainable_variables()` returns none yet) and a tf_keras optimizer's
-        slots, before the first step function is traced (see the class docstring)."""
+        element spec) and a tf_keras optimizer's slots, before the first step function is traced
+        (see the class docstring)."""
         self._variables_created = True
         if not isinstance(self._optimizer, tf_keras.optimizers.Optimizer):
             return  # a legacy optimizer creates its slots in its own way, on its first update
-        if not self._trainable_variables():
-            traced = []
+        if getattr(self._optimizer, "_built", False):
+            return  # built (e.g. by another pipeline of the same model): nothing to create
+        # The route pass is traced even when the model has variables already: a model partly
+        # built (one layer called on its own) would otherwise build the optimizer without the
+        # others' variables.
+        traced = []
 
-            def route_once(iterator):
-                # TF traces a function again once its first trace created variables; the second
-                # trace has nothing left to create.
-                if traced:
-                    return
-                traced.append(True)
+        def route_once(iterator):
+            # TF traces a function again once its first trace created variables; the second trace
+            # has nothing left to create.
+            if traced:
+                return
+            traced.append(True)
 
-                def replica_route(batch):
-                    with installed(RouteRecorder()):
-                        user_function(self._route_fn)(batch)
+            def replica_route(batch):
+                with installed(RouteRecorder()):
+                    user_function(self._route_fn)(batch)
 
-                self._strategy.run(replica_route, args=(self._local(next(iterator)),))
+            self._strategy.run(replica_route, args=(self._local(next(iterator)),))
 
-            tf.function(route_once).get_concrete_function(iterator)
+        tf.function(route_once).get_concrete_function(iterator)
         variables = self._trainable_variables()
         if variables:
             with self._strategy.scope():
