@@ -79,10 +79,10 @@ class TrainPipeline:
     `trainable_variables` (optional, a callable returning the variables `optimizer` updates,
     e.g. `lambda: model.trainable_variables`) lets the pipeline create, before it traces its
     first step, the variables that step would create: the model's (a route pass is traced, never
-    run, if the callable returns none yet) and a tf_keras optimizer's slots
-    (`optimizer.build`). A `tf.function` whose first trace creates variables is traced twice,
-    so this halves the tracing of the first steps. Give every variable the optimizer updates:
-    a tf_keras optimizer refuses to update a variable it was not built with.
+    run, while the optimizer is not built) and a tf_keras optimizer's slots
+    (`optimizer.build`). A `tf.function` whose first trace creates variables is traced twice;
+    with this the prime and the step are traced once each. Give every variable the optimizer
+    updates: a tf_keras optimizer refuses to update a variable it was not built with.
     """
 
     def __init__(self, strategy, step_fn, route_fn, optimizer=None, reduce_fn=None,
