@@ -12,17 +12,15 @@ VOCAB, DIM, BATCH, STEPS = 40, 4, 8, 4
 
 
 class Ranker(tf_keras.Model):
-    """A sharded table and a dense head; counts its forward calls (one per trace of a pass)."""
+    """A sharded table and a dense head."""
 
     def __init__(self):
         super().__init__()
         init = tf_keras.initializers.RandomUniform(-0.5, 0.5, seed=3)
         self.table = tnp.ShardedEmbedding(VOCAB, DIM, embeddings_initializer=init)
         self.head = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.Ones())
-        self.forward_calls = 0
 
     def call(self, ids):
-        self.forward_calls += 1
         return self.head(tf.reshape(self.table(ids), [-1, 2 * DIM]))
 
 
