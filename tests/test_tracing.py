@@ -6,7 +6,9 @@ from tensorflow.python.autograph.impl import conversion
 
 import tf_nestpipe  # noqa: F401  (registers the library)
 from tf_nestpipe import tracing
+from tf_nestpipe.collectives.counting import count_collectives
 from tf_nestpipe.pipeline import dual_buffer, train_pipeline
+from tf_nestpipe.sharding.embedding import ShardedEmbedding
 
 
 def _absolute(x):
@@ -18,6 +20,10 @@ def _absolute(x):
 def test_our_code_is_not_converted_but_user_code_is():
     assert conversion.is_allowlisted(dual_buffer.fetch)
     assert conversion.is_allowlisted(train_pipeline.TrainPipeline._prefetch)
+    # One rule for the whole package: also the layers' lookup path and the graph walk that runs
+    # while each step is traced (each once carried its own do_not_convert).
+    assert conversion.is_allowlisted(ShardedEmbedding._embed)
+    assert conversion.is_allowlisted(count_collectives)
     assert not conversion.is_allowlisted(_absolute)  # control: a user's function
 
 

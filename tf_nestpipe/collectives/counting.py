@@ -2,8 +2,6 @@
 whatever its size, so their number per step decides the step time."""
 import collections
 
-import tensorflow as tf
-
 # TensorFlow's collective ops, the socket mesh's all-to-all, and Horovod's (matched by prefix).
 _TF_COLLECTIVES = ("CollectiveAllToAllV2", "CollectiveAllToAllV3", "CollectiveGatherV2",
                    "CollectiveReduceV2", "CollectiveReduceScatterV2", "CollectiveBcastSendV2",
@@ -35,9 +33,6 @@ class CollectiveCount(collections.namedtuple("CollectiveCount", ["always", "cond
         return text + (" + %d conditional" % extra if extra else "")
 
 
-# Called while a step is traced: without the decorator autograph converted this graph walk and
-# ran its loops through its own operators, 8.8 s per call (profiled) on a nested-pipeline step.
-@tf.autograph.experimental.do_not_convert
 def count_collectives(graph):
     """The `CollectiveCount` of a (function) graph, nested functions included: calls count as
     their bodies, a branch as its costliest branch (conditional), loop bodies as conditional."""

@@ -40,7 +40,6 @@ def _chunk_bounds(size, micro_batches):
     return [size * j // micro_batches for j in range(micro_batches + 1)]
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def cluster_permutation(keys, batch_size, micro_batches):
     """Returns an int64 permutation `[batch_size]` of the samples (see the module docstring).
 
@@ -81,7 +80,6 @@ def cluster_permutation(keys, batch_size, micro_batches):
     return tf.gather(order, places)
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def integer_leaves(structure):
     """The integer tensors (dense or ragged) of a nested structure: the id features to cluster by."""
     return [t for t in tf.nest.flatten(structure, expand_composites=False)

@@ -44,7 +44,6 @@ def check_dtype(tables, tag):
                          % (tag, tables.dtype.name))
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=False, wire=None):
     """Retrieval (stage 4) of a routed exchange (`routing`, a `RoutingRecord` of
     `sharding.lookup.route` or `route_rounds`): the owners' rows, read before any later update;
@@ -118,7 +117,6 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
     return incoming, largest
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
     positions exact); returns the patched buffer and the number of rows this worker received."""
@@ -159,7 +157,6 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     return prefetched._replace(rows=rows), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
     """Compute stage: the rows of every fused id the buffer was prefetched for, in order; the
     gradient flows to the owners' rows through the reverse all-to-all (an `IndexedSlices`

@@ -89,7 +89,6 @@ def batch_size_of(batch):
     return tf.shape(first, out_type=tf.int64)[0]
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def cluster_batch(batch, cluster_keys, micro_batches):
     """`batch` with its samples reordered by key-centric clustering of `cluster_keys` (see
     `tf_nestpipe.pipeline.clustering`)."""
@@ -97,7 +96,6 @@ def cluster_batch(batch, cluster_keys, micro_batches):
     return tf.nest.map_structure(lambda t: tf.gather(t, permutation), batch)
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def split_batch(batch, micro_batches, cluster_keys=None):
     """Splits every tensor (or ragged tensor) of `batch` along axis 0 into `micro_batches`
     contiguous parts; returns a list of (part, share) with share = part size / batch size.

@@ -115,7 +115,6 @@ class RouteRecorder(_WindowAware):
         return {name: tf.concat(ids, axis=0) for name, ids in self._dynamic_ids.items()}
 
 
-@tf.autograph.experimental.do_not_convert  # graph ops only: no autograph pass needed
 def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False,
                      share_size=None):
     """One exchange per (round, group) of the recorded `lookups`, in round order (the first

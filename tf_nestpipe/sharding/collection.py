@@ -38,7 +38,6 @@ class ShardedEmbeddingCollection(tf_keras.layers.Layer):
     def call(self, ids):
         return self._embed(ids)
 
-    @tf.autograph.experimental.do_not_convert  # graph ops only (see ShardedEmbedding._embed)
     def _embed(self, ids):
         ids = tf.cast(ids, tf.int64)
         num_fields = len(self.table_sizes)

@@ -155,7 +155,6 @@ class DynamicEmbedding(tf_keras.layers.Layer):
     def call(self, inputs, training=None):
         return self._embed(inputs, bool(training))
 
-    @tf.autograph.experimental.do_not_convert
     def _embed(self, inputs, training):
         ragged = isinstance(inputs, tf.RaggedTensor)
         if isinstance(inputs, tf.SparseTensor):

@@ -191,9 +191,6 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     def call(self, inputs):
         return self._embed(inputs)
 
-    # Graph ops only: autograph would re-transpile the whole lookup path (routing, exchanges,
-    # pipeline buffers) at every trace, seconds per model for nothing.
-    @tf.autograph.experimental.do_not_convert
     def _embed(self, inputs):
         if isinstance(inputs, tf.RaggedTensor):
             if self.combiner is None:
