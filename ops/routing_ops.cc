@@ -5,9 +5,9 @@
 // shard k mod num_shards and lives there at local row k / num_shards.
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
+#include "flat_hash.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -114,14 +114,13 @@ class RouteKeysOp : public OpKernel {
                 errors::InvalidArgument("too many ids in one batch: ", n));
     OP_REQUIRES_OK(ctx, CheckIdRange(ids, vocab_size_, table_name_));
     // First pass: dedup in first-seen order.
-    std::unordered_map<int64_t, int32> first_pos;
-    first_pos.reserve(static_cast<size_t>(n) * 2 + 1);
+    FlatInt64Map first_pos(n);
     std::vector<int64_t> uniq;
     std::vector<int32> uniq_of_input(n);
     for (int64_t i = 0; i < n; ++i) {
-      auto it = first_pos.emplace(ids(i), static_cast<int32>(uniq.size()));
+      const auto it = first_pos.emplace(ids(i), static_cast<int32>(uniq.size()));
       if (it.second) uniq.push_back(ids(i));
-      uniq_of_input[i] = it.first->second;
+      uniq_of_input[i] = it.first;
     }
     const int64_t u = uniq.size();
     std::vector<int32> counts(num_shards_, 0), offsets(num_shards_, 0);
@@ -191,8 +190,7 @@ class OwnerDedupOp : public OpKernel {
     Tensor* slot_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &slot_t));
     auto slot = slot_t->flat<int32>();
-    std::unordered_map<int64_t, int32> pos;
-    pos.reserve(static_cast<size_t>(n) + 1);
+    FlatInt64Map pos(n);
     std::vector<int64_t> rows;
     for (int64_t i = 0; i < n; ++i) {
       const int64_t k = keys(i);
@@ -203,9 +201,9 @@ class OwnerDedupOp : public OpKernel {
       OP_REQUIRES(ctx, k % num_shards_ == shard_index_,
                   errors::Internal("key ", k, " routed to shard ", shard_index_,
                                    " but is owned by shard ", k % num_shards_));
-      auto it = pos.emplace(k / num_shards_, static_cast<int32>(rows.size()));
+      const auto it = pos.emplace(k / num_shards_, static_cast<int32>(rows.size()));
       if (it.second) rows.push_back(k / num_shards_);
-      slot(i) = it.first->second;
+      slot(i) = it.first;
     }
     Tensor* rows_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(

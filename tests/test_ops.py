@@ -198,3 +198,36 @@ def test_gather_and_segment_sum_in_function_with_shape_inference():
     expected[4] = 2 * params[4]
     expected[0] = params[0]
     np.testing.assert_array_equal(out, expected)
+
+
+def _hash_stress_ids(rng, n):
+    """Ids that stress an open-addressing table: many repeats, strides of large powers of two
+    (equal low bits), values near 2**62 and 0."""
+    pools = [rng.integers(0, 1 << 62, 64), np.arange(0, 1 << 40, 1 << 30)[:200],
+             np.arange(5000), np.array([0, 1, (1 << 62) - 1])]
+    pool = np.unique(np.concatenate(pools)).astype(np.int64)
+    return pool[rng.zipf(1.2, size=n) % len(pool)] if n else pool[:0]
+
+
+@pytest.mark.parametrize("n", [0, 1, 7, 20000])
+def test_route_keys_and_owner_dedup_match_numpy_at_scale(n):
+    """The flat hash tables (ops/flat_hash.h) against Python dicts on thousands of ids whose
+    low bits collide; the reference keeps first-seen order, as the ops must."""
+    rng = np.random.default_rng(n)
+    ids = _hash_stress_ids(rng, n)
+    keys, splits, inverse = ops.route_keys(ids, 3, 1 << 62, "t")
+    ref_keys, ref_splits, ref_inverse = route_keys_reference(ids, 3)
+    np.testing.assert_array_equal(keys.numpy(), ref_keys)
+    np.testing.assert_array_equal(splits.numpy(), ref_splits)
+    np.testing.assert_array_equal(inverse.numpy(), ref_inverse)
+    # The owner's side: shard 1's keys from 2 requesters, padded with -1.
+    owned = ids[ids % 3 == 1]
+    half = (len(owned) + 1) // 2
+    received = -np.ones((2, half + 3), np.int64)
+    received[0, :half], received[1, :len(owned) - half] = owned[:half], owned[half:]
+    rows, slots = ops.owner_dedup(received, num_shards=3, shard_index=1)
+    flat = received.ravel()
+    expected_rows = list(dict.fromkeys((flat[flat >= 0] // 3).tolist()))
+    np.testing.assert_array_equal(rows.numpy(), np.array(expected_rows, np.int64))
+    where = {k: i for i, k in enumerate(expected_rows)}
+    np.testing.assert_array_equal(slots.numpy(), [where[k // 3] if k >= 0 else -1 for k in flat])
