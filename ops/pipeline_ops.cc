@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
-#include <unordered_set>
 
+#include "flat_hash.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -14,6 +14,7 @@
 namespace tensorflow {
 namespace nestpipe {
 
+using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
 
@@ -60,10 +61,9 @@ class SyncPlanOp : public OpKernel {
                 errors::InvalidArgument("slot_to_unique has ", n, " entries, not a multiple of ",
                                         num_requesters_, " requesters"));
     const int64_t capacity = n / num_requesters_;
-    std::unordered_set<int64_t> updated_set;
+    FlatInt64Map updated_set(all_updated_ ? 0 : updated.size());
     if (!all_updated_) {
-      updated_set.reserve(updated.size() * 2 + 1);
-      for (int64_t i = 0; i < updated.size(); ++i) updated_set.insert(updated(i));
+      for (int64_t i = 0; i < updated.size(); ++i) updated_set.emplace(updated(i), 0);
     }
     Tensor *plan_t, *counts_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_requesters_, capacity}), &plan_t));
@@ -78,7 +78,7 @@ class SyncPlanOp : public OpKernel {
         OP_REQUIRES(ctx, u < local_rows.size(),
                     errors::InvalidArgument("slot_to_unique entry ", u, " out of range [0, ",
                                             local_rows.size(), ")"));
-        if (all_updated_ || updated_set.count(local_rows(u))) plan(w, count++) = static_cast<int32>(p);
+        if (all_updated_ || updated_set.contains(local_rows(u))) plan(w, count++) = static_cast<int32>(p);
       }
       counts(w) = count;
       for (int64_t p = count; p < capacity; ++p) plan(w, p) = -1;
@@ -121,9 +121,13 @@ class BufferSyncOp : public OpKernel {
                 errors::InvalidArgument("fresh_rows must be [", positions.size(), ", ", dim,
                                         "], got ", fresh.shape().DebugString()));
     Tensor* out_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, buffer.shape(), &out_t));
+    // The buffer is patched in place when no other op holds it (the usual case: it is the
+    // prefetch's output, consumed only here); otherwise it is copied first.
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, buffer.shape(), &out_t));
     T* out = out_t->flat<T>().data();
-    std::memcpy(out, buffer.flat<T>().data(), sizeof(T) * rows * dim);
+    if (out != buffer.flat<T>().data()) {
+      std::memcpy(out, buffer.flat<T>().data(), sizeof(T) * rows * dim);
+    }
     const T* src = fresh.flat<T>().data();
     for (int64_t k = 0; k < positions.size(); ++k) {
       const int64_t p = positions(k);
@@ -138,6 +142,147 @@ REGISTER_KERNEL_BUILDER(Name("NestpipeBufferSync").Device(DEVICE_CPU).TypeConstr
                         BufferSyncOp<float>);
 REGISTER_KERNEL_BUILDER(Name("NestpipeBufferSync").Device(DEVICE_CPU).TypeConstraint<double>("T"),
                         BufferSyncOp<double>);
+
+REGISTER_OP("NestpipeGatherBlocks")
+    .Input("params: T")
+    .Input("indices: int32")
+    .Input("header: T")
+    .Output("blocks: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle params, indices, header;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &params));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &indices));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 3, &header));
+      DimensionHandle w = c->Dim(header, 0), h = c->Dim(header, 1), cap = c->UnknownDim(),
+                      rows = c->UnknownDim();
+      if (c->ValueKnown(w) && c->ValueKnown(c->Dim(indices, 0))) {
+        TF_RETURN_IF_ERROR(c->Divide(c->Dim(indices, 0), w, /*evenly_divisible=*/true, &cap));
+        TF_RETURN_IF_ERROR(c->Add(cap, h, &rows));
+      }
+      c->set_output(0, c->MakeShape({w, rows, c->Dim(params, 1)}));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Owner side of a prefetch: the rows params[indices] (a zero row for -1) cut into one block of
+capacity = len(indices) / W rows per requester, each block behind its requester's header rows:
+blocks[w] = concat(header[w], params[indices[w * capacity : (w + 1) * capacity]]), written
+once (no concat of the gathered rows).
+)doc");
+
+template <typename T>
+class GatherBlocksOp : public OpKernel {
+ public:
+  explicit GatherBlocksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& params = ctx->input(0);
+    const auto indices = ctx->input(1).flat<int32>();
+    const Tensor& header = ctx->input(2);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(params.shape()),
+                errors::InvalidArgument("params must be a matrix, got ",
+                                        params.shape().DebugString()));
+    OP_REQUIRES(ctx, header.dims() == 3 && header.dim_size(0) > 0 &&
+                         header.dim_size(2) == params.dim_size(1),
+                errors::InvalidArgument("header must be [W > 0, rows, ", params.dim_size(1),
+                                        "], got ", header.shape().DebugString()));
+    const int64_t w = header.dim_size(0), h = header.dim_size(1), dim = params.dim_size(1);
+    const int64_t rows = params.dim_size(0), n = indices.size();
+    OP_REQUIRES(ctx, n % w == 0,
+                errors::InvalidArgument("indices has ", n, " entries, not a multiple of ", w,
+                                        " blocks"));
+    const int64_t capacity = n / w;
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, h + capacity, dim}), &out_t));
+    T* out = out_t->flat<T>().data();
+    const T* p = params.flat<T>().data();
+    const T* head = header.flat<T>().data();
+    for (int64_t b = 0; b < w; ++b) {
+      T* block = out + b * (h + capacity) * dim;
+      std::memcpy(block, head + b * h * dim, sizeof(T) * h * dim);
+      for (int64_t k = 0; k < capacity; ++k) {
+        const int64_t r = indices(b * capacity + k);
+        OP_REQUIRES(ctx, r >= -1 && r < rows,
+                    errors::InvalidArgument("gather index ", r, " at position ",
+                                            b * capacity + k, " is out of range [-1, ", rows,
+                                            ")"));
+        T* dst = block + (h + k) * dim;
+        if (r < 0) {
+          std::fill(dst, dst + dim, T(0));
+        } else {
+          std::memcpy(dst, p + r * dim, sizeof(T) * dim);
+        }
+      }
+    }
+  }
+};
+
+REGISTER_OP("NestpipeGatherFromBlocks")
+    .Input("blocks: T")
+    .Input("indices: int32")
+    .Attr("header_rows: int >= 0")
+    .Output("rows: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle blocks, indices;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 3, &blocks));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &indices));
+      c->set_output(0, c->Matrix(c->Dim(indices, 0), c->Dim(blocks, 2)));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Requester side of a prefetch: rows[i] = the row at flat position indices[i] of the blocks' data
+rows (position p is row header_rows + p % capacity of block p / capacity, capacity = the
+blocks' rows minus header_rows), a zero row for -1; the header rows are skipped, not sliced off.
+)doc");
+
+template <typename T>
+class GatherFromBlocksOp : public OpKernel {
+ public:
+  explicit GatherFromBlocksOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("header_rows", &header_rows_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& blocks = ctx->input(0);
+    const auto indices = ctx->input(1).flat<int32>();
+    OP_REQUIRES(ctx, blocks.dims() == 3 && blocks.dim_size(1) >= header_rows_,
+                errors::InvalidArgument("blocks must be [W, >= ", header_rows_,
+                                        " rows, dim], got ", blocks.shape().DebugString()));
+    const int64_t w = blocks.dim_size(0), dim = blocks.dim_size(2);
+    const int64_t capacity = blocks.dim_size(1) - header_rows_, n = indices.size();
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim}), &out_t));
+    T* out = out_t->flat<T>().data();
+    const T* src = blocks.flat<T>().data();
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t p = indices(i);
+      OP_REQUIRES(ctx, p >= -1 && p < w * capacity,
+                  errors::InvalidArgument("position ", p, " at ", i, " is out of range [-1, ",
+                                          w * capacity, ")"));
+      if (p < 0) {
+        std::fill(out + i * dim, out + (i + 1) * dim, T(0));
+      } else {
+        const int64_t row = (p / capacity) * (header_rows_ + capacity) + header_rows_ +
+                            p % capacity;
+        std::memcpy(out + i * dim, src + row * dim, sizeof(T) * dim);
+      }
+    }
+  }
+
+ private:
+  int64_t header_rows_;
+};
+
+#define NESTPIPE_REGISTER_BLOCKS(T)                                                        \
+  REGISTER_KERNEL_BUILDER(Name("NestpipeGatherBlocks").Device(DEVICE_CPU).TypeConstraint<T>("T"), \
+                          GatherBlocksOp<T>);                                              \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("NestpipeGatherFromBlocks").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
+      GatherFromBlocksOp<T>);
+NESTPIPE_REGISTER_BLOCKS(float)
+NESTPIPE_REGISTER_BLOCKS(double)
+#undef NESTPIPE_REGISTER_BLOCKS
 
 }  // namespace nestpipe
 }  // namespace tensorflow

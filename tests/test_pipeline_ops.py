@@ -62,3 +62,83 @@ def test_buffer_sync_errors():
         ops.buffer_sync(tf.zeros([4, 2]), [4], tf.zeros([1, 2]))
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="fresh_rows|Dimension"):
         ops.buffer_sync(tf.zeros([4, 2]), [1, 2], tf.zeros([1, 2]))
+
+
+@pytest.mark.parametrize("all_updated", [False, True])
+def test_sync_plan_matches_numpy_at_scale(all_updated):
+    """The flat hash set of the updated rows (ops/flat_hash.h) on thousands of rows whose low
+    bits collide (strides of 2**20), half of them updated."""
+    rng = np.random.default_rng(7)
+    local_rows = (rng.choice(1 << 16, size=3000, replace=False).astype(np.int64) << 20)
+    slot_to_unique = np.where(rng.random(2 * 4096) < 0.8, rng.integers(0, 3000, 2 * 4096),
+                              -1).astype(np.int32)
+    updated = np.concatenate([local_rows[:1500], (rng.integers(0, 1 << 16, 1500) << 20) + 1])
+    plan, counts = ops.sync_plan(slot_to_unique, local_rows, updated, 2, all_updated=all_updated)
+    ref_plan, ref_counts = sync_plan_reference(slot_to_unique, local_rows, updated, 2, all_updated)
+    np.testing.assert_array_equal(plan.numpy(), ref_plan)
+    np.testing.assert_array_equal(counts.numpy(), ref_counts)
+    assert 0 < ref_counts.sum() < (slot_to_unique >= 0).sum() or all_updated
+
+
+def test_buffer_sync_leaves_a_buffer_held_elsewhere_unchanged():
+    """The op patches its input in place only when nothing else holds it: a buffer the caller
+    still holds (here an eager tensor) is copied first and keeps its values."""
+    buffer = tf.constant(np.arange(12, dtype=np.float32).reshape(4, 3))
+    out = ops.buffer_sync(buffer, [2], -tf.ones([1, 3]))
+    np.testing.assert_array_equal(buffer.numpy(), np.arange(12, dtype=np.float32).reshape(4, 3))
+    assert out.numpy()[2].tolist() == [-1.0, -1.0, -1.0]
+
+    @tf.function
+    def patched_intermediate(b):
+        return ops.buffer_sync(b * 2.0, [0, -1], tf.fill([2, 3], 7.0))  # may patch in place
+
+    np.testing.assert_array_equal(patched_intermediate(buffer).numpy(),
+                                  np.concatenate([np.full([1, 3], 7.0, np.float32),
+                                                  2 * buffer.numpy()[1:]]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_gather_blocks_and_gather_from_blocks_match_concat_and_slice(dtype):
+    """The prefetch's owner writes its blocks behind their header rows in one op and the
+    requester reads past them in one op: the same values as concat + gather and slice + gather."""
+    rng = np.random.default_rng(5)
+    params = rng.standard_normal((9, 4)).astype(dtype)
+    indices = rng.integers(-1, 9, 3 * 5).astype(np.int32)  # 3 blocks of capacity 5
+    header = rng.standard_normal((3, 2, 4)).astype(dtype)
+    gathered = np.where(indices[:, None] >= 0, params[np.maximum(indices, 0)], 0)
+    expected = np.concatenate([header, gathered.reshape(3, 5, 4)], axis=1)
+    blocks = ops.gather_blocks(params, indices, header)
+    np.testing.assert_array_equal(blocks.numpy(), expected)
+    positions = rng.integers(-1, 15, 11).astype(np.int32)
+    data = expected[:, 2:].reshape(-1, 4)
+    np.testing.assert_array_equal(
+        ops.gather_from_blocks(blocks, positions, 2).numpy(),
+        np.where(positions[:, None] >= 0, data[np.maximum(positions, 0)], 0))
+    # No header rows: the plain gather.
+    np.testing.assert_array_equal(
+        ops.gather_from_blocks(expected[:, 2:], positions, 0).numpy(),
+        ops.gather_rows(data, positions).numpy())
+
+    @tf.function(input_signature=[tf.TensorSpec([None, 4], dtype), tf.TensorSpec([15], tf.int32),
+                                  tf.TensorSpec([3, 2, 4], dtype)])
+    def shapes(p, i, h):
+        b = ops.gather_blocks(p, i, h)
+        assert b.shape.as_list() == [3, 7, 4], b.shape
+        r = ops.gather_from_blocks(b, i, 2)
+        assert r.shape.as_list() == [15, 4], r.shape
+        return r
+
+    shapes(params, indices, header)
+
+
+def test_gather_blocks_and_gather_from_blocks_errors():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="gather index 9 at position 1"):
+        ops.gather_blocks(tf.zeros([9, 2]), [0, 9], tf.zeros([1, 1, 2]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not a multiple of 2 blocks"):
+        ops.gather_blocks(tf.zeros([9, 2]), [0, 1, 2], tf.zeros([2, 1, 2]))
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="header|Dimension"):
+        ops.gather_blocks(tf.zeros([9, 2]), [0, 1], tf.zeros([1, 1, 3]))
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"position 6 at 1 is out of range"):
+        ops.gather_from_blocks(tf.zeros([2, 5, 2]), [0, 6], 2)  # 2 blocks of 3 data rows
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="blocks|rank"):
+        ops.gather_from_blocks(tf.zeros([2, 1, 2]), [0], 2)

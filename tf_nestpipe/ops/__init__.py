@@ -1,5 +1,6 @@
 """Python wrappers, shape contracts and gradients of the tf_nestpipe custom ops."""
-from tf_nestpipe.ops.buffer_sync import buffer_sync, sync_plan
+from tf_nestpipe.ops.buffer_sync import (buffer_sync, gather_blocks, gather_from_blocks,
+                                          sync_plan)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, segment_sum, slice_rows
@@ -21,6 +22,8 @@ __all__ = [
     "saturate_to_half",
     "buffer_sync",
     "check_ids",
+    "gather_blocks",
+    "gather_from_blocks",
     "gather_rows",
     "load_op_library",
     "owner_dedup",

@@ -18,5 +18,23 @@ def buffer_sync(buffer, positions, fresh_rows):
     return load_op_library().nestpipe_buffer_sync(buffer, tf.cast(positions, tf.int32), fresh_rows)
 
 
+def gather_blocks(params, indices, header):
+    """`[W, H + capacity, dim]`: for each of the W = `header.shape[0]` blocks, its `H` header rows
+    then `params[indices]` of its `capacity = len(indices) / W` indices (a zero row for -1):
+    what `tf.concat([header, reshape(gather_rows(params, indices), [W, capacity, dim])], 1)`
+    gives, written once."""
+    return load_op_library().nestpipe_gather_blocks(params, tf.cast(indices, tf.int32), header)
+
+
+def gather_from_blocks(blocks, indices, header_rows):
+    """Rows at flat positions `indices` (-1: a zero row) of the data rows of `blocks`
+    (`[W, header_rows + capacity, dim]`): what `gather_rows(reshape(blocks[:, header_rows:],
+    [-1, dim]), indices)` gives, without the slice's copy."""
+    return load_op_library().nestpipe_gather_from_blocks(blocks, tf.cast(indices, tf.int32),
+                                                         header_rows=header_rows)
+
+
 tf.no_gradient("NestpipeSyncPlan")
+tf.no_gradient("NestpipeGatherBlocks")
+tf.no_gradient("NestpipeGatherFromBlocks")
 tf.no_gradient("NestpipeBufferSync")

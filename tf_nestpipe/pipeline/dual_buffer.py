@@ -68,34 +68,35 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     tf.debugging.assert_less(routing.capacity, _MAX_EXACT_POSITION,
                              message="prefetch capacity too large for the float position column")
     if wire.forward.exact:
-        incoming, largest = _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire,
-                                                 num_shards, dim)
+        rows, largest = _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire,
+                                             num_shards, dim)
     else:
-        incoming, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag,
-                                                    wire, num_shards, dim)
+        rows, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire,
+                                                num_shards, dim)
     bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
     width = tf.minimum(capacity, tf.shape(slots)[1])
     plan = {"slots": tf.pad(slots[:, :width], [[0, 0], [0, capacity - width]], constant_values=-1),
             "bucket": bucket, "capacity": capacity, "rows_sent": tf.reduce_sum(counts)}
-    return PrefetchedRows(routing, ops.gather_rows(incoming, routing.slot_of_bucket_pos)), plan
+    return PrefetchedRows(routing, rows), plan
 
 
 def _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire, num_shards, dim):
     """The rows all-to-all headed by the sync counts as float rows (exact below 2**24):
-    returns (the received rows in slot layout, every owner's largest sync count)."""
+    returns (the received rows, one per bucketed unique id, every owner's largest sync count).
+    The blocks are gathered behind their header rows and read past them by two ops, never
+    concatenated or sliced (each a copy of the whole exchange)."""
     header = tf.stack([tf.cast(counts, owned.dtype),
                        tf.fill([num_shards], tf.cast(tf.reduce_max(counts), owned.dtype))], 1)
     header = tf.pad(header[..., None], [[0, 0], [0, 0], [0, dim - 1]])  # [W, 2, dim]
-    outgoing = tf.concat([header, tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
-                                             [num_shards, routing.capacity, dim])], axis=1)
+    outgoing = ops.gather_blocks(owned, routing.slot_to_unique, header)
     # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
     send_counts = _SYNC_HEADER_ROWS + routing.received
     with tf.control_dependencies(wire.count("forward", outgoing, collectives, send_counts)):
         received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
                                           send_counts=send_counts)
-    incoming = tf.reshape(received[:, _SYNC_HEADER_ROWS:], [-1, dim])
+    rows = ops.gather_from_blocks(received, routing.slot_of_bucket_pos, _SYNC_HEADER_ROWS)
     largest = tf.cast(tf.reduce_max(received[:, 1, 0]), tf.int32)  # every owner's largest count
-    return incoming, largest
+    return rows, largest
 
 
 def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_shards, dim):
@@ -114,7 +115,7 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
                                           routing.bucket, send_counts=send_counts)
     incoming = tf.reshape(codec.decode(received[:, head:], dim, owned.dtype), [-1, dim])
     largest = tf.reduce_max(unpack_header(received[:, :head], 2)[:, 1])
-    return incoming, largest
+    return ops.gather_rows(incoming, routing.slot_of_bucket_pos), largest
 
 
 def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
