@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "flat_hash.h"
 #include "tensorflow/core/framework/op.h"
@@ -283,6 +284,212 @@ class GatherFromBlocksOp : public OpKernel {
 NESTPIPE_REGISTER_BLOCKS(float)
 NESTPIPE_REGISTER_BLOCKS(double)
 #undef NESTPIPE_REGISTER_BLOCKS
+
+REGISTER_OP("NestpipeSyncRows")
+    .Input("sync_slots: int32")
+    .Input("slot_to_unique: int32")
+    .Input("local_rows: int64")
+    .Output("rows: int64")
+    .Output("sync_counts: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle slots;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &slots));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->Dim(slots, 0)));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Owner side of the buffer sync, after the update: the local rows to send, fresh. sync_slots is a
+sync plan ([W, cap_s], each row's slot positions compacted left, -1 padded); requester w's prefetch
+slots are slot_to_unique[w * capacity : (w + 1) * capacity] with capacity = len(slot_to_unique) / W.
+rows lists local_rows[slot_to_unique[w * capacity + p]] for every planned position p, requester by
+requester in plan order; sync_counts[w] is how many are requester w's.
+)doc");
+
+class SyncRowsOp : public OpKernel {
+ public:
+  explicit SyncRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& slots_t = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(slots_t.shape()),
+                errors::InvalidArgument("sync_slots must be a matrix, got ",
+                                        slots_t.shape().DebugString()));
+    const auto slots = slots_t.matrix<int32>();
+    const auto slot_to_unique = ctx->input(1).flat<int32>();
+    const auto local_rows = ctx->input(2).flat<int64_t>();
+    const int64_t w = slots_t.dim_size(0), cap_s = slots_t.dim_size(1);
+    OP_REQUIRES(ctx, w > 0 && slot_to_unique.size() % w == 0,
+                errors::InvalidArgument("slot_to_unique has ", slot_to_unique.size(),
+                                        " entries, not a multiple of ", w, " requesters"));
+    const int64_t capacity = slot_to_unique.size() / w;
+    Tensor* counts_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({w}), &counts_t));
+    auto counts = counts_t->flat<int32>();
+    std::vector<int64_t> rows;
+    for (int64_t r = 0; r < w; ++r) {
+      int32 count = 0;
+      for (int64_t j = 0; j < cap_s; ++j) {
+        const int64_t p = slots(r, j);
+        if (p < 0) continue;
+        OP_REQUIRES(ctx, p < capacity,
+                    errors::InvalidArgument("sync slot ", p, " of requester ", r,
+                                            " is out of range [0, ", capacity, ")"));
+        const int64_t u = slot_to_unique(r * capacity + p);
+        OP_REQUIRES(ctx, u >= 0 && u < local_rows.size(),
+                    errors::InvalidArgument("slot ", r * capacity + p, " holds unique index ", u,
+                                            ", out of range [0, ", local_rows.size(), ")"));
+        rows.push_back(local_rows(u));
+        ++count;
+      }
+      counts(r) = count;
+    }
+    Tensor* rows_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            0, TensorShape({static_cast<int64_t>(rows.size())}), &rows_t));
+    std::copy(rows.begin(), rows.end(), rows_t->flat<int64_t>().data());
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeSyncRows").Device(DEVICE_CPU), SyncRowsOp);
+
+REGISTER_OP("NestpipeSyncPayload")
+    .Input("fresh_rows: T")
+    .Input("sync_slots: int32")
+    .Output("payload: T")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle fresh, slots;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &fresh));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &slots));
+      DimensionHandle width;
+      TF_RETURN_IF_ERROR(c->Add(c->Dim(fresh, 1), 1, &width));
+      c->set_output(0, c->MakeShape({c->Dim(slots, 0), c->Dim(slots, 1), width}));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Owner side of the buffer sync: payload[w, j] = fresh_rows[(rows of requesters before w) + j]
+followed by sync_slots[w, j] as a float (exact below 2**24), for each planned position (j below
+requester w's count, the non-negative entries compacted left); padding entries are zero rows with
+position -1. fresh_rows are the rows of NestpipeSyncRows, read after the update.
+)doc");
+
+template <typename T>
+class SyncPayloadOp : public OpKernel {
+ public:
+  explicit SyncPayloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& fresh = ctx->input(0);
+    const Tensor& slots_t = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(fresh.shape()) &&
+                         TensorShapeUtils::IsMatrix(slots_t.shape()),
+                errors::InvalidArgument("fresh_rows and sync_slots must be matrices"));
+    const auto slots = slots_t.matrix<int32>();
+    const int64_t w = slots_t.dim_size(0), cap_s = slots_t.dim_size(1);
+    const int64_t dim = fresh.dim_size(1), width = dim + 1;
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, cap_s, width}), &out_t));
+    T* out = out_t->flat<T>().data();
+    const T* src = fresh.flat<T>().data();
+    int64_t next = 0;
+    for (int64_t r = 0; r < w; ++r) {
+      for (int64_t j = 0; j < cap_s; ++j) {
+        T* entry = out + (r * cap_s + j) * width;
+        const int32 p = slots(r, j);
+        if (p < 0) {
+          std::fill(entry, entry + dim, T(0));
+          entry[dim] = T(-1);
+          continue;
+        }
+        OP_REQUIRES(ctx, next < fresh.dim_size(0),
+                    errors::InvalidArgument("sync_slots plan more rows than the ",
+                                            fresh.dim_size(0), " fresh_rows given"));
+        std::memcpy(entry, src + next * dim, sizeof(T) * dim);
+        entry[dim] = static_cast<T>(p);
+        ++next;
+      }
+    }
+    OP_REQUIRES(ctx, next == fresh.dim_size(0),
+                errors::InvalidArgument("sync_slots plan ", next, " rows but ",
+                                        fresh.dim_size(0), " fresh_rows were given"));
+  }
+};
+
+REGISTER_OP("NestpipeApplySyncPayload")
+    .Input("buffer: T")
+    .Input("received: T")
+    .Input("splits: int32")
+    .Output("synced: T")
+    .Output("rows_received: int64")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle buffer, received, splits;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &buffer));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 3, &received));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &splits));
+      c->set_output(0, buffer);
+      c->set_output(1, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Requester side of the buffer sync: received[o, j] is owner o's j-th fresh row followed by its slot
+position p among the slots this worker asked of o (-1: padding); the row replaces
+buffer[(splits[0] + ... + splits[o - 1]) + p]. The buffer is patched in place when nothing else
+holds it. rows_received counts the rows copied.
+)doc");
+
+template <typename T>
+class ApplySyncPayloadOp : public OpKernel {
+ public:
+  explicit ApplySyncPayloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& buffer = ctx->input(0);
+    const Tensor& received = ctx->input(1);
+    const auto splits = ctx->input(2).flat<int32>();
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(buffer.shape()) && received.dims() == 3,
+                errors::InvalidArgument("buffer must be a matrix and received [W, cap, dim + 1]"));
+    const int64_t rows = buffer.dim_size(0), dim = buffer.dim_size(1);
+    const int64_t w = received.dim_size(0), cap_s = received.dim_size(1);
+    OP_REQUIRES(ctx, received.dim_size(2) == dim + 1 && splits.size() == w,
+                errors::InvalidArgument("received must be [", splits.size(), ", cap, ", dim + 1,
+                                        "], got ", received.shape().DebugString()));
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, buffer.shape(), &out_t));
+    T* out = out_t->flat<T>().data();
+    if (out != buffer.flat<T>().data()) {
+      std::memcpy(out, buffer.flat<T>().data(), sizeof(T) * rows * dim);
+    }
+    const T* src = received.flat<T>().data();
+    int64_t offset = 0, copied = 0;
+    for (int64_t o = 0; o < w; ++o) {
+      for (int64_t j = 0; j < cap_s; ++j) {
+        const T* entry = src + (o * cap_s + j) * (dim + 1);
+        const int64_t p = static_cast<int64_t>(entry[dim]);
+        if (p < 0) continue;
+        OP_REQUIRES(ctx, p < splits(o) && offset + p < rows,
+                    errors::InvalidArgument("owner ", o, " sent slot position ", p,
+                                            ", out of range [0, ", splits(o), ")"));
+        std::memcpy(out + (offset + p) * dim, entry, sizeof(T) * dim);
+        ++copied;
+      }
+      offset += splits(o);
+    }
+    Tensor* count_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &count_t));
+    count_t->scalar<int64_t>()() = copied;
+  }
+};
+
+#define NESTPIPE_REGISTER_SYNC(T)                                                          \
+  REGISTER_KERNEL_BUILDER(Name("NestpipeSyncPayload").Device(DEVICE_CPU).TypeConstraint<T>("T"),  \
+                          SyncPayloadOp<T>);                                               \
+  REGISTER_KERNEL_BUILDER(                                                                 \
+      Name("NestpipeApplySyncPayload").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
+      ApplySyncPayloadOp<T>);
+NESTPIPE_REGISTER_SYNC(float)
+NESTPIPE_REGISTER_SYNC(double)
+#undef NESTPIPE_REGISTER_SYNC
 
 }  // namespace nestpipe
 }  // namespace tensorflow

@@ -142,3 +142,67 @@ def test_gather_blocks_and_gather_from_blocks_errors():
         ops.gather_from_blocks(tf.zeros([2, 5, 2]), [0, 6], 2)  # 2 blocks of 3 data rows
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="blocks|rank"):
         ops.gather_from_blocks(tf.zeros([2, 1, 2]), [0], 2)
+
+
+def _sync_case(rng, num_workers=3, capacity=6, cap_s=4, num_unique=9):
+    slot_to_unique = np.where(rng.random(num_workers * capacity) < 0.8,
+                              rng.integers(0, num_unique, num_workers * capacity), -1).astype(np.int32)
+    local_rows = rng.choice(1000, size=num_unique, replace=False).astype(np.int64)
+    slots = -np.ones((num_workers, cap_s), np.int32)
+    for w in range(num_workers):
+        valid = [p for p in range(capacity) if slot_to_unique[w * capacity + p] >= 0]
+        chosen = sorted(rng.choice(valid, size=min(len(valid), rng.integers(0, cap_s + 1)),
+                                   replace=False).tolist())
+        slots[w, :len(chosen)] = chosen
+    return slot_to_unique, local_rows, slots, capacity
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sync_rows_payload_and_patch_match_numpy(dtype):
+    """The sync's three ops against the ops and NumPy they replace: the owner's planned rows in
+    plan order, the payload of rows and float positions (-1 rows of zeros as padding), and the
+    requester's patch at each owner's offset."""
+    rng = np.random.default_rng(11)
+    slot_to_unique, local_rows, slots, capacity = _sync_case(rng)
+    rows, counts = ops.sync_rows(slots, slot_to_unique, local_rows)
+    expected_rows = [local_rows[slot_to_unique[w * capacity + p]]
+                     for w in range(3) for p in slots[w] if p >= 0]
+    np.testing.assert_array_equal(rows.numpy(), np.array(expected_rows, np.int64))
+    np.testing.assert_array_equal(counts.numpy(), (slots >= 0).sum(1))
+    fresh = rng.standard_normal((len(expected_rows), 5)).astype(dtype)
+    payload = ops.sync_payload(fresh, slots).numpy()
+    expected = np.zeros((3, 4, 6), dtype)
+    expected[..., 5] = -1
+    k = 0
+    for w in range(3):
+        for j in range(4):
+            if slots[w, j] >= 0:
+                expected[w, j, :5], expected[w, j, 5] = fresh[k], slots[w, j]
+                k += 1
+    np.testing.assert_array_equal(payload, expected)
+    # The requester: owner o's rows go to offset sum(splits[:o]) + position.
+    splits = np.array([6, 6, 6], np.int32)
+    buffer = rng.standard_normal((18, 5)).astype(dtype)
+    patched, copied = ops.apply_sync_payload(buffer, payload, splits)
+    positions = np.where(slots >= 0, np.cumsum(splits)[:, None] - splits[:, None] + slots, -1)
+    reference = ops.buffer_sync(buffer, positions.ravel(), payload[..., :5].reshape(-1, 5))
+    np.testing.assert_array_equal(patched.numpy(), reference.numpy())
+    assert int(copied) == len(expected_rows) > 0
+    assert not np.array_equal(patched.numpy(), buffer)  # a positive control: rows changed
+
+
+def test_sync_rows_payload_and_patch_errors():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not a multiple of 2"):
+        ops.sync_rows(tf.zeros([2, 1], tf.int32), tf.zeros([3], tf.int32), [1])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sync slot 3 of requester 0"):
+        ops.sync_rows([[3]], [0, 0], [7])  # capacity 2
+    with pytest.raises(tf.errors.InvalidArgumentError, match="holds unique index -1"):
+        ops.sync_rows([[1]], [0, -1], [7])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="plan 1 rows but 2"):
+        ops.sync_payload(tf.zeros([2, 3]), [[0, -1]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="more rows than the 0"):
+        ops.sync_payload(tf.zeros([0, 3]), [[0]])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="owner 1 sent slot position 2"):
+        ops.apply_sync_payload(tf.zeros([4, 2]), [[[0, 0, -1]], [[1, 1, 2]]], [2, 2])
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="received|Dimension"):
+        ops.apply_sync_payload(tf.zeros([4, 2]), tf.zeros([2, 1, 2]), [2, 2])

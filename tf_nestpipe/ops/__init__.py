@@ -1,6 +1,6 @@
 """Python wrappers, shape contracts and gradients of the tf_nestpipe custom ops."""
-from tf_nestpipe.ops.buffer_sync import (buffer_sync, gather_blocks, gather_from_blocks,
-                                          sync_plan)
+from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather_blocks,
+                                          gather_from_blocks, sync_payload, sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, segment_sum, slice_rows
@@ -20,6 +20,7 @@ __all__ = [
     "encode_int8_rows",
     "int8_words",
     "saturate_to_half",
+    "apply_sync_payload",
     "buffer_sync",
     "check_ids",
     "gather_blocks",
@@ -31,5 +32,7 @@ __all__ = [
     "segment_sum",
     "slice_rows",
     "stateless_row_init",
+    "sync_payload",
     "sync_plan",
+    "sync_rows",
 ]

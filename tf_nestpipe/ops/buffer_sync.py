@@ -34,7 +34,33 @@ def gather_from_blocks(blocks, indices, header_rows):
                                                          header_rows=header_rows)
 
 
+def sync_rows(sync_slots, slot_to_unique, local_rows):
+    """Owner side of the sync: `(rows, sync_counts)`, the local rows of every planned slot of
+    `sync_slots` (`[W, cap_s]`, a `sync_plan`), requester by requester, and how many are each
+    requester's."""
+    return load_op_library().nestpipe_sync_rows(
+        tf.cast(sync_slots, tf.int32), tf.cast(slot_to_unique, tf.int32),
+        tf.cast(local_rows, tf.int64))
+
+
+def sync_payload(fresh_rows, sync_slots):
+    """`[W, cap_s, dim + 1]`: each requester's fresh rows (`fresh_rows`, in `sync_rows` order)
+    compacted left, each followed by its slot position as a float; padding is a zero row with
+    position -1."""
+    return load_op_library().nestpipe_sync_payload(fresh_rows, tf.cast(sync_slots, tf.int32))
+
+
+def apply_sync_payload(buffer, received, splits):
+    """Requester side of the sync: `(buffer patched with every received row at its owner's
+    offset (the sum of `splits` before it) + its position, the number of rows copied)`."""
+    return load_op_library().nestpipe_apply_sync_payload(buffer, received,
+                                                         tf.cast(splits, tf.int32))
+
+
 tf.no_gradient("NestpipeSyncPlan")
+tf.no_gradient("NestpipeSyncRows")
+tf.no_gradient("NestpipeSyncPayload")
+tf.no_gradient("NestpipeApplySyncPayload")
 tf.no_gradient("NestpipeGatherBlocks")
 tf.no_gradient("NestpipeGatherFromBlocks")
 tf.no_gradient("NestpipeBufferSync")

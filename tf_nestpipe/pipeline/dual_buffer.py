@@ -120,37 +120,32 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
 
 def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
-    positions exact); returns the patched buffer and the number of rows this worker received."""
+    positions exact); returns the patched buffer and the number of rows this worker received.
+    With an exact forward wire it is three ops around the exchange: the planned rows
+    (`sync_rows`, read fresh by `tables.gather`), the payload of rows and float positions
+    (`sync_payload`), the requester's patch (`apply_sync_payload`)."""
     wire = wire or PLAIN
-    num_shards, dim = tables.layout.num_shards, tables.layout.dim
+    dim = tables.layout.dim
     routing = prefetched.routing
     slots = plan["slots"]  # [W, cap_s]: positions within each requester's prefetch slots
-    valid = slots >= 0
-    flat_slot = tf.where(valid, tf.range(num_shards)[:, None] * routing.capacity + slots, 0)
-    # Only the planned positions are read (a lookup may own no rows at all: gather nothing).
-    planned = tf.where(valid)
-    unique = tf.gather(routing.slot_to_unique, tf.gather_nd(flat_slot, planned))
-    fresh = tf.scatter_nd(planned, tables.gather(tf.gather(routing.local_rows, unique)),
-                          tf.cast(tf.concat([tf.shape(slots), [dim]], 0), tf.int64))
-    fresh.set_shape([num_shards, None, dim])
     codec = wire.forward
-    if codec.exact:
-        payload = tf.concat([fresh, tf.cast(slots, fresh.dtype)[..., None]], axis=-1)
-    else:  # encoded rows, then the positions' bits (a -1 fill of either dtype reads negative)
-        encoded = codec.encode(fresh, wire.stats)
+    # Only the planned positions are read (a lookup may own no rows at all: gather nothing).
+    rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique, routing.local_rows)
+    payload = ops.sync_payload(tables.gather(rows_to_send), slots)  # [W, cap_s, dim + 1]
+    if not codec.exact:
+        # Encoded rows, then the positions' bits (a -1 fill of either dtype reads negative).
+        encoded = codec.encode(payload[..., :dim], wire.stats)
         payload = tf.concat([encoded, int32_bits(slots, encoded.dtype)], axis=-1)
-    sync_counts = tf.reduce_sum(tf.cast(valid, tf.int32), 1)
     with tf.control_dependencies(wire.count("sync", payload, collectives, sync_counts)):
         received = collectives.all_to_all(payload, codec.tag(tag + "/sync"), plan["bucket"],
                                           send_counts=sync_counts,
                                           fill=-1)  # the position column's padding is -1
     if codec.exact:
-        position = tf.cast(received[..., dim], tf.int32)  # [W, cap_s], -1 = padding
-        received_rows = received[..., :dim]
-    else:
-        width = codec.wire_width(dim)
-        position = from_int32_bits(received[..., width:])
-        received_rows = codec.decode(received[..., :width], dim, fresh.dtype)
+        rows, count = ops.apply_sync_payload(prefetched.rows, received, routing.splits)
+        return prefetched._replace(rows=rows), count
+    width = codec.wire_width(dim)
+    position = from_int32_bits(received[..., width:])
+    received_rows = codec.decode(received[..., :width], dim, tables.dtype)
     offsets = tf.cumsum(routing.splits, exclusive=True)
     target = tf.where(position >= 0, offsets[:, None] + position, -1)
     rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
