@@ -10,10 +10,11 @@ def sync_plan_reference(slot_to_unique, local_rows, updated, num_requesters, all
     capacity = len(slot_to_unique) // num_requesters
     plan = -np.ones((num_requesters, capacity), np.int32)
     counts = np.zeros(num_requesters, np.int32)
+    updated = set(updated.tolist())
     for w in range(num_requesters):
         for p in range(capacity):
             u = slot_to_unique[w * capacity + p]
-            if u >= 0 and (all_updated or local_rows[u] in set(updated)):
+            if u >= 0 and (all_updated or local_rows[u] in updated):
                 plan[w, counts[w]] = p
                 counts[w] += 1
     return plan, counts
@@ -25,8 +26,15 @@ def test_sync_plan_matches_numpy(all_updated):
     local_rows = rng.choice(100, size=12, replace=False).astype(np.int64)
     slot_to_unique = np.where(rng.random(3 * 8) < 0.7, rng.integers(0, 12, 3 * 8), -1).astype(np.int32)
     updated = rng.choice(100, size=30, replace=False).astype(np.int64)
-    plan, counts = ops.sync_plan(slot_to_unique, local_rows, updated, 3, all_updated=all_updated)
-    ref_plan, ref_counts = sync_plan_reference(slot_to_unique, local_rows, updated, 3, all_updated)
+    _check_sync_plan(slot_to_unique, local_rows, updated, 3, all_updated)
+
+
+def _check_sync_plan(slot_to_unique, local_rows, updated, num_requesters, all_updated):
+    """The op against the reference; some but not all valid slots are planned (or all)."""
+    plan, counts = ops.sync_plan(slot_to_unique, local_rows, updated, num_requesters,
+                                 all_updated=all_updated)
+    ref_plan, ref_counts = sync_plan_reference(slot_to_unique, local_rows, updated,
+                                               num_requesters, all_updated)
     np.testing.assert_array_equal(plan.numpy(), ref_plan)
     np.testing.assert_array_equal(counts.numpy(), ref_counts)
     assert 0 < ref_counts.sum() < (slot_to_unique >= 0).sum() or all_updated
@@ -73,11 +81,7 @@ def test_sync_plan_matches_numpy_at_scale(all_updated):
     slot_to_unique = np.where(rng.random(2 * 4096) < 0.8, rng.integers(0, 3000, 2 * 4096),
                               -1).astype(np.int32)
     updated = np.concatenate([local_rows[:1500], (rng.integers(0, 1 << 16, 1500) << 20) + 1])
-    plan, counts = ops.sync_plan(slot_to_unique, local_rows, updated, 2, all_updated=all_updated)
-    ref_plan, ref_counts = sync_plan_reference(slot_to_unique, local_rows, updated, 2, all_updated)
-    np.testing.assert_array_equal(plan.numpy(), ref_plan)
-    np.testing.assert_array_equal(counts.numpy(), ref_counts)
-    assert 0 < ref_counts.sum() < (slot_to_unique >= 0).sum() or all_updated
+    _check_sync_plan(slot_to_unique, local_rows, updated, 2, all_updated)
 
 
 def test_buffer_sync_leaves_a_buffer_held_elsewhere_unchanged():
