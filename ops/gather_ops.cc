@@ -3,9 +3,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
+#include "tensorflow/core/framework/resource_mgr.h"
+#include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
 
 namespace tensorflow {
@@ -144,6 +147,97 @@ NESTPIPE_REGISTER_ALL(bfloat16)
 NESTPIPE_REGISTER_ALL(Eigen::half)
 #undef NESTPIPE_REGISTER_ALL
 #undef NESTPIPE_REGISTER
+
+REGISTER_OP("NestpipeReadTableRows")
+    .Input("tables: N * resource")
+    .Input("local_rows: int64")
+    .Input("row_offsets: int64")
+    .Output("rows: dtype")
+    .Attr("N: int >= 1")
+    .Attr("dtype: {float, double, bfloat16, half}")
+    .Attr("dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n, dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      ShapeHandle rows;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &rows));
+      c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The rows of a group of tables at fused local rows (not differentiable): table t holds local rows
+[row_offsets[t], row_offsets[t + 1]), so local row k is row k - row_offsets[t] of the last table t
+with row_offsets[t] <= k. One op instead of a partition, a gather per table and a stitch; each
+table is read under its variable's shared lock.
+)doc");
+
+template <typename T>
+class ReadTableRowsOp : public OpKernel {
+ public:
+  explicit ReadTableRowsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_tables_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const auto local_rows = ctx->input(num_tables_).flat<int64_t>();
+    const auto offsets = ctx->input(num_tables_ + 1).flat<int64_t>();
+    OP_REQUIRES(ctx, offsets.size() == num_tables_,
+                errors::InvalidArgument("row_offsets has ", offsets.size(), " entries for ",
+                                        num_tables_, " tables"));
+    const int64_t n = local_rows.size();
+    std::vector<int32> table_of(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const int64_t k = local_rows(i);
+      OP_REQUIRES(ctx, k >= offsets(0),
+                  errors::InvalidArgument("local row ", k, " at position ", i,
+                                          " is below the first table's start ", offsets(0)));
+      const int64_t* end = offsets.data() + num_tables_;
+      table_of[i] = static_cast<int32>(std::upper_bound(offsets.data(), end, k) -
+                                       offsets.data()) - 1;
+    }
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
+    T* out = out_t->flat<T>().data();
+    for (int t = 0; t < num_tables_; ++t) {
+      core::RefCountPtr<Var> var;
+      OP_REQUIRES_OK(ctx, LookupResource(ctx, HandleFromInput(ctx, t), &var));
+      tf_shared_lock lock(*var->mu());
+      const Tensor& table = *var->tensor();
+      OP_REQUIRES(ctx, table.dtype() == DataTypeToEnum<T>::v() && table.dims() == 2 &&
+                           table.dim_size(1) == dim_,
+                  errors::InvalidArgument("table ", t, " is ", table.DebugString(),
+                                          ", expected a matrix of ", dim_, " columns of ",
+                                          DataTypeString(DataTypeToEnum<T>::v())));
+      const int64_t rows = table.dim_size(0);
+      const T* src = table.flat<T>().data();
+      for (int64_t i = 0; i < n; ++i) {
+        if (table_of[i] != t) continue;
+        const int64_t r = local_rows(i) - offsets(t);
+        OP_REQUIRES(ctx, r < rows,
+                    errors::InvalidArgument("local row ", local_rows(i), " at position ", i,
+                                            " is row ", r, " of table ", t, ", which has ",
+                                            rows, " rows"));
+        std::memcpy(out + i * dim_, src + r * dim_, sizeof(T) * dim_);
+      }
+    }
+  }
+
+ private:
+  int num_tables_;
+  int64_t dim_;
+};
+
+#define NESTPIPE_REGISTER_READ(T)                                                         \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("NestpipeReadTableRows").Device(DEVICE_CPU).TypeConstraint<T>("dtype"),        \
+      ReadTableRowsOp<T>);
+NESTPIPE_REGISTER_READ(float)
+NESTPIPE_REGISTER_READ(double)
+NESTPIPE_REGISTER_READ(bfloat16)
+NESTPIPE_REGISTER_READ(Eigen::half)
+#undef NESTPIPE_REGISTER_READ
 
 }  // namespace nestpipe
 }  // namespace tensorflow

@@ -329,3 +329,38 @@ def test_auto_refuses_empty_probes():
         AutoPipeline([], lambda t: t, margin=1.5)
     with pytest.raises(ValueError, match="rounds >= 1"):
         AutoPipeline([], lambda t: t, rounds=0)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_read_rows_equals_gather_in_one_op(dtype):
+    """`FusedTables.read_rows` (the prefetch's and the sync's read) gives `gather`'s values with
+    one `NestpipeReadTableRows` op for a group, including a table that reserves no rows here."""
+    rng = np.random.default_rng(2)
+    fulls = [rng.normal(size=(n, 3)).astype(dtype) for n in (7, 10, 4)]
+    layers = [_FakeTable(f, 2, 1, "t%d" % i) for i, f in enumerate(fulls)]
+    group = FusedTables(layers, 2, 1)
+    # Spans 4, 5 and 2 rows (shard 1 holds 3, 5 and 2 of them): rows of all three, repeated.
+    local = tf.constant([0, 2, 4, 8, 9, 10, 2], tf.int64)
+    np.testing.assert_array_equal(group.read_rows(local).numpy(), group.gather(local).numpy())
+    graph = tf.function(group.read_rows).get_concrete_function(local).graph
+    types = [op.type for op in graph.get_operations()]
+    assert types.count("NestpipeReadTableRows") == 1 and "ResourceGather" not in types
+    # The op on its own: a zero-span table (offset 3 twice) hands its rows to the next table.
+    handles = [layer.embeddings.handle for layer in layers]
+    out = ops.read_table_rows(handles, [3, 0, 4], [0, 3, 3], tf.as_dtype(dtype), 3)
+    np.testing.assert_array_equal(out.numpy(), np.stack([layers[2].embeddings.numpy()[0],
+                                                         layers[0].embeddings.numpy()[0],
+                                                         layers[2].embeddings.numpy()[1]]))
+
+
+def test_read_table_rows_errors():
+    _, layers = _tables(2, 1, sizes=(7, 10))
+    handles = [layer.embeddings.handle for layer in layers]  # 4 and 5 local rows
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row 5 of table 1, which has 5"):
+        ops.read_table_rows(handles, [9], [0, 4], tf.float32, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="below the first table's start"):
+        ops.read_table_rows(handles, [-1], [0, 4], tf.float32, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="row_offsets has 1 entries"):
+        ops.read_table_rows(handles, [0], [0], tf.float32, 3)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="expected a matrix of 4 columns"):
+        ops.read_table_rows(handles, [0], [0, 4], tf.float32, 4)

@@ -3,7 +3,7 @@ from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather
                                           gather_from_blocks, sync_payload, sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import gather_rows, segment_sum, slice_rows
+from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum, slice_rows
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
 from tf_nestpipe.ops.row_init import stateless_row_init
@@ -28,6 +28,7 @@ __all__ = [
     "gather_rows",
     "load_op_library",
     "owner_dedup",
+    "read_table_rows",
     "route_keys",
     "segment_sum",
     "slice_rows",

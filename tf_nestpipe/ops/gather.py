@@ -9,6 +9,15 @@ def gather_rows(params, indices):
     return load_op_library().nestpipe_gather_rows(params, indices)
 
 
+def read_table_rows(handles, local_rows, row_offsets, dtype, dim):
+    """Rows of the tables (variable `handles`, in order) at fused local rows `local_rows`: table t
+    holds local rows from `row_offsets[t]` (the last table starting at or before a row holds it).
+    One op, not differentiable."""
+    return load_op_library().nestpipe_read_table_rows(
+        handles, tf.cast(local_rows, tf.int64), tf.cast(row_offsets, tf.int64), dtype=dtype,
+        dim=dim)
+
+
 def segment_sum(data, segment_ids, num_segments):
     """Sums rows of `data` into `num_segments` rows by `segment_ids`, skipping ids of -1."""
     return load_op_library().nestpipe_segment_sum(data, segment_ids, tf.cast(num_segments, tf.int32))
@@ -19,6 +28,9 @@ def slice_rows(rows, start, end):
     step takes many slices of one tensor (one per lookup of a buffer), their gradients are
     concatenated, not each padded to the whole tensor and summed densely."""
     return tf.gather(rows, tf.range(start, end))
+
+
+tf.no_gradient("NestpipeReadTableRows")
 
 
 @tf.RegisterGradient("NestpipeGatherRows")

@@ -56,7 +56,9 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     plan is None without `updated_rows`."""
     wire = wire or PLAIN
     layout = tables.layout
-    owned = tf.stop_gradient(tables.gather(routing.local_rows))
+    # One op reads the rows (no partition / gather per table / stitch). The buffer read's own
+    # gather (`lookup_from_buffer`) only carries the gradient, and TensorFlow prunes its values.
+    owned = tables.read_rows(routing.local_rows)
     if updated_rows is None:
         incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False,
                                  wire=wire)
@@ -122,7 +124,7 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
     positions exact); returns the patched buffer and the number of rows this worker received.
     With an exact forward wire it is three ops around the exchange: the planned rows
-    (`sync_rows`, read fresh by `tables.gather`), the payload of rows and float positions
+    (`sync_rows`, read fresh by `tables.read_rows`), the payload of rows and float positions
     (`sync_payload`), the requester's patch (`apply_sync_payload`)."""
     wire = wire or PLAIN
     dim = tables.layout.dim
@@ -131,7 +133,7 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     codec = wire.forward
     # Only the planned positions are read (a lookup may own no rows at all: gather nothing).
     rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique, routing.local_rows)
-    payload = ops.sync_payload(tables.gather(rows_to_send), slots)  # [W, cap_s, dim + 1]
+    payload = ops.sync_payload(tables.read_rows(rows_to_send), slots)  # [W, cap_s, dim + 1]
     if not codec.exact:
         # Encoded rows, then the positions' bits (a -1 fill of either dtype reads negative).
         encoded = codec.encode(payload[..., :dim], wire.stats)
