@@ -108,6 +108,19 @@ REGISTER_OP("NestpipeBufferSync")
     })
     .Doc("synced = buffer with synced[positions[k]] = fresh_rows[k] (positions of -1 skipped).");
 
+// Output 0 as a copy of `buffer` (input 0) to patch: the buffer itself when no other op holds it
+// (the usual case: the prefetch's output, consumed only by the patch), otherwise a copy.
+template <typename T>
+Status PatchableBuffer(OpKernelContext* ctx, const Tensor& buffer, T** out) {
+  Tensor* out_t;
+  TF_RETURN_IF_ERROR(ctx->forward_input_or_allocate_output({0}, 0, buffer.shape(), &out_t));
+  *out = out_t->flat<T>().data();
+  if (*out != buffer.flat<T>().data()) {
+    std::memcpy(*out, buffer.flat<T>().data(), sizeof(T) * buffer.NumElements());
+  }
+  return absl::OkStatus();
+}
+
 template <typename T>
 class BufferSyncOp : public OpKernel {
  public:
@@ -121,14 +134,8 @@ class BufferSyncOp : public OpKernel {
     OP_REQUIRES(ctx, fresh.dim_size(0) == positions.size() && fresh.dim_size(1) == dim,
                 errors::InvalidArgument("fresh_rows must be [", positions.size(), ", ", dim,
                                         "], got ", fresh.shape().DebugString()));
-    Tensor* out_t;
-    // The buffer is patched in place when no other op holds it (the usual case: it is the
-    // prefetch's output, consumed only here); otherwise it is copied first.
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, buffer.shape(), &out_t));
-    T* out = out_t->flat<T>().data();
-    if (out != buffer.flat<T>().data()) {
-      std::memcpy(out, buffer.flat<T>().data(), sizeof(T) * rows * dim);
-    }
+    T* out;
+    OP_REQUIRES_OK(ctx, PatchableBuffer(ctx, buffer, &out));
     const T* src = fresh.flat<T>().data();
     for (int64_t k = 0; k < positions.size(); ++k) {
       const int64_t p = positions(k);
@@ -454,12 +461,8 @@ class ApplySyncPayloadOp : public OpKernel {
     OP_REQUIRES(ctx, received.dim_size(2) == dim + 1 && splits.size() == w,
                 errors::InvalidArgument("received must be [", splits.size(), ", cap, ", dim + 1,
                                         "], got ", received.shape().DebugString()));
-    Tensor* out_t;
-    OP_REQUIRES_OK(ctx, ctx->forward_input_or_allocate_output({0}, 0, buffer.shape(), &out_t));
-    T* out = out_t->flat<T>().data();
-    if (out != buffer.flat<T>().data()) {
-      std::memcpy(out, buffer.flat<T>().data(), sizeof(T) * rows * dim);
-    }
+    T* out;
+    OP_REQUIRES_OK(ctx, PatchableBuffer(ctx, buffer, &out));
     const T* src = received.flat<T>().data();
     int64_t offset = 0, copied = 0;
     for (int64_t o = 0; o < w; ++o) {

@@ -90,10 +90,9 @@ class FusedTables:
         (`ops.read_table_rows`) instead of a partition, a gather per table and a stitch."""
         if len(self.layers) == 1:
             return tf.stop_gradient(tf.gather(self.layers[0].embeddings, local_rows))
-        try:
-            handles = [layer.embeddings.handle for layer in self.layers]
-        except ValueError:  # a distributed variable outside a replica context
-            return tf.stop_gradient(self.gather(local_rows))
+        # Called in a replica context (the pipelines' steps), where a distributed variable's
+        # handle is this worker's.
+        handles = [layer.embeddings.handle for layer in self.layers]
         return ops.read_table_rows(handles, local_rows, self._row_offsets, self.dtype,
                                    self.layers[0].dim)
 
