@@ -112,6 +112,31 @@ def test_two_worker_training_equals_one_process(surface):
         np.testing.assert_allclose(surface[0][key], surface["ref"][key], atol=1e-6, err_msg=key)
 
 
+def test_fit_history_is_global_and_equals_one_process(surface):
+    for key in ("loss", "auc"):
+        assert surface["ref"]["history/" + key].shape == (2,)
+        for rank in (0, 1):
+            np.testing.assert_allclose(surface[rank]["history/" + key],
+                                       surface["ref"]["history/" + key], atol=1e-5, err_msg=key)
+
+
+def test_metric_results_read_every_state_in_one_packed_all_reduce(surface):
+    """A step's metric results (loss Mean: 2 state variables, AUC: 4) read their states'
+    global sums through one packed all-reduce, equal to tf_keras' own reads, one all-reduce per
+    variable read (the positive control: 8 here, AUC's result reads two states twice), and to
+    one process."""
+    for rank in (0, 1):
+        run = surface[rank]
+        assert int(run["metric_reads/packed_collectives"]) == 1
+        assert int(run["metric_reads/original_collectives"]) >= 6
+        for key in ("loss", "auc"):
+            packed = run["metric_reads/packed/" + key]
+            np.testing.assert_array_equal(packed, run["metric_reads/original/" + key])
+            np.testing.assert_allclose(packed, surface["ref"]["metric_reads/packed/" + key],
+                                       atol=1e-5, err_msg=key)
+    assert int(surface["ref"]["metric_reads/packed_collectives"]) == 0  # one process
+
+
 def test_predict_returns_every_row_in_input_order_on_every_worker(surface):
     ref = surface["ref"]["predict"]
     assert ref.shape == (100, 1) and np.std(ref) > 1e-3  # 7 batches of 16, the last partial

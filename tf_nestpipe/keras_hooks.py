@@ -8,6 +8,8 @@ of one job each:
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
 - checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
+- metric results: `get_metrics_result` in a step reads every metric's state through one packed
+  all-reduce (`strategy.summed_reads`) instead of one collective per state variable;
 - `fit` over a DOWNPOUR `tnp.ParameterServerStrategy(update_window=T)`: one window per step
   (`strategy.downpour_fit`).
 """
@@ -91,6 +93,26 @@ def _with_model_context(make_function):
     return make
 
 
+def _packed_metric_reads(get_metrics_result):
+    """Wraps `Model.get_metrics_result`: in a step (a replica context) of a multi-worker
+    `NestPipeStrategy`, the metrics' state variables are summed over the workers by one packed
+    all-reduce, and their results read those sums (the results only read: the step's updates
+    ran before). Elsewhere it is tf_keras' own."""
+    @functools.wraps(get_metrics_result)
+    def wrapped(self):
+        context = tf.distribute.get_replica_context()
+        strategy = context.strategy if context is not None else None
+        if (not _is_nestpipe(strategy) or strategy.num_workers == 1
+                or tf.distribute.in_cross_replica_context()):
+            return get_metrics_result(self)
+        variables = [v for metric in self.metrics for v in metric.variables]
+        with strategy.extended.summed_reads(variables):
+            return get_metrics_result(self)
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
 def _non_chief_target(model, filepath):
     """A scratch path for a non-chief worker's copy of a file (None: write `filepath`). Every
     worker reads the whole tables (a collective), so every worker saves; only the chief's
@@ -148,6 +170,8 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
+    if not getattr(model.get_metrics_result, _HOOKED, False):
+        model.get_metrics_result = _packed_metric_reads(model.get_metrics_result)
     # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
     for name in ("save", "save_weights", "load_weights"):
         setattr(model, name, _wrap_saving(name, getattr(model, name)))

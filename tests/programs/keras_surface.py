@@ -4,6 +4,11 @@
 usage: keras_surface.py OUT_DIR [REFERENCE_DIR]
 Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - trained/*: whole tables and dense weights of a functional ranker after a 2-epoch fit;
+- history/<key>: that fit's history (loss, auc per epoch);
+- metric_reads/{packed,original}/<key> and metric_reads/{packed,original}_collectives: after the
+  fit, the metrics' results read in a replica step through NestPipeStrategy's packed reads (one
+  all-reduce for every metric's state) and through tf_keras' own get_metrics_result (one per
+  state variable: the positive control), and the collectives each step traced;
 - predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
 - files: the files in OUT_DIR after the saves;
 - h5_own/*, weights_h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>),
@@ -39,6 +44,7 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
+from tf_nestpipe.collectives.counting import count_collectives  # noqa: E402
 
 VOCAB_A, VOCAB_B, DIM, NUM_DENSE = 37, 23, 4, 3
 GLOBAL_BATCH, STEPS, EPOCHS = 16, 4, 2
@@ -197,6 +203,23 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     return history.history, lrs, evaluation
 
 
+def metric_reads(strategy, model):
+    """The model's metric results read in a replica step, packed (the hooked
+    get_metrics_result) and per variable (tf_keras' own), with each step's collectives."""
+    original = type(model).get_metrics_result.__wrapped__
+    results = {}
+    for name, read in (("packed", lambda: model.get_metrics_result()),
+                       ("original", lambda: original(model))):
+        step = tf.function(lambda read=read: strategy.run(read))
+        values = step()
+        results["metric_reads/%s_collectives" % name] = count_collectives(
+            step.get_concrete_function().graph).total
+        for key, value in values.items():
+            results["metric_reads/%s/%s" % (name, key)] = strategy.experimental_local_results(
+                value)[0].numpy()
+    return results
+
+
 def main():
     out = sys.argv[1]
     reference = sys.argv[2] if len(sys.argv) > 2 else None
@@ -212,9 +235,12 @@ def main():
     tf_keras.utils.set_random_seed(1)
     with strategy.scope():
         model = ranker()
-    model.fit(per_worker_dataset(strategy, x, y, True), epochs=EPOCHS, steps_per_epoch=STEPS,
-              verbose=0)
+    history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=EPOCHS,
+                        steps_per_epoch=STEPS, verbose=0)
     results.update(state(model, "trained/"))
+    for key in ("loss", "auc"):
+        results["history/" + key] = np.array(history.history[key])
+    results.update(metric_reads(strategy, model))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
     if rank == 0:

@@ -35,6 +35,7 @@ from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
 from tf_nestpipe.strategy import equal_shares, exit_guard
 from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
+from tf_nestpipe.strategy.summed_reads import SummedReads
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
                                                 resolve_implementation)
@@ -90,6 +91,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
         self._nestpipe_known_shares = None  # every share size, from the keys exchange
+        self._summed_reads = SummedReads()  # packed metric-state reads (summed_reads)
         if collectives == "horovod":
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
@@ -454,9 +456,19 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 return tf.identity(value)
         return value
 
+    def summed_reads(self, variables):
+        """A context (entered in a replica context) within which cross-replica reads of the
+        sync-on-read `variables` (e.g. every metric's state, read by the results after the
+        step's updates) come from one packed all-reduce instead of one each; nothing may write
+        them inside (see `summed_reads`)."""
+        return self._summed_reads.packed(variables)
+
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
+        packed = self._summed_reads.read(reduce_op, value, self._num_replicas_in_sync)
+        if packed is not None:
+            return packed
         if self._reduces_on_backend(value):
             if isinstance(value, _dist_values.Mirrored) and reduce_op == _reduce_util.ReduceOp.MEAN:
                 return value
