@@ -65,6 +65,16 @@ def test_fwp_matches_unpipelined_single_process(exactness_results, workers, run)
     assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
 
 
+def test_fwp_adds_only_the_micro_batches_row_exchanges_to_a_step(exactness_results):
+    """fit under fwp (3 micro-batches) issues the collectives of fit without a pipeline plus
+    one rows all-to-all per further micro-batch: the window's keys exchange and its gradient
+    exchange are one each (a gradient exchange per micro-batch would add 2 more)."""
+    plain = load_run(exactness_results[2], "fit:adam")
+    fwp = load_run(exactness_results[2], "fit:adam:fwp")
+    assert int(plain["stats/collectives"]) >= 4  # keys, rows, gradients, dense all-reduce
+    assert int(fwp["stats/collectives"]) - int(plain["stats/collectives"]) == 3 - 1
+
+
 @pytest.mark.parametrize("workers,run", _cases("nested"),
                          ids=["%dw-%s" % c for c in _cases("nested")])
 def test_nested_matches_unpipelined_single_process(exactness_results, workers, run):

@@ -251,7 +251,8 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False):
             "stats/rows_synced": stats.rows_synced, "stats/steps": stats.steps,
             "stats/drains": stats.drains, "stats/rows_requested": stats.rows_requested,
             "stats/first_lookup_rows": stats.first_lookup_rows,
-            "stats/exchanges": stats.exchanges}
+            "stats/exchanges": stats.exchanges,
+            "stats/collectives": -1 if stats.collectives is None else stats.collectives.total}
         for layer in model._flatten_layers():  # pylint: disable=protected-access
             if isinstance(layer, tnp.ShardedEmbedding) and layer.placement is not None:
                 extra["stats/placement/" + layer.name] = layer.placement

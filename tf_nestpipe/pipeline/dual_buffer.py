@@ -181,3 +181,89 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
         return tf.identity(prefetched.rows), grad
 
     return ops.gather_rows(active_rows(owned), routing.inverse)
+
+
+def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire=None):
+    """Compute stage of a frozen window: `lookup_from_buffer` of each round's buffer (in round
+    order), with one reverse all-to-all for the gradients of all rounds instead of one per round.
+
+    Round r's rows are its buffer's own values (they never wait for a later round's exchange);
+    only their gradients meet, after the window's last backward, in one exchange: to each owner
+    every round's gradient rows for it, round by round, packed behind each other. Each owner sums
+    them into its rows round by round, as the per-round exchanges did (a row two requesters first
+    read in different rounds gets one gradient entry per round, in round order), so the update
+    is bitwise the same."""
+    wire = wire or PLAIN
+    num_shards, dim = tables.layout.num_shards, tables.layout.dim
+    routings = [prefetched.routing for prefetched in prefetched_rounds]
+    sizes = tf.stack([tf.shape(prefetched.rows, out_type=tf.int32)[0]
+                      for prefetched in prefetched_rounds])
+    owned = tables.gather(tf.concat([r.local_rows for r in routings], 0))  # the gradient path
+
+    @tf.custom_gradient
+    def window_carrier(owned_rows):
+        del owned_rows  # only the gradient path: every round's values come from its buffer
+
+        def grad(d_window):
+            return _window_backward(d_window, routings, sizes, num_shards, dim, collectives,
+                                    tag + "/window/grad", wire)
+
+        return tf.zeros([tf.reduce_sum(sizes), dim], tables.dtype), grad
+
+    carriers = tf.split(window_carrier(owned), sizes, num=len(routings))
+    outputs = []
+    for prefetched, carrier in zip(prefetched_rounds, carriers):
+        outputs.append(ops.gather_rows(_round_rows(carrier, prefetched.rows),
+                                       prefetched.routing.inverse))
+    return outputs
+
+
+def _round_rows(carrier, rows):
+    """`rows` (a buffer's values), whose gradient flows to `carrier` (its part of the window)."""
+    @tf.custom_gradient
+    def round_rows(part):
+        del part
+
+        def grad(d_rows):
+            return tf.convert_to_tensor(d_rows)
+
+        return tf.identity(rows), grad
+
+    return round_rows(carrier)
+
+
+def _packed_blocks(index_blocks, lengths, num_shards, capacity):
+    """`[W, capacity]` int32: per worker j, the first `lengths[r][j]` entries of
+    `index_blocks[r][j]` for r in order, then -1."""
+    parts = [tf.RaggedTensor.from_tensor(block, lengths=length)
+             for block, length in zip(index_blocks, lengths)]
+    packed = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]
+    return packed.to_tensor(default_value=-1, shape=tf.stack([num_shards, capacity]))
+
+
+def _window_backward(d_window, routings, sizes, num_shards, dim, collectives, tag, wire):
+    """The gradient of a window's owned rows (`lookup_window_from_buffers`): one reverse
+    all-to-all of every round's slot gradients, packed per owner in round order."""
+    d_rounds = tf.split(tf.convert_to_tensor(d_window), sizes, num=len(routings))
+    slot_rows, send_index, receive_index = [], [], []
+    slot_base, unique_base = 0, 0
+    for d_unique, routing in zip(d_rounds, routings):
+        capacity = routing.capacity
+        slot_rows.append(ops.segment_sum(d_unique, routing.slot_of_bucket_pos,
+                                         num_shards * capacity))
+        columns = tf.range(capacity)[None, :]
+        send_index.append(slot_base + tf.range(num_shards)[:, None] * capacity + columns)
+        owner_slots = tf.reshape(routing.slot_to_unique, [num_shards, capacity])
+        receive_index.append(tf.where(owner_slots >= 0, owner_slots + unique_base, -1))
+        slot_base += num_shards * capacity
+        unique_base += tf.size(routing.local_rows, out_type=tf.int32)
+    _, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
+    send = _packed_blocks(send_index, [r.splits for r in routings], num_shards, capacity)
+    outgoing = tf.reshape(ops.gather_rows(tf.concat(slot_rows, 0), tf.reshape(send, [-1])),
+                          [num_shards, capacity, dim])
+    bucket, _ = capacity_bucket(capacity)
+    back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
+                         send_counts=tf.add_n([r.splits for r in routings]))
+    receive = _packed_blocks(receive_index, [r.received for r in routings], num_shards,
+                             capacity)
+    return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)

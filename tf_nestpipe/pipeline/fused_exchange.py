@@ -180,15 +180,28 @@ class BufferReader(_WindowAware):
         self._dynamic_ids = dynamic_ids or {}
         self._dynamic_rows = {}  # DynamicEmbedding name -> rows of all its recorded ids
         self._rows = {}  # (group, round key) -> the buffer's rows, one per id it fetched
+        self._window_outputs = {}  # group -> {round key: its rows} (one gradient exchange)
         self._window_rows = {}  # (group, round key) -> the window's rows up to that round
         self._taken = {}  # group, or (group, round key) -> ids taken so far
 
     def _buffer_rows(self, group, key):
         if (group, key) not in self._rows:
-            self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
-                self._exchange.tables(group), self._buffers[group].rounds[key],
-                self._exchange.collectives, "nestpipe/fused/%s/%s" % (group, key),
-                self._exchange.wire)
+            rounds = self._buffers[group].rounds
+            if self.windowed and len(rounds) > 1:
+                # One gradient exchange for the window's rounds (each round's rows still
+                # arrive by its own exchange).
+                if group not in self._window_outputs:
+                    keys = sorted(rounds)
+                    outputs = dual_buffer.lookup_window_from_buffers(
+                        self._exchange.tables(group), [rounds[k] for k in keys],
+                        self._exchange.collectives, "nestpipe/fused/%s" % group,
+                        self._exchange.wire)
+                    self._window_outputs[group] = dict(zip(keys, outputs))
+                self._rows[(group, key)] = self._window_outputs[group][key]
+            else:
+                self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
+                    self._exchange.tables(group), rounds[key], self._exchange.collectives,
+                    "nestpipe/fused/%s/%s" % (group, key), self._exchange.wire)
         return self._rows[(group, key)]
 
     def _take(self, counter, flat_ids):
