@@ -89,6 +89,16 @@ def test_nested_matches_unpipelined_single_process(exactness_results, workers, r
     assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
 
 
+def test_nested_adds_only_the_micro_batches_row_exchanges_to_dbp(exactness_results):
+    """nested (3 micro-batches) issues dbp's collectives plus one rows all-to-all per further
+    micro-batch: one keys, one gradient and one sync exchange for the window (an exchange per
+    micro-batch for each of the last two would add 4 more)."""
+    dbp = load_run(exactness_results[2], "fit:adam:dbp")
+    nested = load_run(exactness_results[2], "fit:adam:nested")
+    assert int(dbp["stats/collectives"]) >= 5  # keys, rows, gradients, sync, dense all-reduce
+    assert int(nested["stats/collectives"]) - int(dbp["stats/collectives"]) == 3 - 1
+
+
 @pytest.mark.parametrize("workers,run", _cases("auto"), ids=["%dw-%s" % c for c in _cases("auto")])
 def test_auto_matches_unpipelined_single_process_and_chooses(exactness_results, workers, run):
     """fit's default: two interleaved probe rounds (each candidate 1 timed step, after a

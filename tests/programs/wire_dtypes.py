@@ -73,6 +73,7 @@ def main():
         exchange.set_wire_dtype({"forward": forward, "backward": backward})
         strategy.pipeline = next((o for o in options if o in ("dbp", "fwp", "nested")), "none")
         strategy.cluster_samples = False
+        strategy.unsafe_skip_buffer_sync = "nosync" in options  # the positive control
         path = "%s.%s.npz" % (prefix, run.replace(":", "."))
         before = exchange.wire_stats()
         if "scaled" in options:

@@ -267,3 +267,68 @@ def _window_backward(d_window, routings, sizes, num_shards, dim, collectives, ta
     receive = _packed_blocks(receive_index, [r.received for r in routings], num_shards,
                              capacity)
     return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)
+
+
+def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=None):
+    """`apply_sync` of a frozen window's rounds (nested pipeline) in one all-to-all instead of
+    one per round: each owner packs every round's fresh rows for a requester behind each other
+    (in `wire`'s forward encoding), their positions offset by the capacities of the rounds
+    before (`[0, capacity_0)` round 0's slots, then round 1's, ...); the requester patches each
+    round's buffer with the rows in its range. Returns the patched buffers (round order) and
+    the number of rows this worker received."""
+    wire = wire or PLAIN
+    codec = wire.forward
+    dim = tables.layout.dim
+    num_shards = tables.layout.num_shards
+    payloads, counts, bases = [], [], []
+    base = tf.constant(0, tf.int32)
+    for prefetched, plan in zip(prefetched_rounds, plans):
+        routing = prefetched.routing
+        slots = plan["slots"]
+        rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique,
+                                                  routing.local_rows)
+        payload = ops.sync_payload(tables.read_rows(rows_to_send), slots)  # [W, cap_s, dim + 1]
+        offset = tf.where(slots >= 0, slots + base, -1)
+        if codec.exact:
+            payload = tf.concat([payload[..., :dim], tf.cast(offset, payload.dtype)[..., None]],
+                                axis=-1)
+        else:
+            encoded = codec.encode(payload[..., :dim], wire.stats)
+            payload = tf.concat([encoded, int32_bits(offset, encoded.dtype)], axis=-1)
+        payloads.append(tf.RaggedTensor.from_tensor(payload, lengths=sync_counts))
+        counts.append(sync_counts)
+        bases.append(base)
+        base = base + routing.capacity
+    tf.debugging.assert_less(base, _MAX_EXACT_POSITION,
+                             message="window capacity too large for the float position column")
+    bucket, capacity = capacity_bucket(tf.maximum(tf.add_n([p["capacity"] for p in plans]), 1))
+    width = tf.shape(payloads[0].flat_values)[-1]
+    packed = tf.concat(payloads, axis=1).to_tensor(
+        default_value=-1, shape=tf.stack([num_shards, capacity, width]))
+    send_counts = tf.add_n(counts)
+    with tf.control_dependencies(wire.count("sync", packed, collectives, send_counts)):
+        received = collectives.all_to_all(packed, codec.tag(tag + "/window_sync"), bucket,
+                                          send_counts=send_counts, fill=-1)
+    if codec.exact:
+        rows, position = received[..., :dim], tf.cast(received[..., dim], tf.int32)
+    else:
+        row_width = codec.wire_width(dim)
+        rows = codec.decode(received[..., :row_width], dim, tables.dtype)
+        position = from_int32_bits(received[..., row_width:])
+    patched, total = [], tf.constant(0, tf.int64)
+    for prefetched, low in zip(prefetched_rounds, bases):
+        high = low + prefetched.routing.capacity
+        mine = tf.where((position >= low) & (position < high), position - low, -1)
+        if codec.exact:
+            buffer_rows, count = ops.apply_sync_payload(
+                prefetched.rows, tf.concat([rows, tf.cast(mine, rows.dtype)[..., None]], -1),
+                prefetched.routing.splits)
+        else:
+            offsets = tf.cumsum(prefetched.routing.splits, exclusive=True)
+            target = tf.where(mine >= 0, offsets[:, None] + mine, -1)
+            buffer_rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
+                                          tf.reshape(rows, [-1, dim]))
+            count = tf.reduce_sum(tf.cast(mine >= 0, tf.int64))
+        patched.append(prefetched._replace(rows=buffer_rows))
+        total += tf.cast(count, tf.int64)
+    return patched, total

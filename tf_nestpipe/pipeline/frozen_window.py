@@ -5,7 +5,8 @@ Between a batch's first lookup and its sparse update the tables do not change: e
 the all-to-all of micro-batch j+1 depends only on the routing of the earlier ones, not on their
 dense compute, and runs while micro-batch j computes. A window cache makes each micro-batch fetch
 only the ids no earlier micro-batch fetched (total traffic = the whole batch's dedup); a cached
-row's gradient flows back through the exchange that fetched it. Gradients of all micro-batches
+row's gradient flows back through the exchange that fetched it (under the fused exchange all
+micro-batches' row gradients go back in one reverse exchange per window). Gradients of all micro-batches
 are summed on one tape, so there is one dense all-reduce and one sparse update per batch. Under
 the fused exchange (`fit`, `TrainPipeline`) the exchange keeps the window itself, once per batch
 and table group (`fused_exchange`); `WindowFetcher` keeps it per table for `strategy.run` loops.

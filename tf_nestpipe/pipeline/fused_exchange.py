@@ -8,7 +8,8 @@ pruned. `prefetch_lookups` then runs one route + fetch + output exchange per (ro
 a group is the tables of one dim and dtype (one fused id space), a round the lookups up to a
 table's next lookup (one round per micro-batch of a frozen window). The *compute pass* traces
 the step with a `BufferReader` installed: each lookup takes its rows from its buffer in the
-order the route pass recorded, and the backward is one reverse all-to-all per buffer.
+order the route pass recorded, and the backward is one reverse all-to-all per buffer (per
+frozen window: one for all its rounds, `dual_buffer.lookup_window_from_buffers`).
 
 In a frozen window (`frozen_window()` inside either pass) the window is kept per group, once per
 batch: one route of all the batch's fused ids (one dedup, one keys exchange, `route_rounds`),

@@ -8,7 +8,8 @@ compute pass reads them. `lookahead=1` is the Dual-Buffer Pipeline; step i, trac
     route + retrieve batch i+1 (reads the tables before step i's update),  ─┐  overlaps
     planning the sync: (keys updated at i) ∩ (keys prefetched for i+1)      │
     compute batch i from the active buffers: forward, backward, update  ───┘
-    sync: owners send the planned rows, fresh; requesters patch the prefetch buffers
+    sync: owners send the planned rows, fresh; requesters patch the prefetch buffers (one
+          exchange per group, for all rounds of a frozen window: `apply_window_sync`)
     swap: the patched prefetch buffers become step i+1's active buffers
 
 The first call primes the pipeline (routes batch 0); when the iterator runs dry the last batch
@@ -238,6 +239,17 @@ class TrainPipeline:
         for group, group_plans in plans.items():
             tables = self._exchange.tables(group)
             synced = {}
+            if len(group_plans) > 1:
+                # A frozen window's rounds (nested): one sync exchange for all of them.
+                keys = sorted(group_plans)
+                patched, count = dual_buffer.apply_window_sync(
+                    tables, [next_states[group].rounds[k] for k in keys],
+                    [group_plans[k] for k in keys], self._collectives, "nestpipe/sync/%s" % group,
+                    self._exchange.wire)
+                received += count
+                sent += tf.add_n([tf.cast(group_plans[k]["rows_sent"], tf.int64) for k in keys])
+                next_states[group] = next_states[group]._replace(rounds=dict(zip(keys, patched)))
+                continue
             for key, plan in group_plans.items():
                 synced[key], count = dual_buffer.apply_sync(
                     tables, next_states[group].rounds[key], plan, self._collectives,
