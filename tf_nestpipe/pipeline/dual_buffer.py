@@ -232,13 +232,14 @@ def _round_rows(carrier, rows):
     return round_rows(carrier)
 
 
-def _packed_blocks(index_blocks, lengths, num_shards, capacity):
-    """`[W, capacity]` int32: per worker j, the first `lengths[r][j]` entries of
-    `index_blocks[r][j]` for r in order, then -1."""
+def _pack_per_peer(blocks, lengths, capacity):
+    """`[W, capacity, ...]`: per worker j, the first `lengths[r][j]` entries of `blocks[r][j]`
+    (each `[W, capacity_r, ...]`) for r in order, then entries of -1."""
     parts = [tf.RaggedTensor.from_tensor(block, lengths=length)
-             for block, length in zip(index_blocks, lengths)]
+             for block, length in zip(blocks, lengths)]
     packed = tf.concat(parts, axis=1) if len(parts) > 1 else parts[0]
-    return packed.to_tensor(default_value=-1, shape=tf.stack([num_shards, capacity]))
+    shape = tf.concat([tf.shape(blocks[0])[:1], [capacity], tf.shape(blocks[0])[2:]], 0)
+    return packed.to_tensor(default_value=-1, shape=shape)
 
 
 def _window_backward(d_window, routings, sizes, num_shards, dim, collectives, tag, wire):
@@ -258,14 +259,13 @@ def _window_backward(d_window, routings, sizes, num_shards, dim, collectives, ta
         slot_base += num_shards * capacity
         unique_base += tf.size(routing.local_rows, out_type=tf.int32)
     _, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
-    send = _packed_blocks(send_index, [r.splits for r in routings], num_shards, capacity)
+    send = _pack_per_peer(send_index, [r.splits for r in routings], capacity)
     outgoing = tf.reshape(ops.gather_rows(tf.concat(slot_rows, 0), tf.reshape(send, [-1])),
                           [num_shards, capacity, dim])
     bucket, _ = capacity_bucket(capacity)
     back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
                          send_counts=tf.add_n([r.splits for r in routings]))
-    receive = _packed_blocks(receive_index, [r.received for r in routings], num_shards,
-                             capacity)
+    receive = _pack_per_peer(receive_index, [r.received for r in routings], capacity)
     return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)
 
 
@@ -279,7 +279,6 @@ def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=N
     wire = wire or PLAIN
     codec = wire.forward
     dim = tables.layout.dim
-    num_shards = tables.layout.num_shards
     payloads, counts, bases = [], [], []
     base = tf.constant(0, tf.int32)
     for prefetched, plan in zip(prefetched_rounds, plans):
@@ -295,16 +294,14 @@ def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=N
         else:
             encoded = codec.encode(payload[..., :dim], wire.stats)
             payload = tf.concat([encoded, int32_bits(offset, encoded.dtype)], axis=-1)
-        payloads.append(tf.RaggedTensor.from_tensor(payload, lengths=sync_counts))
+        payloads.append(payload)
         counts.append(sync_counts)
         bases.append(base)
         base = base + routing.capacity
     tf.debugging.assert_less(base, _MAX_EXACT_POSITION,
                              message="window capacity too large for the float position column")
     bucket, capacity = capacity_bucket(tf.maximum(tf.add_n([p["capacity"] for p in plans]), 1))
-    width = tf.shape(payloads[0].flat_values)[-1]
-    packed = tf.concat(payloads, axis=1).to_tensor(
-        default_value=-1, shape=tf.stack([num_shards, capacity, width]))
+    packed = _pack_per_peer(payloads, counts, capacity)
     send_counts = tf.add_n(counts)
     with tf.control_dependencies(wire.count("sync", packed, collectives, send_counts)):
         received = collectives.all_to_all(packed, codec.tag(tag + "/window_sync"), bucket,
