@@ -131,9 +131,7 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     routing = prefetched.routing
     slots = plan["slots"]  # [W, cap_s]: positions within each requester's prefetch slots
     codec = wire.forward
-    # Only the planned positions are read (a lookup may own no rows at all: gather nothing).
-    rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique, routing.local_rows)
-    payload = ops.sync_payload(tables.read_rows(rows_to_send), slots)  # [W, cap_s, dim + 1]
+    payload, sync_counts = _fresh_payload(tables, routing, slots)
     if not codec.exact:
         # Encoded rows, then the positions' bits (a -1 fill of either dtype reads negative).
         encoded = codec.encode(payload[..., :dim], wire.stats)
@@ -148,11 +146,25 @@ def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
     width = codec.wire_width(dim)
     position = from_int32_bits(received[..., width:])
     received_rows = codec.decode(received[..., :width], dim, tables.dtype)
-    offsets = tf.cumsum(routing.splits, exclusive=True)
+    return _patch_at_positions(prefetched, received_rows, position)
+
+
+def _fresh_payload(tables, routing, slots):
+    """Owner side of a sync: `(payload [W, cap_s, dim + 1], sync_counts [W])`, the planned
+    `slots`' rows read fresh, each followed by its slot position (`ops.sync_payload`). Only the
+    planned positions are read (a lookup may own no rows at all: gather nothing)."""
+    rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique, routing.local_rows)
+    return ops.sync_payload(tables.read_rows(rows_to_send), slots), sync_counts
+
+
+def _patch_at_positions(prefetched, rows, position):
+    """Requester side of an encoded sync: `prefetched` with each decoded row of `rows`
+    (`[W, cap_s, dim]`) copied to its owner's offset + `position` (-1: none), and the count."""
+    offsets = tf.cumsum(prefetched.routing.splits, exclusive=True)
     target = tf.where(position >= 0, offsets[:, None] + position, -1)
-    rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
-                           tf.reshape(received_rows, [-1, dim]))
-    return prefetched._replace(rows=rows), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
+    patched = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
+                              tf.reshape(rows, [-1, rows.shape[-1]]))
+    return prefetched._replace(rows=patched), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
 def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
@@ -205,7 +217,7 @@ def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire
         del owned_rows  # only the gradient path: every round's values come from its buffer
 
         def grad(d_window):
-            return _window_backward(d_window, routings, sizes, num_shards, dim, collectives,
+            return _window_backward(d_window, routings, num_shards, dim, collectives,
                                     tag + "/window/grad", wire)
 
         return tf.zeros([tf.reduce_sum(sizes), dim], tables.dtype), grad
@@ -242,29 +254,29 @@ def _pack_per_peer(blocks, lengths, capacity):
     return packed.to_tensor(default_value=-1, shape=shape)
 
 
-def _window_backward(d_window, routings, sizes, num_shards, dim, collectives, tag, wire):
+def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire):
     """The gradient of a window's owned rows (`lookup_window_from_buffers`): one reverse
-    all-to-all of every round's slot gradients, packed per owner in round order."""
-    d_rounds = tf.split(tf.convert_to_tensor(d_window), sizes, num=len(routings))
-    slot_rows, send_index, receive_index = [], [], []
-    slot_base, unique_base = 0, 0
-    for d_unique, routing in zip(d_rounds, routings):
-        capacity = routing.capacity
-        slot_rows.append(ops.segment_sum(d_unique, routing.slot_of_bucket_pos,
-                                         num_shards * capacity))
-        columns = tf.range(capacity)[None, :]
-        send_index.append(slot_base + tf.range(num_shards)[:, None] * capacity + columns)
-        owner_slots = tf.reshape(routing.slot_to_unique, [num_shards, capacity])
-        receive_index.append(tf.where(owner_slots >= 0, owner_slots + unique_base, -1))
-        slot_base += num_shards * capacity
-        unique_base += tf.size(routing.local_rows, out_type=tf.int32)
+    all-to-all of every round's slot gradients, packed per owner in round order. `d_window` is
+    the rounds' unique-row gradients concatenated; each goes straight to its packed position
+    (owner j's block: its rows of round 0, then of round 1, ...)."""
     _, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
-    send = _pack_per_peer(send_index, [r.splits for r in routings], capacity)
-    outgoing = tf.reshape(ops.gather_rows(tf.concat(slot_rows, 0), tf.reshape(send, [-1])),
-                          [num_shards, capacity, dim])
+    targets, receive_index = [], []
+    earlier = tf.zeros([num_shards], tf.int32)  # rows for each owner in the rounds before
+    unique_base = 0
+    for routing in routings:
+        slot = routing.slot_of_bucket_pos
+        owner = tf.maximum(slot, 0) // routing.capacity
+        packed = owner * capacity + tf.gather(earlier, owner) + slot % routing.capacity
+        targets.append(tf.where(slot >= 0, packed, -1))
+        earlier += routing.splits
+        owner_slots = tf.reshape(routing.slot_to_unique, [num_shards, routing.capacity])
+        receive_index.append(tf.where(owner_slots >= 0, owner_slots + unique_base, -1))
+        unique_base += tf.size(routing.local_rows, out_type=tf.int32)
+    outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), tf.concat(targets, 0),
+                                          num_shards * capacity), [num_shards, capacity, dim])
     bucket, _ = capacity_bucket(capacity)
     back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
-                         send_counts=tf.add_n([r.splits for r in routings]))
+                         send_counts=earlier)
     receive = _pack_per_peer(receive_index, [r.received for r in routings], capacity)
     return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)
 
@@ -284,9 +296,7 @@ def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=N
     for prefetched, plan in zip(prefetched_rounds, plans):
         routing = prefetched.routing
         slots = plan["slots"]
-        rows_to_send, sync_counts = ops.sync_rows(slots, routing.slot_to_unique,
-                                                  routing.local_rows)
-        payload = ops.sync_payload(tables.read_rows(rows_to_send), slots)  # [W, cap_s, dim + 1]
+        payload, sync_counts = _fresh_payload(tables, routing, slots)
         offset = tf.where(slots >= 0, slots + base, -1)
         if codec.exact:
             payload = tf.concat([payload[..., :dim], tf.cast(offset, payload.dtype)[..., None]],
@@ -320,12 +330,9 @@ def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=N
             buffer_rows, count = ops.apply_sync_payload(
                 prefetched.rows, tf.concat([rows, tf.cast(mine, rows.dtype)[..., None]], -1),
                 prefetched.routing.splits)
+            synced = prefetched._replace(rows=buffer_rows)
         else:
-            offsets = tf.cumsum(prefetched.routing.splits, exclusive=True)
-            target = tf.where(mine >= 0, offsets[:, None] + mine, -1)
-            buffer_rows = ops.buffer_sync(prefetched.rows, tf.reshape(target, [-1]),
-                                          tf.reshape(rows, [-1, dim]))
-            count = tf.reduce_sum(tf.cast(mine >= 0, tf.int64))
-        patched.append(prefetched._replace(rows=buffer_rows))
+            synced, count = _patch_at_positions(prefetched, rows, mine)
+        patched.append(synced)
         total += tf.cast(count, tf.int64)
     return patched, total

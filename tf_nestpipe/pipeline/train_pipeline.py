@@ -238,25 +238,21 @@ class TrainPipeline:
         # would put them on the critical path.
         for group, group_plans in plans.items():
             tables = self._exchange.tables(group)
-            synced = {}
-            if len(group_plans) > 1:
+            keys = sorted(group_plans)
+            buffers = [next_states[group].rounds[k] for k in keys]
+            if len(keys) > 1:
                 # A frozen window's rounds (nested): one sync exchange for all of them.
-                keys = sorted(group_plans)
                 patched, count = dual_buffer.apply_window_sync(
-                    tables, [next_states[group].rounds[k] for k in keys],
-                    [group_plans[k] for k in keys], self._collectives, "nestpipe/sync/%s" % group,
-                    self._exchange.wire)
-                received += count
-                sent += tf.add_n([tf.cast(group_plans[k]["rows_sent"], tf.int64) for k in keys])
-                next_states[group] = next_states[group]._replace(rounds=dict(zip(keys, patched)))
-                continue
-            for key, plan in group_plans.items():
-                synced[key], count = dual_buffer.apply_sync(
-                    tables, next_states[group].rounds[key], plan, self._collectives,
-                    "nestpipe/sync/%s/%s" % (group, key), self._exchange.wire)
-                received += count
-                sent += tf.cast(plan["rows_sent"], tf.int64)
-            next_states[group] = next_states[group]._replace(rounds=synced)
+                    tables, buffers, [group_plans[k] for k in keys], self._collectives,
+                    "nestpipe/sync/%s" % group, self._exchange.wire)
+            else:
+                patched, count = dual_buffer.apply_sync(
+                    tables, buffers[0], group_plans[keys[0]], self._collectives,
+                    "nestpipe/sync/%s/%s" % (group, keys[0]), self._exchange.wire)
+                patched = [patched]
+            received += count
+            sent += tf.add_n([tf.cast(group_plans[k]["rows_sent"], tf.int64) for k in keys])
+            next_states[group] = next_states[group]._replace(rounds=dict(zip(keys, patched)))
         return outputs, next_states, next_dynamic, received, sent, rows_requested(next_states)
 
     def _drain_step(self):
