@@ -137,6 +137,52 @@ def test_metric_results_read_every_state_in_one_packed_all_reduce(surface):
     assert int(surface["ref"]["metric_reads/packed_collectives"]) == 0  # one process
 
 
+def test_a_metric_written_after_the_packed_sums_is_read_fresh(surface):
+    """Within a step's packed reads, the loss tracker read, updated and read again: the second
+    read finds the pack stale and packs again (1 fresh read, 2 collectives in the step) and
+    equals the unpacked read of the next step; the update changed the loss (so a stale answer
+    from the first pack would fail), and the AUC reads equal the unpacked ones."""
+    for rank in (0, 1):
+        run = surface[rank]
+        assert int(run["write_after_read/fresh_reads"]) == 1
+        assert int(run["write_after_read/collectives"]) == 2
+        assert abs(float(run["write_after_read/after"]) - float(run["write_after_read/before"])) > 1e-3
+        np.testing.assert_array_equal(run["write_after_read/after"],
+                                      run["write_after_read/loss_unpacked"])
+        np.testing.assert_array_equal(run["write_after_read/auc"],
+                                      run["write_after_read/auc_unpacked"])
+
+
+def test_fit_metrics_ride_on_the_gradient_all_reduce(surface):
+    """The ranker's fit (loss and AUC, every pipeline auto probed) sums its metric states in the
+    dense gradients' all-reduce: its steps' metric results need no collective of their own
+    (none read fresh). Positive control: a model with its own compute_metrics keeps tf_keras'
+    order (metrics updated after the optimizer update), so the AUC's reads find the riding sums
+    stale and pack again."""
+    for rank in (0, 1):
+        run = surface[rank]
+        assert int(run["fit_metric_reads/riding"]) >= 1
+        assert int(run["fit_metric_reads/packed"]) >= 6  # the loss Mean's 2 and AUC's 4 states
+        assert int(run["fit_metric_reads/fresh"]) == 0
+        assert int(run["own_compute_metrics_reads/riding"]) >= 1
+        assert int(run["own_compute_metrics_reads/fresh"]) >= 1
+    assert int(surface["ref"]["fit_metric_reads/packs"]) == 0  # one process
+
+
+def test_a_tfrs_train_step_reads_its_metrics_from_packed_sums(surface):
+    """TFRS's own train_step reads `m.result()` for every metric (not get_metrics_result): on 2
+    workers its reads (and evaluate's) come from packed sums, none fresh; the train step's pack
+    rides on the dense gradients' all-reduce (TFRS updates its metrics in compute_loss, before
+    the update); one process packs nothing (no collectives to save)."""
+    for rank in (0, 1):
+        run = surface[rank]
+        assert int(run["tfrs_metric_reads/riding"]) >= 1
+        assert int(run["tfrs_metric_reads/packs"]) > int(run["tfrs_metric_reads/riding"])  # evaluate
+        assert int(run["tfrs_metric_reads/packed"]) >= 4  # AUC's 4 state variables at least
+        assert int(run["tfrs_metric_reads/fresh"]) == 0
+    assert int(surface["ref"]["tfrs_metric_reads/packed"]) == 0
+
+
 def test_predict_returns_every_row_in_input_order_on_every_worker(surface):
     ref = surface["ref"]["predict"]
     assert ref.shape == (100, 1) and np.std(ref) > 1e-3  # 7 batches of 16, the last partial

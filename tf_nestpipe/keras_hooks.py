@@ -8,8 +8,10 @@ of one job each:
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
 - checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
-- metric results: `get_metrics_result` in a step reads every metric's state through one packed
-  all-reduce (`strategy.summed_reads`) instead of one collective per state variable;
+- metric results: a train / test step's reads of the metrics' states (tf_keras'
+  `get_metrics_result`, a TFRS `train_step`'s `m.result()`) come from one packed sum, riding on
+  the gradients' all-reduce when it can (`strategy.summed_reads`), instead of one collective per
+  state variable;
 - `fit` over a DOWNPOUR `tnp.ParameterServerStrategy(update_window=T)`: one window per step
   (`strategy.downpour_fit`).
 """
@@ -67,7 +69,8 @@ def reduce_per_replica(values, strategy, reduction):
 
 def _with_model_context(make_function):
     """Wraps `Model.make_train_function` / `make_test_function`: the function it returns runs
-    (and is traced) with the model known to `reduce_per_replica`."""
+    (and is traced) with the model known to `reduce_per_replica`, and with its metrics' reads
+    packed (`metric_reads_within_step`)."""
     @functools.wraps(make_function)
     def make(self, force=False):
         if (make_function.__name__ == "make_train_function"
@@ -82,7 +85,7 @@ def _with_model_context(make_function):
 
         @functools.wraps(function)
         def run(*args, **kwargs):
-            with _tracing_model(self):
+            with _tracing_model(self), metric_reads_within_step(self):
                 return function(*args, **kwargs)
 
         setattr(run, _HOOKED, True)
@@ -93,24 +96,17 @@ def _with_model_context(make_function):
     return make
 
 
-def _packed_metric_reads(get_metrics_result):
-    """Wraps `Model.get_metrics_result`: in a step (a replica context) of a multi-worker
-    `NestPipeStrategy`, the metrics' state variables are summed over the workers by one packed
-    all-reduce, and their results read those sums (the results only read: the step's updates
-    ran before). Elsewhere it is tf_keras' own."""
-    @functools.wraps(get_metrics_result)
-    def wrapped(self):
-        context = tf.distribute.get_replica_context()
-        strategy = context.strategy if context is not None else None
-        if (not _is_nestpipe(strategy) or strategy.num_workers == 1
-                or tf.distribute.in_cross_replica_context()):
-            return get_metrics_result(self)
-        variables = [v for metric in self.metrics for v in metric.variables]
-        with strategy.extended.summed_reads(variables):
-            return get_metrics_result(self)
-
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+def metric_reads_within_step(model):
+    """Under a multi-worker `NestPipeStrategy`: the context in which the step functions of
+    `model` are traced: every metric's states are summed once per step, packed, in the dense
+    gradients' all-reduce if the step reaches it first, else in an all-reduce of their own at
+    the first read, and the results read those sums (unless written after them). Elsewhere
+    nothing."""
+    strategy = model.distribute_strategy
+    if not _is_nestpipe(strategy) or strategy.num_workers == 1:
+        return contextlib.nullcontext()
+    return strategy.extended.metric_reads_within_step(
+        lambda: [v for metric in model.metrics for v in metric.variables])
 
 
 def _non_chief_target(model, filepath):
@@ -170,8 +166,6 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
-    if not getattr(model.get_metrics_result, _HOOKED, False):
-        model.get_metrics_result = _packed_metric_reads(model.get_metrics_result)
     # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
     for name in ("save", "save_weights", "load_weights"):
         setattr(model, name, _wrap_saving(name, getattr(model, name)))

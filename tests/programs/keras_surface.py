@@ -6,9 +6,15 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - trained/*: whole tables and dense weights of a functional ranker after a 2-epoch fit;
 - history/<key>: that fit's history (loss, auc per epoch);
 - metric_reads/{packed,original}/<key> and metric_reads/{packed,original}_collectives: after the
-  fit, the metrics' results read in a replica step through NestPipeStrategy's packed reads (one
-  all-reduce for every metric's state) and through tf_keras' own get_metrics_result (one per
-  state variable: the positive control), and the collectives each step traced;
+  fit, the metrics' results read in a replica step within NestPipeStrategy's packed reads (one
+  all-reduce for every metric's state) and without (tf_keras' own: one per state variable read,
+  the positive control), and the collectives each step traced;
+- fit_metric_reads/*, own_compute_metrics_reads/*: the packed metric reads (strategy
+  .extended.metric_read_counts: packs, riding, packed, fresh) the ranker's fit traced, and a
+  2-step fit of a ranker with its own compute_metrics (tf_keras' metrics-after-update order);
+- write_after_read/*: within the packed reads, the loss read, its tracker updated and read again
+  in one step (before, after, auc, collectives, fresh_reads), and the same reads unpacked in the
+  next step (loss_unpacked, auc_unpacked);
 - predict: model.predict on a global 100-row dataset (batch 16: the last batch is partial);
 - files: the files in OUT_DIR after the saves;
 - h5_own/*, weights_h5_own/*, keras_own/*: a fresh model after load_weights(<the .h5>),
@@ -18,6 +24,8 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
 - h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
   (written by another worker count);
 - wrong_size_error: the error loading an .h5 of a table of another size;
+- tfrs_metric_reads/{packs,riding,packed,fresh}: the packed reads the TFRS fit and evaluate traced
+  (TFRS's own train_step reads `m.result()` for every metric);
 - tfrs/<key>, tfrs_lr, tfrs_eval/<key>: a TFRS model's history (loss, regularization_loss,
   total_loss, auc, and their val_ values from validation_data), ReduceLROnPlateau's learning rate per epoch and evaluate's dict;
   tfrs_first/<key>: the same history with distribute_reduction_method="first" (per-worker
@@ -31,6 +39,8 @@ Files (every worker saves to the same path; only worker 0's copy lands there): O
 w0.weights.h5, m0.keras, saved0/ (model.save(dir)), tf_saved/ (tf.saved_model.save), export/
 (export_saved_model with the inferred signature), x_predict.npy.
 """
+import contextlib
+import dataclasses
 import os
 import shutil
 import sys
@@ -44,6 +54,7 @@ import tensorflow_recommenders as tfrs  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
+from tf_nestpipe import keras_hooks  # noqa: E402
 from tf_nestpipe.collectives.counting import count_collectives  # noqa: E402
 
 VOCAB_A, VOCAB_B, DIM, NUM_DENSE = 37, 23, 4, 3
@@ -203,20 +214,73 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     return history.history, lrs, evaluation
 
 
+def read_counts(strategy, before, prefix):
+    """The strategy's packed metric reads since the `before` counts, as results."""
+    after = strategy.extended.metric_read_counts
+    return {prefix + field.name: getattr(after, field.name) - getattr(before, field.name)
+            for field in dataclasses.fields(after)}
+
+
+def overridden_metrics_fit(strategy, x, y):
+    """The packed metric reads of a 2-step fit of a ranker whose compute_metrics is its own (it
+    calls tf_keras'): its metrics are updated after the optimizer update, as tf_keras orders
+    them, so their pack cannot ride on the gradients' all-reduce."""
+    class OwnMetrics(tf_keras.Model):
+        def compute_metrics(self, x, y, y_pred, sample_weight):
+            return super().compute_metrics(x, y, y_pred, sample_weight)
+
+    tf_keras.utils.set_random_seed(3)
+    with strategy.scope():
+        inner = ranker()
+        model = OwnMetrics(inner.input, inner.output)
+        model.compile(optimizer=tf_keras.optimizers.Adagrad(0.1),
+                      loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
+                      metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+    counts = dataclasses.replace(strategy.extended.metric_read_counts)
+    model.fit(per_worker_dataset(strategy, x, y, True), epochs=1, steps_per_epoch=2, verbose=0)
+    return read_counts(strategy, counts, "own_compute_metrics_reads/")
+
+
 def metric_reads(strategy, model):
-    """The model's metric results read in a replica step, packed (the hooked
-    get_metrics_result) and per variable (tf_keras' own), with each step's collectives."""
-    original = type(model).get_metrics_result.__wrapped__
+    """The model's metric results read in a replica step, within the packed reads of a step (as
+    fit and evaluate trace theirs: keras_hooks.metric_reads_within_step) and without (tf_keras'
+    own: one all-reduce per variable read), with each step's collectives; then, within the
+    packed reads, the loss read before and after its tracker is updated in the same step (a
+    write after the packed sums: it must be read fresh) and the same read outside."""
     results = {}
-    for name, read in (("packed", lambda: model.get_metrics_result()),
-                       ("original", lambda: original(model))):
-        step = tf.function(lambda read=read: strategy.run(read))
-        values = step()
+    for name, scope in (("packed", lambda: keras_hooks.metric_reads_within_step(model)),
+                        ("original", contextlib.nullcontext)):
+        step = tf.function(lambda: strategy.run(model.get_metrics_result))
+        with scope():
+            values = step()
         results["metric_reads/%s_collectives" % name] = count_collectives(
             step.get_concrete_function().graph).total
         for key, value in values.items():
             results["metric_reads/%s/%s" % (name, key)] = strategy.experimental_local_results(
                 value)[0].numpy()
+    tracker = next(m for m in model.metrics if m.name == "loss")
+    auc = next(m for m in model.metrics if m.name == "auc")
+
+    def read_write_read():
+        before = tracker.result()  # the first read: packs every metric's state
+        tracker.update_state(5.0)  # a write after the packed sums
+        return before, tracker.result(), auc.result()
+
+    counts = dataclasses.replace(strategy.extended.metric_read_counts)
+    step = tf.function(lambda: strategy.run(read_write_read))
+    with keras_hooks.metric_reads_within_step(model):
+        before, after, auc_value = step()
+    after_counts = strategy.extended.metric_read_counts
+    local = lambda v: strategy.experimental_local_results(v)[0].numpy()  # noqa: E731
+    results["write_after_read/before"] = local(before)
+    results["write_after_read/after"] = local(after)
+    results["write_after_read/auc"] = local(auc_value)
+    results["write_after_read/collectives"] = count_collectives(
+        step.get_concrete_function().graph).total
+    results["write_after_read/fresh_reads"] = after_counts.fresh - counts.fresh
+    plain = tf.function(lambda: strategy.run(lambda: (tracker.result(), auc.result())))
+    results["write_after_read/loss_unpacked"], results["write_after_read/auc_unpacked"] = [
+        local(v) for v in plain()]
     return results
 
 
@@ -235,12 +299,15 @@ def main():
     tf_keras.utils.set_random_seed(1)
     with strategy.scope():
         model = ranker()
+    counts = dataclasses.replace(strategy.extended.metric_read_counts)
     history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=EPOCHS,
                         steps_per_epoch=STEPS, verbose=0)
+    results.update(read_counts(strategy, counts, "fit_metric_reads/"))
     results.update(state(model, "trained/"))
     for key in ("loss", "auc"):
         results["history/" + key] = np.array(history.history[key])
     results.update(metric_reads(strategy, model))
+    results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
     if rank == 0:
@@ -299,7 +366,9 @@ def main():
     except ValueError as error:
         results["by_name_error"] = str(error)
 
+    counts = dataclasses.replace(strategy.extended.metric_read_counts)
     history, lrs, evaluation = tfrs_run(strategy, x, y, test_x, test_y)
+    results.update(read_counts(strategy, counts, "tfrs_metric_reads/"))
     for key, values in history.items():
         results["tfrs/" + key] = np.array(values)
     results["tfrs_lr"] = np.array(lrs)

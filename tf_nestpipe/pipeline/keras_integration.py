@@ -13,6 +13,10 @@ through one exchange per group of tables, however many layers the model has:
 - `pipeline="auto"` (the default): the first steps try each of these on real batches and the
   workers continue with the fastest (`tf_nestpipe.pipeline.auto`).
 
+tf_keras's standard train step runs with its compiled metrics updated before the optimizer
+update instead of after (same values: they read only y and y_pred), so the metrics' states ride
+on the dense gradients' all-reduce and their results need no collective of their own.
+
 With `cluster_samples=True` the micro-batches are formed by key-centric clustering of the
 batch's integer features. A model that overrides `train_step` (TFRS) can define `nestpipe_route(data)`, looking up what
 its train step looks up (e.g. calling its towers on the features): it becomes the route pass.
@@ -21,6 +25,7 @@ override without `nestpipe_route` under "none" and "auto" (a route pass could no
 looks up, so each table keeps its own exchange), and for `steps_per_execution > 1`, `run_eagerly` or a cluster
 coordinator.
 """
+import functools
 import sys
 
 import tensorflow as tf
@@ -126,7 +131,9 @@ def _train_pipeline(model, strategy, pipeline, micro_batches=None):
                 for part, _ in _micro_batches(data, micro_batches, cluster):
                     model(part["x"], training=False)
     else:
-        step_fn = _counting_step(model, model.train_step)
+        train_step = (functools.partial(_metrics_first_train_step, model)
+                      if _standard_train_step(model) else model.train_step)
+        step_fn = _counting_step(model, train_step)
         route_fn = _route_of(model)
 
     return TrainPipeline(strategy, step_fn, route_fn, optimizer=model.optimizer,
@@ -181,6 +188,35 @@ def _micro_batches(data, micro_batches, cluster):
     return split_batch(batch, micro_batches)
 
 
+def _standard_compute_metrics(model):
+    return type(model).compute_metrics is keras_training.Model.compute_metrics
+
+
+def _update_then_minimize(model, loss, tape, x, y, y_pred, sample_weight):
+    """The optimizer update of `loss` and the metrics' results, as tf_keras' standard train
+    step gives them, with the compiled metrics updated *before* the update when the model keeps
+    tf_keras' `compute_metrics`: their states are then final when the dense gradients are
+    all-reduced, and ride on that all-reduce (`strategy.summed_reads`) instead of an all-reduce
+    of their own. The metrics read only y and y_pred, so their values are the same."""
+    if not _standard_compute_metrics(model):
+        model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+        return model.compute_metrics(x, y, y_pred, sample_weight)
+    model.compiled_metrics.update_state(y, y_pred, sample_weight)
+    model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
+    return model.get_metrics_result()
+
+
+def _metrics_first_train_step(model, data):
+    """tf_keras' standard `Model.train_step`, its metrics updated before the optimizer update
+    (`_update_then_minimize`)."""
+    x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
+    with tf.GradientTape() as tape:
+        y_pred = model(x, training=True)
+        loss = model.compute_loss(x, y, y_pred, sample_weight)
+    model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
+    return _update_then_minimize(model, loss, tape, x, y, y_pred, sample_weight)
+
+
 def _frozen_window_train_step(model, data, micro_batches, cluster=False):
     """Keras's standard train step, over micro-batches of `data` in one frozen window."""
     parts = _micro_batches(data, micro_batches, cluster)
@@ -194,11 +230,11 @@ def _frozen_window_train_step(model, data, micro_batches, cluster=False):
                           * share)
             predictions.append(y_pred)
         loss = tf.add_n(losses)
-    model.optimizer.minimize(loss, model.trainable_variables, tape=tape)
     # Metrics see the whole batch in micro-batch order (the order clustering chose).
     whole = tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *[p for p, _ in parts])
     y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
-    return model.compute_metrics(whole["x"], whole.get("y"), y_pred, whole.get("w"))
+    return _update_then_minimize(model, loss, tape, whole["x"], whole.get("y"), y_pred,
+                                 whole.get("w"))
 
 
 def _check_standard_train_step(model, pipeline):

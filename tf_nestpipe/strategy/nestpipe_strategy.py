@@ -91,7 +91,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
         self._nestpipe_known_shares = None  # every share size, from the keys exchange
-        self._summed_reads = SummedReads()  # packed metric-state reads (summed_reads)
+        # Packed metric-state reads within a step (metric_reads_within_step).
+        self._summed_reads = SummedReads(self._sum_over_workers)
         if collectives == "horovod":
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
@@ -416,24 +417,48 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
         local = [(i, p) for i, p in dense if self._reduces_on_backend(p[0])]
+        rest = [(i, p) for i, p in dense if not self._reduces_on_backend(p[0])]
+        riders = self._metric_riders(reduce_op, pairs, local, rest)
         if local:  # Horovod, or the socket mesh: one grouped sum for all of them
-            reduced = self._backend_reduce(reduce_op, [p[0] for _, p in local])
+            reduced = self._backend_reduce(
+                reduce_op, [p[0] for _, p in local] + (riders.flats if riders else []))
             for (i, _), value in zip(local, reduced):
                 results[i] = value
-        rest = [(i, p) for i, p in dense if results[i] is None]
+            if riders:
+                riders.take([self._local_results(v)[0] for v in reduced[len(local):]])
+                riders = None
         if rest:
             # One packed all-reduce needs every value on its destination's device: a gradient
             # computed from values the pipelines kept between steps can carry no device.
+            extra = [(_dist_values.PerReplica((self._on_worker_device(f),)), rest[0][1][1])
+                     for f in riders.flats] if riders else []
             reduced = super()._batch_reduce_to(
-                reduce_op, [(self._on_worker_device(v), d) for _, (v, d) in rest], options)
+                reduce_op, [(self._on_worker_device(v), d) for _, (v, d) in rest] + extra,
+                options)
             for (i, _), value in zip(rest, reduced):
                 results[i] = value
+            if riders:
+                riders.take([self._local_results(v)[0] for v in reduced[len(rest):]])
         for i, (value, destination) in enumerate(pairs):
             if results[i] is None:
                 # Row-shard gradients were already summed over workers by the lookup's backward
                 # all-to-all: pass them through, never all-reduce them.
                 results[i] = value
         return results
+
+    def _metric_riders(self, reduce_op, pairs, local, rest):
+        """The step's metric states to sum in this gradient all-reduce (`summed_reads.riders`:
+        its later metric reads then need no collective of their own), or None: not a gradient
+        sum, no dense gradient, or (TensorFlow's packed all-reduce, one dtype per pack) a
+        metric state of another dtype than the gradients."""
+        if (reduce_op != _reduce_util.ReduceOp.SUM or not (local or rest)
+                or not any(getattr(d, "trainable", False) for _, d in pairs)):
+            return None
+        dtypes = None
+        if rest and not local:
+            dtypes = {(v.values[0] if isinstance(v, _dist_values.DistributedValues) else v).dtype
+                      for _, (v, _) in rest}
+        return self._summed_reads.riders(dtypes)
 
     def _reduces_on_backend(self, value):
         """Whether `value` is summed by our backend rather than TensorFlow's all-reduce: every
@@ -456,12 +481,32 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 return tf.identity(value)
         return value
 
-    def summed_reads(self, variables):
-        """A context (entered in a replica context) within which cross-replica reads of the
-        sync-on-read `variables` (e.g. every metric's state, read by the results after the
-        step's updates) come from one packed all-reduce instead of one each; nothing may write
-        them inside (see `summed_reads`)."""
-        return self._summed_reads.packed(variables)
+    def metric_reads_within_step(self, variables_fn):
+        """A context, entered around a step while it is traced, within which cross-replica reads
+        of the sync-on-read variables of `variables_fn()` (e.g. every metric's state, read by
+        the results) come from one packed all-reduce per dtype instead of one each, riding on
+        the dense gradients' all-reduce when the step reaches it first; a read of a variable
+        written after the sums packs them again (see `summed_reads`)."""
+        return self._summed_reads.within_step(variables_fn)
+
+    @property
+    def metric_read_counts(self):
+        """The `summed_reads.ReadCounts` of the steps traced so far."""
+        return self._summed_reads.counts
+
+    def _sum_over_workers(self, tensors):
+        """Each of this worker's plain `tensors` summed over the workers (cross-replica
+        context), through the path `_reduce_to` takes for it."""
+        sums = []
+        for tensor in tensors:
+            value = _dist_values.PerReplica((tensor,))
+            if self._reduces_on_backend(value):
+                summed = self._backend_reduce(_reduce_util.ReduceOp.SUM, [value])[0]
+            else:
+                summed = super()._reduce_to(_reduce_util.ReduceOp.SUM, value,
+                                            self.worker_devices[0], None)
+            sums.append(self._local_results(summed)[0])
+        return sums
 
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
