@@ -218,21 +218,38 @@ def _metrics_first_train_step(model, data):
 
 
 def _frozen_window_train_step(model, data, micro_batches, cluster=False):
-    """Keras's standard train step, over micro-batches of `data` in one frozen window."""
+    """Keras's standard train step, over micro-batches of `data` in one frozen window.
+
+    With tf_keras' own `compute_loss` the compiled loss runs once, on the whole batch (the
+    micro-batches' predictions concatenated in their order), as one process computes it: one
+    loss and loss-tracker update per batch instead of one per micro-batch. The model's own
+    losses (`model.losses`: activity regularizers and `add_loss` of each call, and the weight
+    regularizers) count each call's by its micro-batch's share of the batch. A model with its
+    own `compute_loss` gets it per micro-batch, weighted by the share."""
     parts = _micro_batches(data, micro_batches, cluster)
-    predictions, losses = [], []
+    own_loss = type(model).compute_loss is not keras_training.Model.compute_loss
+    predictions, losses, regularization = [], [], []
     with tf.GradientTape() as tape, frozen_window():
         for part, share in parts:
             y_pred = model(part["x"], training=True)
-            # compute_loss averages over the micro-batch; `share` turns that into its part of
-            # the batch mean (the loss tracker is updated per micro-batch, weighted by its size).
-            losses.append(model.compute_loss(part["x"], part.get("y"), y_pred, part.get("w"))
-                          * share)
             predictions.append(y_pred)
-        loss = tf.add_n(losses)
-    # Metrics see the whole batch in micro-batch order (the order clustering chose).
-    whole = tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *[p for p, _ in parts])
-    y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
+            if own_loss:
+                # compute_loss averages over the micro-batch; `share` turns that into its part
+                # of the batch mean.
+                losses.append(model.compute_loss(part["x"], part.get("y"), y_pred,
+                                                 part.get("w")) * share)
+            elif model.losses:
+                call_losses = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
+                regularization.append(call_losses * share)
+        # Metrics (and the loss) see the whole batch in micro-batch order (clustering's order).
+        whole = tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *[p for p, _ in parts])
+        y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
+        if own_loss:
+            loss = tf.add_n(losses)
+        else:
+            loss = model.compiled_loss(
+                whole.get("y"), y_pred, whole.get("w"),
+                regularization_losses=[tf.add_n(regularization)] if regularization else None)
     return _update_then_minimize(model, loss, tape, whole["x"], whole.get("y"), y_pred,
                                  whole.get("w"))
 
