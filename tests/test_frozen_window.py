@@ -60,3 +60,49 @@ def test_micro_batching_fit_refuses_models_with_their_own_train_step(pipeline):
         model.compile("sgd", "mse")
     with pytest.raises(ValueError, match="overrides train_step"):
         model.fit(np.ones((4, 2)), np.ones((4, 1)), verbose=0)
+
+
+def _regularized_model(regularized=True, own_compute_loss=False):
+    """Dense 3 -> 4 -> 1 with (optionally) a kernel and an activity regularizer."""
+    class OwnLoss(tf_keras.Model):
+        def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None):
+            return super().compute_loss(x, y, y_pred, sample_weight)
+
+    inputs = tf_keras.Input((3,))
+    hidden = tf_keras.layers.Dense(
+        4, activation="relu", kernel_initializer=tf_keras.initializers.GlorotUniform(seed=1),
+        kernel_regularizer=tf_keras.regularizers.L2(0.05) if regularized else None,
+        activity_regularizer=tf_keras.regularizers.L2(0.02) if regularized else None)(inputs)
+    out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=2))(hidden)
+    model = (OwnLoss if own_compute_loss else tf_keras.Model)(inputs, out)
+    model.compile(tf_keras.optimizers.SGD(0.1), "mse")
+    return model
+
+
+def _fit_weights(strategy=None, **kwargs):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(32, 3)).astype(np.float32)
+    y = rng.normal(size=(32, 1)).astype(np.float32)
+    if strategy is None:
+        model = _regularized_model(**kwargs)
+    else:
+        with strategy.scope():
+            model = _regularized_model(**kwargs)
+    history = model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights(), history.history["loss"]
+
+
+@pytest.mark.parametrize("own_compute_loss", [False, True])
+def test_micro_batched_fit_counts_the_model_losses_as_one_process(own_compute_loss):
+    """fwp's train step computes the compiled loss once on the whole batch (or a model's own
+    compute_loss per micro-batch, weighted by its share) and counts each call's regularization
+    losses by its share: weights and loss history equal tf_keras' own fit. Positive control: the
+    regularizers change the result (so counting them twice, or not at all, would fail)."""
+    expected, expected_loss = _fit_weights()
+    strategy = tnp.NestPipeStrategy(pipeline="fwp", micro_batches=2)
+    weights, loss = _fit_weights(strategy, own_compute_loss=own_compute_loss)
+    for got, want in zip(weights, expected):
+        np.testing.assert_allclose(got, want, atol=1e-6)
+    np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
+    unregularized, _ = _fit_weights(regularized=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(unregularized, expected)) > 1e-3
