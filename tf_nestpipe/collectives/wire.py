@@ -181,6 +181,27 @@ def from_int32_bits(entries):
     return entries[..., 0] if entries.dtype == tf.int32 else tf.bitcast(entries, tf.int32)
 
 
+def int64_words(block):
+    """A `[W, ...]` block of any dtype as `[W, R]` int64 words (bit copies, each worker's
+    entries flattened and zero-padded to whole words), to ride in an int64 exchange; see
+    `from_int64_words`."""
+    num = tf.shape(block)[0]
+    flat = tf.reshape(block, [num, -1])
+    per_word = max(1, 8 // block.dtype.size)
+    if per_word == 1:
+        return tf.bitcast(flat, tf.int64)
+    entries = tf.shape(flat)[1]
+    flat = tf.pad(flat, [[0, 0], [0, -entries % per_word]])
+    return tf.bitcast(tf.reshape(flat, [num, -1, per_word]), tf.int64)
+
+
+def from_int64_words(words, dtype, shape):
+    """The block of `int64_words`: `words` `[W, R]` back to `dtype` entries of `shape`
+    (`[W, ...]`, the block's)."""
+    flat = tf.reshape(tf.bitcast(words, dtype), [tf.shape(words)[0], -1])
+    return tf.reshape(flat[:, :tf.reduce_prod(shape[1:])], shape)
+
+
 def pack_header(counts, width, dtype):
     """int32 `counts` `[W, k]` as `[W, rows, width]` entries of `dtype` (bit copies, exact),
     to travel at the head of an encoded block; see `unpack_header`."""

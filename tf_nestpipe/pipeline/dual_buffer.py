@@ -8,8 +8,11 @@ row source (`FusedTables`: one table or a group fused in one id space).
   which prefetched slots hold rows that the current batch updates (keys updated ∩ keys
   prefetched; only routing data, so before the update finishes), and the counts ride on the rows
   all-to-all, so the sync's padded size is agreed without a collective of its own.
-- `apply_sync`: after the update, the owner sends just those rows, fresh; the requester copies
-  them into its prefetch buffer (the `NestpipeBufferSync` op).
+- sync: after the update, the owner sends just those rows, fresh (`sync_payload`); the
+  requester copies them into its prefetch buffer (`patch_buffers`). The payload rides on the
+  next step's keys all-to-all (`sync_rider`: it is read at the start of the next step, after
+  the update, and patched in before that step's compute) or, when no exchange follows (the
+  last batch), travels in an exchange of its own (`apply_sync`).
 - `lookup_from_buffer`: the compute stage reads a buffer; its gradient goes back to the owners by
   the reverse all-to-all, as in the synchronous lookup.
 
@@ -19,12 +22,14 @@ copies in the encoded block's header entries, and the sync's fresh rows are enco
 are rows sent to a requester like any other) while their slot positions travel as exact bit
 copies next to them; with fp32 both are float columns, as before (exact below 2**24).
 """
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
-from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, header_rows, int32_bits,
-                                          pack_header, unpack_header)
+from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, from_int64_words, header_rows,
+                                          int32_bits, int64_words, pack_header, unpack_header)
 from tf_nestpipe.sharding.lookup import exchange_rows
 from tf_nestpipe.sharding.records import PrefetchedRows
 
@@ -120,33 +125,122 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
     return ops.gather_rows(incoming, routing.slot_of_bucket_pos), largest
 
 
-def apply_sync(tables, prefetched, plan, collectives, tag, wire=None):
-    """After the update: owners send the planned rows, fresh (in `wire`'s forward encoding, the
-    positions exact); returns the patched buffer and the number of rows this worker received.
-    With an exact forward wire it is three ops around the exchange: the planned rows
-    (`sync_rows`, read fresh by `tables.read_rows`), the payload of rows and float positions
-    (`sync_payload`), the requester's patch (`apply_sync_payload`)."""
+class SyncPayload(NamedTuple):
+    """The owner's side of one group's buffer sync (`sync_payload`): `block` `[W, C, K]` (each
+    requester's fresh rows with their slot positions, in the wire's forward encoding, then
+    padding whose position is -1), `send_counts` `[W]` (entries of each block that carry
+    rows) and `bucket` (the instance-key offset of the padded size C)."""
+
+    block: tf.Tensor
+    send_counts: tf.Tensor
+    bucket: tf.Tensor
+
+
+def sync_payload(tables, prefetched_rounds, plans, wire=None):
+    """Owner side of the sync of one group's buffers (`prefetched_rounds`, round order, each
+    with its `plans` entry from `fetch`), after the update: the planned rows read fresh, as a
+    `SyncPayload`. One round: its rows and positions (`_fresh_payload`); a frozen window's
+    rounds: every round's rows for a requester packed behind each other, their positions offset
+    by the capacities of the rounds before (`[0, capacity_0)` round 0's slots, then round 1's,
+    ...). The requester patches them in with `patch_buffers`; the payload travels in an
+    exchange of its own (`apply_sync`) or rides on another (`sync_rider`)."""
     wire = wire or PLAIN
-    dim = tables.layout.dim
-    routing = prefetched.routing
-    slots = plan["slots"]  # [W, cap_s]: positions within each requester's prefetch slots
+    if len(prefetched_rounds) == 1:
+        payload, counts = _fresh_payload(tables, prefetched_rounds[0].routing, plans[0]["slots"])
+        if not wire.forward.exact:  # fp32: the payload's float position column as it is
+            payload = _encoded_payload(payload, plans[0]["slots"], tables.layout.dim, wire)
+        return SyncPayload(payload, counts, plans[0]["bucket"])
+    payloads, counts = [], []
+    base = tf.constant(0, tf.int32)
+    for prefetched, plan in zip(prefetched_rounds, plans):
+        slots = plan["slots"]
+        payload, sync_counts = _fresh_payload(tables, prefetched.routing, slots)
+        offset = tf.where(slots >= 0, slots + base, -1)
+        payloads.append(_encoded_payload(payload, offset, tables.layout.dim, wire))
+        counts.append(sync_counts)
+        base = base + prefetched.routing.capacity
+    tf.debugging.assert_less(base, _MAX_EXACT_POSITION,
+                             message="window capacity too large for the float position column")
+    bucket, capacity = capacity_bucket(tf.maximum(tf.add_n([p["capacity"] for p in plans]), 1))
+    return SyncPayload(_pack_per_peer(payloads, counts, capacity), tf.add_n(counts), bucket)
+
+
+def _encoded_payload(payload, positions, dim, wire):
+    """A fresh payload (`[W, cap_s, dim + 1]`: rows, then the float position) with `positions`
+    in its position column, in `wire`'s forward encoding (positions as exact bit copies)."""
     codec = wire.forward
-    payload, sync_counts = _fresh_payload(tables, routing, slots)
-    if not codec.exact:
-        # Encoded rows, then the positions' bits (a -1 fill of either dtype reads negative).
-        encoded = codec.encode(payload[..., :dim], wire.stats)
-        payload = tf.concat([encoded, int32_bits(slots, encoded.dtype)], axis=-1)
-    with tf.control_dependencies(wire.count("sync", payload, collectives, sync_counts)):
-        received = collectives.all_to_all(payload, codec.tag(tag + "/sync"), plan["bucket"],
-                                          send_counts=sync_counts,
-                                          fill=-1)  # the position column's padding is -1
     if codec.exact:
-        rows, count = ops.apply_sync_payload(prefetched.rows, received, routing.splits)
-        return prefetched._replace(rows=rows), count
-    width = codec.wire_width(dim)
-    position = from_int32_bits(received[..., width:])
-    received_rows = codec.decode(received[..., :width], dim, tables.dtype)
-    return _patch_at_positions(prefetched, received_rows, position)
+        return tf.concat([payload[..., :dim], tf.cast(positions, payload.dtype)[..., None]], -1)
+    encoded = codec.encode(payload[..., :dim], wire.stats)
+    return tf.concat([encoded, int32_bits(positions, encoded.dtype)], axis=-1)
+
+
+def patch_buffers(tables, prefetched_rounds, received, wire=None):
+    """Requester side of a sync: `received` (`[W, C, K]`, row i the `SyncPayload.block` owner i
+    sent this worker) patched into the buffers `prefetched_rounds` (round order). Returns (the
+    patched buffers, the number of rows received, int64)."""
+    wire = wire or PLAIN
+    codec = wire.forward
+    dim = tables.layout.dim
+    single = len(prefetched_rounds) == 1
+    if codec.exact and single:
+        prefetched = prefetched_rounds[0]
+        patched, count = ops.apply_sync_payload(prefetched.rows, received,
+                                                prefetched.routing.splits)
+        return [prefetched._replace(rows=patched)], tf.cast(count, tf.int64)
+    if codec.exact:
+        rows, position = received[..., :dim], tf.cast(received[..., dim], tf.int32)
+    else:
+        row_width = codec.wire_width(dim)
+        rows = codec.decode(received[..., :row_width], dim, tables.dtype)
+        position = from_int32_bits(received[..., row_width:])
+    patched, total = [], tf.constant(0, tf.int64)
+    low = tf.constant(0, tf.int32)
+    for prefetched in prefetched_rounds:
+        high = low + prefetched.routing.capacity
+        mine = position if single else tf.where((position >= low) & (position < high),
+                                                position - low, -1)
+        if codec.exact:
+            buffer_rows, count = ops.apply_sync_payload(
+                prefetched.rows, tf.concat([rows, tf.cast(mine, rows.dtype)[..., None]], -1),
+                prefetched.routing.splits)
+            synced = prefetched._replace(rows=buffer_rows)
+        else:
+            synced, count = _patch_at_positions(prefetched, rows, mine)
+        patched.append(synced)
+        total += tf.cast(count, tf.int64)
+        low = high
+    return patched, total
+
+
+def apply_sync(tables, prefetched_rounds, plans, collectives, tag, wire=None):
+    """After the update, in an exchange of its own: owners send the planned rows of one group's
+    buffers, fresh (`sync_payload`); requesters patch them in (`patch_buffers`). Returns the
+    patched buffers (round order) and the number of rows this worker received."""
+    wire = wire or PLAIN
+    payload = sync_payload(tables, prefetched_rounds, plans, wire)
+    with tf.control_dependencies(wire.count("sync", payload.block, collectives,
+                                            payload.send_counts)):
+        received = collectives.all_to_all(payload.block, wire.forward.tag(tag + "/sync"),
+                                          payload.bucket, send_counts=payload.send_counts,
+                                          fill=-1)  # the position column's padding is -1
+    return patch_buffers(tables, prefetched_rounds, received, wire)
+
+
+def sync_rider(payload, collectives, wire=None):
+    """`payload` (a `SyncPayload`) as the int64 rider of another all-to-all (`sharding.lookup.
+    route`'s keys exchange): the whole padded block, as bit copies (`int64_words`). Counts its
+    bytes as the sync's. Read what arrives with `from_sync_rider`."""
+    wire = wire or PLAIN
+    with tf.control_dependencies(wire.count("sync", payload.block, collectives,
+                                            payload.send_counts)):
+        return int64_words(payload.block)
+
+
+def from_sync_rider(received, payload):
+    """The `[W, C, K]` sync blocks this worker received as a rider (`sync_rider`), shaped and
+    typed as its own `payload` (every worker's is)."""
+    return from_int64_words(received, payload.block.dtype, tf.shape(payload.block))
 
 
 def _fresh_payload(tables, routing, slots):
@@ -279,60 +373,3 @@ def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire
                          send_counts=earlier)
     receive = _pack_per_peer(receive_index, [r.received for r in routings], capacity)
     return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)
-
-
-def apply_window_sync(tables, prefetched_rounds, plans, collectives, tag, wire=None):
-    """`apply_sync` of a frozen window's rounds (nested pipeline) in one all-to-all instead of
-    one per round: each owner packs every round's fresh rows for a requester behind each other
-    (in `wire`'s forward encoding), their positions offset by the capacities of the rounds
-    before (`[0, capacity_0)` round 0's slots, then round 1's, ...); the requester patches each
-    round's buffer with the rows in its range. Returns the patched buffers (round order) and
-    the number of rows this worker received."""
-    wire = wire or PLAIN
-    codec = wire.forward
-    dim = tables.layout.dim
-    payloads, counts, bases = [], [], []
-    base = tf.constant(0, tf.int32)
-    for prefetched, plan in zip(prefetched_rounds, plans):
-        routing = prefetched.routing
-        slots = plan["slots"]
-        payload, sync_counts = _fresh_payload(tables, routing, slots)
-        offset = tf.where(slots >= 0, slots + base, -1)
-        if codec.exact:
-            payload = tf.concat([payload[..., :dim], tf.cast(offset, payload.dtype)[..., None]],
-                                axis=-1)
-        else:
-            encoded = codec.encode(payload[..., :dim], wire.stats)
-            payload = tf.concat([encoded, int32_bits(offset, encoded.dtype)], axis=-1)
-        payloads.append(payload)
-        counts.append(sync_counts)
-        bases.append(base)
-        base = base + routing.capacity
-    tf.debugging.assert_less(base, _MAX_EXACT_POSITION,
-                             message="window capacity too large for the float position column")
-    bucket, capacity = capacity_bucket(tf.maximum(tf.add_n([p["capacity"] for p in plans]), 1))
-    packed = _pack_per_peer(payloads, counts, capacity)
-    send_counts = tf.add_n(counts)
-    with tf.control_dependencies(wire.count("sync", packed, collectives, send_counts)):
-        received = collectives.all_to_all(packed, codec.tag(tag + "/window_sync"), bucket,
-                                          send_counts=send_counts, fill=-1)
-    if codec.exact:
-        rows, position = received[..., :dim], tf.cast(received[..., dim], tf.int32)
-    else:
-        row_width = codec.wire_width(dim)
-        rows = codec.decode(received[..., :row_width], dim, tables.dtype)
-        position = from_int32_bits(received[..., row_width:])
-    patched, total = [], tf.constant(0, tf.int64)
-    for prefetched, low in zip(prefetched_rounds, bases):
-        high = low + prefetched.routing.capacity
-        mine = tf.where((position >= low) & (position < high), position - low, -1)
-        if codec.exact:
-            buffer_rows, count = ops.apply_sync_payload(
-                prefetched.rows, tf.concat([rows, tf.cast(mine, rows.dtype)[..., None]], -1),
-                prefetched.routing.splits)
-            synced = prefetched._replace(rows=buffer_rows)
-        else:
-            synced, count = _patch_at_positions(prefetched, rows, mine)
-        patched.append(synced)
-        total += tf.cast(count, tf.int64)
-    return patched, total

@@ -116,17 +116,96 @@ class RouteRecorder(_WindowAware):
         return {name: tf.concat(ids, axis=0) for name, ids in self._dynamic_ids.items()}
 
 
+class PendingSync(NamedTuple):
+    """The buffers a step computes from (`{group key: GroupBuffers}`) and their sync `plans`
+    (`{group key: {round key: plan}}`, from the `fetch` that filled them while the step before
+    updated the tables): what `prefetch_lookups` patches in, fresh, on its keys exchanges."""
+
+    buffers: dict
+    plans: dict
+
+
+def sync_pending(exchange, pending, tag="nestpipe/sync"):
+    """`pending` (a `PendingSync`) applied in exchanges of their own (one per group): the
+    buffers patched with their fresh rows, and the rows this worker received (int64). For a
+    step with no keys exchange to ride on (the pipeline's last batch)."""
+    buffers, received = dict(pending.buffers), tf.constant(0, tf.int64)
+    for group, group_plans in sorted(pending.plans.items()):
+        keys = sorted(group_plans)
+        patched, count = dual_buffer.apply_sync(
+            exchange.tables(group), [buffers[group].rounds[k] for k in keys],
+            [group_plans[k] for k in keys], exchange.collectives, "%s/%s" % (tag, group),
+            exchange.wire)
+        buffers[group] = buffers[group]._replace(rounds=dict(zip(keys, patched)))
+        received += count
+    return buffers, received
+
+
+class _Riders:
+    """The sync payloads of a `PendingSync`, one per group, each riding on the group's first
+    keys exchange of the next batch (`route`'s rider)."""
+
+    def __init__(self, exchange, pending):
+        self._exchange = exchange
+        self._pending = pending
+        self._payloads = {}
+        self.buffers = dict(pending.buffers) if pending else {}
+        self.received = tf.constant(0, tf.int64)
+
+    def _rounds(self, group):
+        keys = sorted(self._pending.plans[group])
+        return keys, [self.buffers[group].rounds[k] for k in keys]
+
+    def take(self, group):
+        """The int64 rider of `group`'s pending sync (read fresh now), or None (no sync pending,
+        or already riding)."""
+        if (self._pending is None or group not in self._pending.plans
+                or group in self._payloads):
+            return None
+        keys, rounds = self._rounds(group)
+        payload = dual_buffer.sync_payload(self._exchange.tables(group), rounds,
+                                           [self._pending.plans[group][k] for k in keys],
+                                           self._exchange.wire)
+        self._payloads[group] = payload
+        return dual_buffer.sync_rider(payload, self._exchange.collectives, self._exchange.wire)
+
+    def arrived(self, group, received):
+        """Patches `group`'s buffers with the rider `received` in its keys exchange."""
+        keys, rounds = self._rounds(group)
+        patched, count = dual_buffer.patch_buffers(
+            self._exchange.tables(group), rounds,
+            dual_buffer.from_sync_rider(received, self._payloads[group]), self._exchange.wire)
+        self.buffers[group] = self.buffers[group]._replace(rounds=dict(zip(keys, patched)))
+        self.received += count
+
+    def rest(self):
+        """The pending groups no keys exchange carried (none when the batches look up the same
+        tables), synced in exchanges of their own."""
+        if self._pending is None:
+            return
+        left = {g: p for g, p in self._pending.plans.items() if g not in self._payloads}
+        if left:
+            self.buffers, count = sync_pending(
+                self._exchange, PendingSync(self.buffers, left))
+            self.received += count
+
+
 def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False,
-                     share_size=None):
+                     share_size=None, pending=None):
     """One exchange per (round, group) of the recorded `lookups`, in round order (the first
-    micro-batch's rows arrive first); returns `(buffers, plans)`. With `updated` (group -> the
-    local rows the batch computed meanwhile updates), each buffer of those groups comes with
-    its sync plan (`dual_buffer.fetch`): `plans[group][round key]`. `share_size` (this
-    worker's share of the batch) rides in every keys header (`shares_of` reads it back)."""
+    micro-batch's rows arrive first); returns `(buffers, plans, synced)`. With `updated` (group
+    -> the local rows the batch computed meanwhile updates), each buffer of those groups comes
+    with its sync plan (`dual_buffer.fetch`): `plans[group][round key]`. `share_size` (this
+    worker's share of the batch) rides in every keys header (`shares_of` reads it back).
+
+    With `pending` (a `PendingSync`: the buffers of the batch computed next and their plans),
+    each group's fresh rows ride on that group's first keys exchange: `synced` is (those buffers
+    patched, the rows this worker received); (None, 0) without `pending`."""
     entries = {}
     for round_index, layer, ids in lookups:
         entries.setdefault(exchange.group_key(layer), {}).setdefault(round_index, []).append(
             (layer, ids))
+    riders = _Riders(exchange, pending)
     routed = {}  # (round, group) -> its exchange's RoutingRecord, or the fused ids to route
     inverses = {}
     for group, rounds in sorted(entries.items()):
@@ -138,10 +217,14 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         if windowed:
             # One keys exchange for the whole window: each id fetched by its first round.
             tag = window_tag(group)
-            records, inverses[group] = route_rounds(
+            rider = riders.take(group)
+            routed_window = route_rounds(
                 tf.concat(fused, axis=0), [tf.size(ids, tf.int32) for ids in fused],
                 tables.layout, exchange.collectives, tag, exchange.capacity_hint(tag),
-                share_size, exchange.wire)
+                share_size, exchange.wire, rider=rider)
+            records, inverses[group] = routed_window[:2]
+            if rider is not None:
+                riders.arrived(group, routed_window[2])
             routed.update({(r, group): record for r, record in zip(order, records)})
         else:
             routed.update({(r, group): ids for r, ids in zip(order, fused)})
@@ -152,16 +235,22 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         key = round_key(round_index)
         tables = exchange.tables(group)
         if not isinstance(routing, RoutingRecord):
+            rider = riders.take(group)
             routing = route(routing, tables.layout, exchange.collectives, tag,
-                            exchange.capacity_hint(tag), share_size, exchange.wire)
+                            exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
+            if rider is not None:
+                routing, received = routing
+                riders.arrived(group, received)
         buffers.setdefault(group, {})[key], plan = dual_buffer.fetch(
             tables, routing, exchange.collectives, tag, updated_rows=updated.get(group),
             all_updated=all_updated, wire=exchange.wire)
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
+    riders.rest()
     buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))
                for group, rounds in buffers.items()}
-    return buffers, plans
+    synced = (riders.buffers, riders.received) if pending is not None else (None, 0)
+    return buffers, plans, synced
 
 
 class BufferReader(_WindowAware):

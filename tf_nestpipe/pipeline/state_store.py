@@ -7,11 +7,13 @@ from tensorflow.python.ops import resource_variable_ops
 
 class TensorStore:
     """Variables for every component tensor of a structure (ragged tensors are split into their
-    components). The structure is fixed by the first `assign`; dimension 0 may vary."""
+    components). The structure is fixed by the first `assign`; dimension 0 may vary (every
+    dimension with `vary_all_dims`)."""
 
-    def __init__(self, device, name):
+    def __init__(self, device, name, vary_all_dims=False):
         self._device = device
         self._name = name
+        self._vary_all_dims = vary_all_dims
         self._structure = None
         self._variables = None
 
@@ -20,15 +22,20 @@ class TensorStore:
         """Whether a structure has been stored."""
         return self._variables is not None
 
+    def _shape(self, t):
+        if not t.shape.rank:
+            return tf.TensorShape([])
+        if self._vary_all_dims:
+            return tf.TensorShape([None] * t.shape.rank)
+        return tf.TensorShape([None] + t.shape[1:].as_list())
+
     def _create(self, flat):
         with tf.init_scope(), tf.device(self._device):
             self._variables = [
                 # Constructed directly (not tf.Variable) so no strategy creator intercepts it.
                 resource_variable_ops.ResourceVariable(
-                    tf.zeros([0] + t.shape[1:].as_list(), t.dtype) if t.shape.rank else
-                    tf.zeros([], t.dtype),
-                    shape=tf.TensorShape([None] + t.shape[1:].as_list()) if t.shape.rank else [],
-                    trainable=False, name="%s_%d" % (self._name, i))
+                    tf.zeros([0 if d is None else d for d in self._shape(t).as_list()], t.dtype),
+                    shape=self._shape(t), trainable=False, name="%s_%d" % (self._name, i))
                 for i, t in enumerate(flat)]
 
     def assign(self, value):

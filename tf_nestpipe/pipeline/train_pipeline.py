@@ -5,15 +5,16 @@ Every step's row-wise lookups go through one exchange per group of tables and ro
 compute pass reads them. `lookahead=1` is the Dual-Buffer Pipeline; step i, traced as one
 `tf.function` (independent subgraphs run concurrently in TF's executor):
 
+    batch i's sync: owners read the rows planned one step earlier, fresh (step i-1's update
+          is done), and send them *in batch i+1's keys all-to-all* (one per group: no
+          collective of its own); requesters patch batch i's buffers
     route + retrieve batch i+1 (reads the tables before step i's update),  ─┐  overlaps
-    planning the sync: (keys updated at i) ∩ (keys prefetched for i+1)      │
-    compute batch i from the active buffers: forward, backward, update  ───┘
-    sync: owners send the planned rows, fresh; requesters patch the prefetch buffers (one
-          exchange per group, for all rounds of a frozen window: `apply_window_sync`)
-    swap: the patched prefetch buffers become step i+1's active buffers
+    planning its sync: (keys updated at i) ∩ (keys prefetched for i+1)      │
+    compute batch i from its patched buffers: forward, backward, update ───┘
+    swap: batch i+1's buffers and their plans become the next step's (pending sync)
 
-The first call primes the pipeline (routes batch 0); when the iterator runs dry the last batch
-is computed without a prefetch (drain). Every row read at step i+1 equals the row a
+The first call primes the pipeline (routes batch 0, nothing to sync); when the iterator runs dry
+the last batch is computed without a prefetch (drain), its sync in an exchange of its own. Every row read at step i+1 equals the row a
 non-pipelined run reads at step i+1. `lookahead=0` routes and retrieves each batch in its own
 step, before its compute (no sync needed): the synchronous step, and with micro-batches in a
 frozen window the Frozen-Window Pipeline (micro-batch j+1's exchange overlaps j's compute).
@@ -26,9 +27,10 @@ import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
-from tf_nestpipe.pipeline import dual_buffer
-from tf_nestpipe.pipeline.fused_exchange import (BufferReader, RouteRecorder, prefetch_lookups,
-                                                 rows_requested, shares_of)
+from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
+                                                 prefetch_lookups, rows_requested, shares_of,
+                                                 sync_pending)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
 from tf_nestpipe.tracing import user_function
@@ -111,6 +113,8 @@ class TrainPipeline:
         # buffers holding its rows (with its routing), and the batch after it.
         self._current = TensorStore(device, "nestpipe_current_batch")
         self._states = TensorStore(device, "nestpipe_prefetch_buffers")
+        # Their sync plans: the fresh rows they still need (applied at the next step's start).
+        self._pending = TensorStore(device, "nestpipe_pending_sync", vary_all_dims=True)
         # The ids its frozen window's dynamic-table lookups recorded (see BufferReader).
         self._dynamic = TensorStore(device, "nestpipe_dynamic_ids")
         self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
@@ -125,10 +129,12 @@ class TrainPipeline:
         self._synchronous = tf.function(self._synchronous_step)
 
     # --- traced pieces -----------------------------------------------------------------------
-    def _prefetch(self, batch, current=None):
+    def _prefetch(self, batch, current=None, pending=None):
         """Route pass over `batch` and its fused exchanges: (the buffers of its rows, the sync
-        plans, the dynamic-table ids its frozen window recorded). The plans are those of the
-        rows the `current` batch (its buffers, DBP) updates; None without it."""
+        plans, the dynamic-table ids its frozen window recorded, synced). The plans are those of
+        the rows the `current` batch (its buffers, DBP) updates; None without it. `pending`
+        (the `current` buffers' own plans) rides on the keys exchanges: `synced` is (the
+        `current` buffers patched with their fresh rows, the rows received)."""
         recorder = RouteRecorder()
         updated = None
         if current is not None and not self._skip_buffer_sync:
@@ -140,11 +146,12 @@ class TrainPipeline:
         share_size_of = getattr(self._strategy.extended, "share_size_of", lambda batch: None)
         with installed(recorder), self._collectives.stream("prefetch"):
             user_function(self._route_fn)(batch)
-            buffers, plans = prefetch_lookups(self._exchange, recorder.lookups,
-                                              recorder.windowed, updated, self._all_updated,
-                                              share_size_of(batch))
+            buffers, plans, synced = prefetch_lookups(
+                self._exchange, recorder.lookups, recorder.windowed, updated, self._all_updated,
+                share_size_of(batch),
+                None if pending is None else PendingSync(current, pending))
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
-        return buffers, plans, recorder.dynamic_ids
+        return buffers, plans, recorder.dynamic_ids, synced
 
     def _compute_pass(self, batch, buffers, dynamic_ids=None):
         reader = BufferReader(self._exchange, buffers, dynamic_ids)
@@ -171,7 +178,7 @@ class TrainPipeline:
     def _synchronous_step(self, iterator):
         """lookahead=0: route, retrieve and compute the next batch."""
         def replica_step(batch):
-            buffers, _, dynamic_ids = self._prefetch(batch)
+            buffers, _, dynamic_ids, _ = self._prefetch(batch)
             return self._compute_pass(batch, buffers, dynamic_ids), rows_requested(buffers)
 
         outputs, requested = self._strategy.run(replica_step, args=(next(iterator),))
@@ -192,32 +199,52 @@ class TrainPipeline:
         return tf.cond(has_value, keep, lambda: tf.constant(False))
 
     def _prime_buffers(self, batch):
-        buffers, _, dynamic_ids = self._prefetch(batch)
-        return buffers, dynamic_ids
+        buffers, _, dynamic_ids, _ = self._prefetch(batch)
+        return buffers, self._no_sync(buffers), dynamic_ids
+
+    def _no_sync(self, buffers):
+        """Pending plans that sync nothing, one per buffer (none with `skip_buffer_sync`): the
+        primed buffers read the tables as they are."""
+        if self._skip_buffer_sync:
+            return {}
+        bucket, capacity = capacity_bucket(1)
+        plans = {}
+        for group, group_buffers in buffers.items():
+            workers = self._exchange.tables(group).layout.num_shards
+            slots = tf.fill(tf.stack([workers, capacity]), -1)
+            plans[group] = {key: _stored_plan({"slots": slots, "bucket": bucket,
+                                               "capacity": capacity})
+                            for key in group_buffers.rounds}
+        return plans
 
     def _prime_step(self, iterator):
         batch = self._local(next(iterator))
-        states, dynamic_ids = self._local(self._strategy.run(self._prime_buffers, args=(batch,)))
+        states, pending, dynamic_ids = self._local(
+            self._strategy.run(self._prime_buffers, args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
         with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)
+                                     + self._pending.assign(pending)
                                      + self._dynamic.assign(dynamic_ids)):
             return self._store_if_present(self._upcoming, has_upcoming, optional)
 
     def _pipelined_step(self, iterator=None):
         """Computes the current batch while prefetching the upcoming one; with an `iterator`,
         reads the batch after next (without: trains a held batch, reading nothing)."""
-        batch, next_batch, states, dynamic_ids = (self._current.read(), self._upcoming.read(),
-                                                  self._states.read(), self._dynamic.read())
+        batch, next_batch, states, pending, dynamic_ids = (
+            self._current.read(), self._upcoming.read(), self._states.read(),
+            self._pending.read(), self._dynamic.read())
         # The batch after next is requested as an Optional: it never fails, overlaps this step,
         # and tells the driver whether to pipeline or drain on the next call.
         if iterator is not None:
             has_upcoming, optional = self._next_local(iterator)
-        outputs, next_states, next_dynamic, received, sent, requested = self._strategy.run(
-            self._replica_step, args=(batch, next_batch, states, dynamic_ids))
-        next_states, next_dynamic, received, sent, requested = self._local(
-            (next_states, next_dynamic, received, sent, requested))
+        outputs, next_states, plans, next_dynamic, received, sent, requested = (
+            self._strategy.run(self._replica_step,
+                               args=(batch, next_batch, states, pending, dynamic_ids)))
+        next_states, plans, next_dynamic, received, sent, requested = self._local(
+            (next_states, plans, next_dynamic, received, sent, requested))
         with tf.control_dependencies(self._current.assign(next_batch)
                                      + self._states.assign(next_states)
+                                     + self._pending.assign(plans)
                                      + self._dynamic.assign(next_dynamic)):
             if iterator is None:
                 has_upcoming = tf.identity(tf.constant(False))
@@ -227,38 +254,34 @@ class TrainPipeline:
         self.stats.collectives = count_collectives(tf.compat.v1.get_default_graph())
         return outputs, has_upcoming, received, sent, requested
 
-    def _replica_step(self, batch, next_batch, states, dynamic_ids):
-        """One replica's step: route + retrieve batch i+1, plan the sync, compute batch i, sync."""
-        next_states, plans, next_dynamic = self._prefetch(next_batch, current=states)
+    def _replica_step(self, batch, next_batch, states, pending, dynamic_ids):
+        """One replica's step: route + retrieve batch i+1 and plan its sync, with batch i's
+        fresh rows (the sync planned one step earlier, read after that step's update) riding
+        on the keys exchanges; compute batch i from its patched buffers. Batch i+1's sync is
+        left pending: its rows are fresh only after this step's update."""
+        next_states, plans, next_dynamic, (states, received) = self._prefetch(
+            next_batch, current=states, pending=pending)
         outputs = self._compute_pass(batch, states, dynamic_ids)
-        received = tf.constant(0, tf.int64)
         sent = tf.constant(0, tf.int64)
-        # No control dependency on `outputs`: automatic control dependencies already order the
-        # sync's table reads after the update, and waiting for the metrics' all-reduces too
-        # would put them on the critical path.
-        for group, group_plans in plans.items():
-            tables = self._exchange.tables(group)
-            keys = sorted(group_plans)
-            buffers = [next_states[group].rounds[k] for k in keys]
-            if len(keys) > 1:
-                # A frozen window's rounds (nested): one sync exchange for all of them.
-                patched, count = dual_buffer.apply_window_sync(
-                    tables, buffers, [group_plans[k] for k in keys], self._collectives,
-                    "nestpipe/sync/%s" % group, self._exchange.wire)
-            else:
-                patched, count = dual_buffer.apply_sync(
-                    tables, buffers[0], group_plans[keys[0]], self._collectives,
-                    "nestpipe/sync/%s/%s" % (group, keys[0]), self._exchange.wire)
-                patched = [patched]
-            received += count
-            sent += tf.add_n([tf.cast(group_plans[k]["rows_sent"], tf.int64) for k in keys])
-            next_states[group] = next_states[group]._replace(rounds=dict(zip(keys, patched)))
-        return outputs, next_states, next_dynamic, received, sent, rows_requested(next_states)
+        for group_plans in plans.values():
+            sent += tf.add_n([tf.cast(plan["rows_sent"], tf.int64)
+                              for plan in group_plans.values()])
+        stored = {group: {key: _stored_plan(plan) for key, plan in group_plans.items()}
+                  for group, group_plans in plans.items()}
+        return (outputs, next_states, stored, next_dynamic, received, sent,
+                rows_requested(next_states))
+
+    def _drain_replica(self, batch, states, pending, dynamic_ids):
+        """The last batch: its pending sync in exchanges of its own (no keys exchange follows),
+        then its compute."""
+        states, received = sync_pending(self._exchange, PendingSync(states, pending))
+        return self._compute_pass(batch, states, dynamic_ids), received
 
     def _drain_step(self):
-        batch, states, dynamic_ids = self._current.read(), self._states.read(), self._dynamic.read()
-        return self._reduce(self._strategy.run(self._compute_pass,
-                                               args=(batch, states, dynamic_ids)))
+        outputs, received = self._strategy.run(
+            self._drain_replica, args=(self._current.read(), self._states.read(),
+                                       self._pending.read(), self._dynamic.read()))
+        return self._reduce(outputs), self._local(received)
 
     # --- variables ahead of the first trace ---------------------------------------------------
     def _create_variables(self, iterator):
@@ -332,7 +355,8 @@ class TrainPipeline:
             self.stats.rows_planned += int(sent)
             self._count_requested(requested)
         else:
-            outputs = self._drain()
+            outputs, received = self._drain()
+            self.stats.rows_synced += int(received)
             self.reset()
             self.stats.drains += 1
         self.stats.steps += 1
@@ -354,3 +378,9 @@ class TrainPipeline:
         """Forgets the prefetched batch (e.g. after the tables were restored from a checkpoint);
         the next `progress` primes the pipeline again from its iterator."""
         self._primed = self._has_upcoming = False
+
+
+def _stored_plan(plan):
+    """The part of a sync plan (`dual_buffer.fetch`) kept until the next step applies it."""
+    return {"slots": tf.cast(plan["slots"], tf.int32), "bucket": tf.cast(plan["bucket"], tf.int32),
+            "capacity": tf.cast(plan["capacity"], tf.int32)}

@@ -32,44 +32,58 @@ def _padded(ragged_keys, width):
         [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
 
-def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, hint, wire):
+def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, hint, wire,
+               rider=None):
     """The keys all-to-all of one route: `keys` (unique, bucketed by owner, `splits[j]` for
     owner j) padded to the tag's capacity hint, each block headed by this worker's `counts`
     (int64 `[H]`, e.g. its splits) and `share_size`; if a split exceeded the hint, a second
     all-to-all carries the overflow (every worker sees the same counts, so all take it or none:
     no key is ever dropped). Returns (every sender's header `[W, H + 1]`, the received keys
-    `[W, width]`, each row its sender's keys first, then -1 padding)."""
+    `[W, width]`, each row its sender's keys first, then -1 padding, the received rider).
+
+    `rider` (optional, int64 `[W, R]`, R equal on every worker) travels in the same exchange,
+    right behind the header: block j carries `rider[j]` to worker j, and the result's third
+    element is `[W, R]`, row i from worker i (None without a rider). The keys then fill the
+    bucketed size of R + the hint, so the exchange keeps one shape per instance key."""
     splits64 = tf.cast(splits, tf.int64)
     by_owner = tf.RaggedTensor.from_row_lengths(keys, splits64)
     hint_bucket, hint_capacity = hint.read()
     share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
     header = tf.concat([tf.cast(counts, tf.int64), [share]], 0)
     width = header.shape[0]
-    first = tf.concat([tf.tile(header[None, :], [num_shards, 1]),
-                       _padded(by_owner[:, :hint_capacity], hint_capacity)], axis=1)
-    first_counts = width + tf.minimum(splits, hint_capacity)
+    if rider is None:
+        bucket, key_capacity, lead = hint_bucket, hint_capacity, width
+        blocks = [tf.tile(header[None, :], [num_shards, 1])]
+    else:
+        rider_width = tf.shape(rider, out_type=tf.int32)[1]
+        bucket, padded = capacity_bucket(rider_width + hint_capacity)
+        key_capacity, lead = padded - rider_width, width + rider_width
+        blocks = [tf.tile(header[None, :], [num_shards, 1]), tf.cast(rider, tf.int64)]
+    first = tf.concat(blocks + [_padded(by_owner[:, :key_capacity], key_capacity)], axis=1)
+    first_counts = lead + tf.minimum(splits, key_capacity)
     with tf.control_dependencies(wire.count("keys", first, collectives, first_counts)):
-        received_first = collectives.all_to_all(first, tag + "/keys", hint_bucket,
+        received_first = collectives.all_to_all(first, tag + "/keys", bucket,
                                                 send_counts=first_counts, fill=-1)
     headers = received_first[:, :width]
+    rider_in = None if rider is None else received_first[:, width:lead]
     # The keys every sender put in its block for this worker: it learns them all from the
     # headers' (equal on every worker) counts, so the overflow decision is the same everywhere.
     largest = tf.reduce_max(_keys_per_pair(headers, num_shards))
 
     def overflow():
-        extra_bucket, extra_capacity = capacity_bucket(largest - hint_capacity)
-        rest = _padded(by_owner[:, hint_capacity:], extra_capacity)
-        rest_counts = tf.maximum(splits - hint_capacity, 0)
+        extra_bucket, extra_capacity = capacity_bucket(largest - key_capacity)
+        rest = _padded(by_owner[:, key_capacity:], extra_capacity)
+        rest_counts = tf.maximum(splits - key_capacity, 0)
         with tf.control_dependencies([hint.count_overflow()]
                                      + wire.count("keys", rest, collectives, rest_counts)):
             return collectives.all_to_all(rest, tag + "/keys_overflow", extra_bucket,
                                           send_counts=rest_counts, fill=-1)
 
-    extra = tf.cond(largest > hint_capacity, overflow,
+    extra = tf.cond(largest > key_capacity, overflow,
                     lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
     with tf.control_dependencies([hint.follow(largest)]):
-        keys_in = tf.concat([received_first[:, width:], extra], axis=1)
-    return headers, keys_in
+        keys_in = tf.concat([received_first[:, lead:], extra], axis=1)
+    return headers, keys_in, rider_in
 
 
 def _keys_per_pair(headers, num_shards):
@@ -96,31 +110,35 @@ def _slots(splits, capacity, num_shards):
     return owner * capacity + tf.range(tf.size(owner, tf.int32)) - tf.gather(offsets, owner)
 
 
-def route(ids, layout, collectives, tag, hint, share_size=None, wire=None):
+def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider=None):
     """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
     `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
     (optional int scalar: this worker's share of the batch) rides in the keys header, so every
-    worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes."""
+    worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes.
+    With a `rider` (int64 `[W, R]`, see `_send_keys`) it returns `(RoutingRecord, the received
+    rider)`: the rider travels in the keys all-to-all, costing no collective of its own."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards = layout.num_shards
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
-    headers, keys_in = _send_keys(keys, splits, splits, share_size, num_shards, collectives, tag,
-                                  hint, wire)
+    headers, keys_in, rider_in = _send_keys(keys, splits, splits, share_size, num_shards,
+                                            collectives, tag, hint, wire, rider)
     # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
     sent = _keys_per_pair(headers, num_shards)
     bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(sent), 1))
     # The rows exchange's slot layout: from requester i, its sent[i, me] keys, then padding.
     received = sent[:, layout.shard_index]
     local_rows, slot_to_unique = _owner_side(keys_in, received, capacity, layout)
-    return RoutingRecord(splits=splits, inverse=inverse,
-                         slot_of_bucket_pos=_slots(splits, capacity, num_shards),
-                         bucket=bucket, capacity=capacity, local_rows=local_rows,
-                         slot_to_unique=slot_to_unique, received=received,
-                         shares=tf.cast(headers[:, -1], tf.int32))
+    record = RoutingRecord(splits=splits, inverse=inverse,
+                           slot_of_bucket_pos=_slots(splits, capacity, num_shards),
+                           bucket=bucket, capacity=capacity, local_rows=local_rows,
+                           slot_to_unique=slot_to_unique, received=received,
+                           shares=tf.cast(headers[:, -1], tf.int32))
+    return record if rider is None else (record, rider_in)
 
 
-def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=None, wire=None):
+def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=None, wire=None,
+                 rider=None):
     """Routes the ids of a frozen window's rounds (micro-batches) with one keys exchange:
     `ids` (int64, the rounds' fused ids one after another, `round_sizes[r]` of round r) are
     deduplicated once, each distinct id fetched by the round that first reads it. Returns
@@ -131,14 +149,15 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     Each block of the keys all-to-all carries the sender's `[W, rounds]` count matrix, so every
     worker learns how many keys each requester sends each owner in each round: the owner slices
     each round's keys out of the one exchange, and each round's rows exchange has its own
-    padded size, as if the round had been routed alone."""
+    padded size, as if the round had been routed alone. With a `rider` (as in `route`) it
+    returns `(records, window_inverse, the received rider)`."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards, rounds = layout.num_shards, len(round_sizes)
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
     counts, window_row = window_layout(inverse, splits, round_sizes, num_shards)
-    headers, keys_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size, num_shards,
-                                  collectives, tag, hint, wire)
+    headers, keys_in, rider_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size,
+                                            num_shards, collectives, tag, hint, wire, rider)
     every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
     mine = every[:, layout.shard_index, :]  # [requester, round]: keys it sent this worker
     shares = tf.cast(headers[:, -1], tf.int32)
@@ -152,7 +171,8 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
             slot_of_bucket_pos=_slots(counts[:, r], capacity, num_shards), bucket=bucket,
             capacity=capacity, local_rows=local_rows, slot_to_unique=slot_to_unique,
             received=mine[:, r], shares=shares))
-    return records, tf.gather(window_row, inverse)
+    window_inverse = tf.gather(window_row, inverse)
+    return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 
 
 def window_layout(inverse, splits, round_sizes, num_shards):

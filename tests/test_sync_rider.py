@@ -1,0 +1,91 @@
+"""DBP's fresh rows riding on the keys all-to-all (single process): the rider's bit copies and
+its place in the keys exchange, with and without the overflow round."""
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.collectives.wire import PLAIN, from_int64_words, int64_words
+from tf_nestpipe.sharding.exchange import CapacityHint
+from tf_nestpipe.sharding.lookup import _send_keys
+
+
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float64, tf.float16, tf.bfloat16, tf.int8,
+                                   tf.int32])
+@pytest.mark.parametrize("shape", [[2, 3, 5], [3, 0, 4], [2, 1, 1]])
+def test_int64_words_are_bit_copies_of_any_block(dtype, shape):
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=shape) * 50
+    block = tf.cast(tf.constant(values), dtype)
+    words = int64_words(block)
+    assert words.dtype == tf.int64 and words.shape[0] == shape[0]
+    back = from_int64_words(words, dtype, tf.shape(block))
+    np.testing.assert_array_equal(tf.bitcast(back, tf.uint8).numpy() if dtype.size > 1
+                                  else back.numpy(),
+                                  tf.bitcast(block, tf.uint8).numpy() if dtype.size > 1
+                                  else block.numpy())
+
+
+class _EchoCollectives:
+    """A keys all-to-all as seen by a worker whose every peer sends what this worker sends it
+    (`tensor` comes back as it is); records each call's tag and width."""
+
+    def __init__(self):
+        self.calls = []
+
+    def all_to_all(self, tensor, tag, bucket=None, send_counts=None, fill=0):
+        del bucket, send_counts, fill
+        self.calls.append((tag, int(tensor.shape[1])))
+        return tf.identity(tensor)
+
+
+def _keys(splits):
+    return tf.concat([tf.range(n, dtype=tf.int64) * 2 + owner
+                      for owner, n in enumerate(splits)], axis=0)
+
+
+def _send(splits, rider):
+    fake = _EchoCollectives()
+    hint = CapacityHint("/cpu:0", "test/rider/%d" % id(fake))
+    splits_t = tf.constant(splits, tf.int32)
+    headers, keys_in, rider_in = _send_keys(_keys(splits), splits_t, splits_t, None,
+                                            len(splits), fake, "t", hint, PLAIN, rider)
+    return fake, headers, keys_in, rider_in
+
+
+def _assert_keys_arrived(splits, keys_in):
+    for owner, n in enumerate(splits):
+        row = keys_in[owner].numpy()
+        np.testing.assert_array_equal(row[:n], np.arange(n) * 2 + owner)
+        assert (row[n:] == -1).all()
+
+
+def test_the_rider_travels_behind_the_header_in_the_one_keys_exchange():
+    splits = [3, 2]
+    rider = tf.constant([[7, -1, 2 ** 40, 0, 5], [1, 2, 3, 4, -(2 ** 62)]], tf.int64)
+    fake, headers, keys_in, rider_in = _send(splits, rider)
+    assert [tag for tag, _ in fake.calls] == ["t/keys"]  # no collective of the rider's own
+    np.testing.assert_array_equal(rider_in.numpy(), rider.numpy())
+    np.testing.assert_array_equal(headers.numpy()[:, :2], [splits, splits])
+    _assert_keys_arrived(splits, keys_in)
+    # Positive control: without a rider nothing else arrives, in the same single exchange.
+    fake, _, keys_in, rider_in = _send(splits, None)
+    assert rider_in is None and [tag for tag, _ in fake.calls] == ["t/keys"]
+    _assert_keys_arrived(splits, keys_in)
+
+
+def test_keys_beyond_the_riders_share_of_the_exchange_take_the_overflow_round():
+    width = 40
+    rider = tf.reshape(tf.range(2 * width, dtype=tf.int64), [2, width])
+    # The keys' share of the first exchange: its bucketed size less the rider and the header.
+    _, padded = capacity_bucket(width + 64)  # 64: a new hint's capacity
+    key_capacity = int(padded) - width
+    splits = [key_capacity + 5, 1]
+    fake, _, keys_in, rider_in = _send(splits, rider)
+    assert [tag for tag, _ in fake.calls] == ["t/keys", "t/keys_overflow"]
+    np.testing.assert_array_equal(rider_in.numpy(), rider.numpy())
+    _assert_keys_arrived(splits, keys_in)  # nothing dropped
+    # At the boundary the one exchange suffices.
+    fake, _, keys_in, _ = _send([key_capacity, 1], rider)
+    assert [tag for tag, _ in fake.calls] == ["t/keys"]
+    _assert_keys_arrived([key_capacity, 1], keys_in)
