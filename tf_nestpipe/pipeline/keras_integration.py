@@ -128,7 +128,7 @@ def _train_pipeline(model, strategy, pipeline, micro_batches=None):
 
         def route_fn(data):
             with frozen_window():
-                for part, _ in _micro_batches(data, micro_batches, cluster):
+                for part, _ in _micro_batches(data, micro_batches, cluster)[1]:
                     model(part["x"], training=False)
     else:
         train_step = (functools.partial(_metrics_first_train_step, model)
@@ -177,15 +177,16 @@ def _reducer(model, strategy):
 
 
 def _micro_batches(data, micro_batches, cluster):
-    """The (part, share) micro-batches of a Keras batch `data` as dicts with keys x, y, w; with
-    `cluster`, after key-centric clustering by the integer features of x."""
+    """A Keras batch `data` as a dict with keys x, y, w (with `cluster`, reordered by key-centric
+    clustering by the integer features of x) and its (part, share) micro-batches: contiguous
+    slices, so the parts concatenated are the returned batch."""
     x, y, sample_weight = tf_keras.utils.unpack_x_y_sample_weight(data)
     batch = {k: v for k, v in (("x", x), ("y", y), ("w", sample_weight)) if v is not None}
     if cluster:
         keys = integer_leaves(x)
         if keys:
             batch = cluster_batch(batch, keys, micro_batches)
-    return split_batch(batch, micro_batches)
+    return batch, split_batch(batch, micro_batches)
 
 
 def _standard_compute_metrics(model):
@@ -226,7 +227,7 @@ def _frozen_window_train_step(model, data, micro_batches, cluster=False):
     losses (`model.losses`: activity regularizers and `add_loss` of each call, and the weight
     regularizers) count each call's by its micro-batch's share of the batch. A model with its
     own `compute_loss` gets it per micro-batch, weighted by the share."""
-    parts = _micro_batches(data, micro_batches, cluster)
+    whole, parts = _micro_batches(data, micro_batches, cluster)
     own_loss = type(model).compute_loss is not keras_training.Model.compute_loss
     predictions, losses, regularization = [], [], []
     with tf.GradientTape() as tape, frozen_window():
@@ -242,7 +243,6 @@ def _frozen_window_train_step(model, data, micro_batches, cluster=False):
                 call_losses = tf.add_n([tf.cast(l, tf.float32) for l in model.losses])
                 regularization.append(call_losses * share)
         # Metrics (and the loss) see the whole batch in micro-batch order (clustering's order).
-        whole = tf.nest.map_structure(lambda *ts: tf.concat(ts, axis=0), *[p for p, _ in parts])
         y_pred = tf.nest.map_structure(lambda *ps: tf.concat(ps, axis=0), *predictions)
         if own_loss:
             loss = tf.add_n(losses)
