@@ -14,6 +14,7 @@ from tf_nestpipe.plan import (CollectiveParams, CostsError, ModelError, StepMode
 from tf_nestpipe.plan import __main__ as cli
 from tf_nestpipe.plan import report
 from tf_nestpipe.plan.costs import fit_collective, nonnegative_lstsq
+from tf_nestpipe.plan.model import collective_bandwidth_ms
 
 WORKERS = [1, 2, 4, 8]
 
@@ -101,31 +102,31 @@ def test_one_worker_step_by_hand():
 
 
 def _two_worker_none_step_by_hand():
-    """ms of the plain step on 2 workers at 100 samples per worker, from small_costs by hand."""
+    """ms of the plain step on 2 workers at 100 samples per worker, from small_costs by hand: no
+    counts all-gather, the counts ride in the keys all-to-all as a 2 x 3 int64 header."""
     slots = 2 * 55  # capacity 55 is a bucket
-    counts = 0.2 + 0.05
-    keys = 0.5 + 0.1 + slots * 8 / 1e6 * 0.5
+    keys = 0.5 + 0.1 + (slots * 8 + 2 * 3 * 8) / 1e6 * 0.5
     rows = 0.5 + 0.1 + slots * 16 / 1e6 * 0.5
     all_reduce = 0.3 + 0.1 * 2
-    return 0.4 + counts + keys + rows + 2.0 + rows + all_reduce
+    return 0.4 + keys + rows + 2.0 + rows + all_reduce
 
 
 def test_two_worker_step_by_hand():
     costs = small_costs()
     model = StepModel(costs, scenario(costs))
     slots = 2 * 55
-    counts = 0.2 + 0.05
-    keys = 0.5 + 0.1 + slots * 8 / 1e6 * 0.5
+    keys = 0.5 + 0.1 + (slots * 8 + 2 * 3 * 8) / 1e6 * 0.5
     rows = 0.5 + 0.1 + slots * 16 / 1e6 * 0.5
     all_reduce = 0.3 + 0.1 * 2
     none = _two_worker_none_step_by_hand()
     assert model.step_ms("none", 2, 100) == pytest.approx(none)
     assert model.efficiency("none", 2, 100) == pytest.approx(2.4 / none)
-    # DBP with perfect overlap: max(prefetch + sync plan, compute + grads + all-reduce) + sync.
-    sync_send = 0.5 + 0.1 + 2 * 20 * (16 + 4) / 1e6 * 0.5
-    prefetch = 0.4 + counts + keys + rows + counts
+    # DBP with perfect overlap: max(prefetch + sync, compute + grads + all-reduce). The sync's
+    # fresh rows (capacity 20, a bucket) ride on the next keys all-to-all: bandwidth only.
+    sync_send = 2 * 20 * (16 + 4) / 1e6 * 0.5
+    prefetch = 0.4 + keys + rows + sync_send
     critical = 2.0 + rows + all_reduce
-    assert model.step_ms("dbp", 2, 100) == pytest.approx(max(prefetch, critical) + sync_send)
+    assert model.step_ms("dbp", 2, 100) == pytest.approx(max(prefetch, critical))
     # The testbed scenario slows CPU stages by the contention factor (1.5 at 2 workers).
     testbed = StepModel(costs, scenario(costs, 1.0, "testbed"))
     assert testbed.step_ms("none", 2, 100) == pytest.approx(none + 0.5 * (0.4 + 2.0))
@@ -155,7 +156,48 @@ def test_dbp_pays_exactly_its_resync_without_overlap():
     costs = small_costs()
     model = StepModel(costs, scenario(costs, 0.0))
     plan, send = model.sync(100, 4)
+    # sync capacity 14 (a bucket) x 4 owners x (16-byte row + 4), bandwidth (W-1)/W at 1 ms/MB.
+    assert (plan, send) == (0.0, pytest.approx(4 * 14 * 20 / 1e6 * 1.0 * 3 / 4))
     assert model.step_ms("dbp", 4, 100) == pytest.approx(model.step_ms("none", 4, 100) + plan + send)
+
+
+def test_sync_adds_no_collective_latency():
+    """The re-sync rides on existing exchanges (plan counts on the rows all-to-all, fresh rows on
+    the next keys all-to-all): with a latency-only all-to-all (beta = 0) and nothing overlapping,
+    DBP costs exactly the plain step (+ its op overhead, 0 here) and nested exactly FWP; the
+    fetch pays two all-to-all latencies and no all-gather."""
+    costs = small_costs()
+    costs["collectives"]["all_to_all"]["beta_ms_per_mb"] = 0.0
+    model = StepModel(costs, scenario(costs, 0.0))
+    for w in WORKERS[1:]:
+        assert model.sync(100, w) == (0.0, 0.0)
+        assert model.lookup(100, w)[1] == pytest.approx(2 * (0.5 + 0.1 * (w - 1)))
+        assert model.step_ms("dbp", w, 100) == pytest.approx(model.step_ms("none", w, 100))
+        assert model.step_ms("nested", w, 100, 2) == pytest.approx(model.step_ms("fwp", w, 100, 2))
+
+
+def test_sync_adds_exactly_the_bandwidth_of_its_bytes():
+    """Positive control: with beta > 0 the re-sync adds exactly its padded block's bandwidth on an
+    all-to-all (formula: beta x MB x (W-1)/W; measured params: slope x MB), no intercept."""
+    costs = small_costs()
+    costs["collectives"]["all_to_all"]["per_workers"] = {
+        "2": {"intercept_ms": 0.9, "slope_ms_per_mb": 2.0}}
+    sync_bytes = {2: 2 * 20 * 20, 4: 4 * 14 * 20}  # W x sync capacity x (16-byte row + 4)
+    formula = StepModel(costs, scenario(costs, 0.0))
+    for w, nbytes in sync_bytes.items():
+        send = nbytes / 1e6 * 1.0 * (w - 1) / w
+        assert formula.sync(100, w) == (0.0, pytest.approx(send))
+        assert formula.step_ms("dbp", w, 100) == pytest.approx(
+            formula.step_ms("none", w, 100) + send)
+    testbed = StepModel(costs, scenario(costs, 0.0, "testbed"))
+    assert testbed.sync(100, 2) == (0.0, pytest.approx(2.0 * 2 * 20 * 20 / 1e6))
+    assert testbed.step_ms("dbp", 2, 100) == pytest.approx(
+        testbed.step_ms("none", 2, 100) + 2.0 * 2 * 20 * 20 / 1e6)
+    # The helper itself: the collective minus its zero-byte (latency) cost, 0 on one worker.
+    params = CollectiveParams(0.5, 0.1, 1.0, measured={2: (0.9, 2.0)})
+    assert collective_bandwidth_ms("all_to_all", params, 2, 10 ** 6) == pytest.approx(2.0)
+    assert collective_bandwidth_ms("all_to_all", params, 4, 10 ** 6) == pytest.approx(0.75)
+    assert collective_bandwidth_ms("all_to_all", params, 1, 10 ** 6) == 0.0
 
 
 def test_fwp_with_one_micro_batch_is_the_plain_step():

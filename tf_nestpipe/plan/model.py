@@ -3,15 +3,21 @@
 One step of a worker holding `b` samples (weak scaling: `b` fixed, global batch W*b):
 
     none    T = cpu_fetch + comm_fetch + compute + grad_a2a + all_reduce (dense + metric scalars)
-    dbp     T = ov(P, K) + sync_a2a + overhead      P = cpu_fetch + comm_fetch + sync_plan (batch i+1)
-                                                    K = compute + grad_a2a + all_reduce (batch i)
+    dbp     T = ov(P, K) + overhead      P = cpu_fetch + comm_fetch + sync (batch i+1)
+                                         K = compute + grad_a2a + all_reduce (batch i)
     fwp     T = F_1 + sum_j ov(k, F_j+1 + G_j) + k + G_M + all_reduce,  k = (compute + overhead) / M
-    nested  T = ov(P_M, K_M) + M * sync_a2a(micro) + overhead           (DBP over the M micro-batches)
+    nested  T = ov(P_M, K_M) + overhead  (DBP over the M micro-batches: P_M = their M fetches
+                                          + their M syncs, K_M = their compute and G_j)
 
 cpu_fetch = routing (dedup + bucketing + owner dedup) + retrieval (gathers and their adjoints);
-comm_fetch = counts all-gather + keys all-to-all + rows all-to-all; G = the gradient rows'
-all-to-all. `ov(a, b) = max(a, b) + (1 - eta) * min(a, b)`: eta = 1 is perfect overlap (a
-separate communication engine), eta = 0 none (everything competes for the same cores).
+comm_fetch = keys all-to-all + rows all-to-all, the per-owner key counts riding in the keys
+all-to-all as a small header (padded to a capacity hint known ahead; the overflow second exchange
+when a hint is exceeded is rare in steady state and not modelled); G = the gradient rows'
+all-to-all. sync = the Dual-Buffer re-sync of one prefetch buffer: its plan's counts ride on the
+rows all-to-all and its fresh rows on the next keys all-to-all, so it pays no collective latency,
+only the bandwidth of its padded rows block (`collective_bandwidth_ms`), on the prefetch side.
+`ov(a, b) = max(a, b) + (1 - eta) * min(a, b)`: eta = 1 is perfect overlap (a separate
+communication engine), eta = 0 none (everything competes for the same cores).
 Collectives follow `collective_ms`; key counts, padded capacities and re-sync rows come from
 the sampled key statistics (`tf_nestpipe.plan.keys`), interpolated in log(samples), log(W).
 """
@@ -22,7 +28,7 @@ from typing import Dict, Optional, Tuple
 PIPELINES = ("none", "dbp", "fwp", "nested")
 COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
 KEY_BYTES = 8  # int64 keys
-COUNT_BYTES = 4  # int32 split sizes
+HEADER_BYTES = 8  # the keys all-to-all's header: W + 1 int64 entries per block
 # The padded exchange's capacities, as tf_nestpipe.collectives.communication buckets them.
 _CAPACITIES = sorted({int(math.ceil(1.19 ** k)) for k in range(0, 124)})
 
@@ -85,6 +91,13 @@ def collective_ms(kind, params: CollectiveParams, workers, nbytes):
         return intercept + slope * nbytes / 1e6
     steps, factor = collective_steps(kind, params.algorithm, workers)
     return params.alpha0_ms + params.alpha_step_ms * steps + params.beta_ms_per_mb * nbytes / 1e6 * factor
+
+
+def collective_bandwidth_ms(kind, params: CollectiveParams, workers, nbytes):
+    """The bandwidth part of `collective_ms`: the time `nbytes` add to a collective of `kind` that
+    is issued anyway (bytes riding on another exchange pay none of its latency). With `measured`
+    params that is slope * MB; with the formula the beta term."""
+    return collective_ms(kind, params, workers, nbytes) - collective_ms(kind, params, workers, 0)
 
 
 def overlap(a, b, eta):
@@ -199,7 +212,9 @@ class StepModel:
 
     def lookup(self, samples, workers, share=1.0):
         """(cpu_fetch, comm_fetch, grad_a2a, exchanged slots) of one lookup of `samples` samples
-        per worker; `share` < 1 is a later micro-batch fetching only ids new to its window."""
+        per worker; `share` < 1 is a later micro-batch fetching only ids new to its window.
+        comm_fetch = keys all-to-all (the per-owner counts ride in it: a W x (W + 1) int64
+        header) + rows all-to-all."""
         unique = self.keys.at("unique", samples, workers) * share
         ids = samples * self.fields
         if workers == 1:
@@ -208,20 +223,23 @@ class StepModel:
             slots = workers * padded_capacity(self.keys.at("capacity", samples, workers) * share)
             owner_rows = self.keys.at("owner_rows", samples, workers) * share
         cpu = self.routing_ms(ids, slots) + self.retrieval_ms(owner_rows + slots + ids)
-        comm = (self._coll("all_gather", workers, COUNT_BYTES * workers)
-                + self._coll("all_to_all", workers, slots * KEY_BYTES)
+        header = workers * (workers + 1) * HEADER_BYTES
+        comm = (self._coll("all_to_all", workers, slots * KEY_BYTES + header)
                 + self._coll("all_to_all", workers, slots * self.row_bytes))
         grad = self._coll("all_to_all", workers, slots * self.row_bytes)
         return cpu, comm, grad, slots
 
     def sync(self, samples, workers, share=1.0):
-        """(plan all-gather, fresh-rows all-to-all) of the Dual-Buffer re-sync of one buffer."""
+        """(plan, send) ms of the Dual-Buffer re-sync of one buffer. The plan's counts ride on the
+        rows all-to-all (no collective of their own: plan = 0); the fresh rows ride on the next
+        keys all-to-all as int64 bit copies of the padded block (W x capacity x (row bytes + 4)),
+        so send is only the bandwidth of those bytes on an all-to-all, no latency."""
         if workers == 1:
             return 0.0, 0.0
         capacity = padded_capacity(self.keys.at("sync_capacity", samples, workers) * share)
-        plan = self._coll("all_gather", workers, COUNT_BYTES * workers)
-        send = self._coll("all_to_all", workers, workers * capacity * (self.row_bytes + 4))
-        return plan, send
+        send = collective_bandwidth_ms("all_to_all", self.scenario.collectives["all_to_all"],
+                                       workers, workers * capacity * (self.row_bytes + 4))
+        return 0.0, send
 
     # --- one step -------------------------------------------------------------------------
     def step(self, pipeline, workers, batch, micro_batches=4):
@@ -243,11 +261,11 @@ class StepModel:
             if pipeline == "none":
                 total = kappa * cpu + comm + compute + grad + all_reduce
             else:
-                plan, send = self.sync(batch, workers)
-                prefetch = kappa * cpu + comm + plan
+                plan, send = self.sync(batch, workers)  # rides on the next keys exchange
+                prefetch = kappa * cpu + comm + plan + send
                 critical = compute + grad + all_reduce
                 parts.update(sync=plan + send)
-                total = overlap(prefetch, critical, eta) + send + overhead
+                total = overlap(prefetch, critical, eta) + overhead
         else:
             micro = batch / m
             first = self.lookup(micro, workers)
@@ -270,13 +288,13 @@ class StepModel:
             else:
                 plans, sends = zip(*([self.sync(micro, workers)]
                                      + [self.sync(micro, workers, rest_share)] * (m - 1)))
-                prefetch = sum(fetches) + sum(plans)
+                prefetch = sum(fetches) + sum(plans) + sum(sends)
                 critical = slot
                 for j in range(m - 1):
                     critical += overlap(slot, grads[j], eta)
                 critical += grads[-1] + all_reduce
                 parts.update(sync=sum(plans) + sum(sends))
-                total = overlap(prefetch, critical, eta) + sum(sends) + overhead
+                total = overlap(prefetch, critical, eta) + overhead
         parts["total_ms"] = total
         return parts
 
