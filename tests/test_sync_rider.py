@@ -5,7 +5,8 @@ import pytest
 import tensorflow as tf
 
 from tf_nestpipe.collectives.communication import capacity_bucket
-from tf_nestpipe.collectives.wire import PLAIN, from_int64_words, int64_words
+from tf_nestpipe.collectives.wire import (PLAIN, Wire, WireStats, from_int64_words,
+                                          int64_words)
 from tf_nestpipe.sharding.exchange import CapacityHint
 from tf_nestpipe.sharding.lookup import _send_keys
 
@@ -44,12 +45,12 @@ def _keys(splits):
                       for owner, n in enumerate(splits)], axis=0)
 
 
-def _send(splits, rider):
+def _send(splits, rider, wire=PLAIN):
     fake = _EchoCollectives()
     hint = CapacityHint("/cpu:0", "test/rider/%d" % id(fake))
     splits_t = tf.constant(splits, tf.int32)
     headers, keys_in, rider_in = _send_keys(_keys(splits), splits_t, splits_t, None,
-                                            len(splits), fake, "t", hint, PLAIN, rider)
+                                            len(splits), fake, "t", hint, wire, rider)
     return fake, headers, keys_in, rider_in
 
 
@@ -89,3 +90,20 @@ def test_keys_beyond_the_riders_share_of_the_exchange_take_the_overflow_round():
     fake, _, keys_in, _ = _send([key_capacity, 1], rider)
     assert [tag for tag, _ in fake.calls] == ["t/keys"]
     _assert_keys_arrived([key_capacity, 1], keys_in)
+
+
+def test_the_keys_bytes_leave_out_the_riders():
+    """The rider's bytes are its sender's to count (`dual_buffer.sync_rider` counts them as the
+    sync's): the keys counter sees the header and the keys' share of the exchange only."""
+    splits, width = [3, 2], 5
+    rider = tf.zeros([2, width], tf.int64)
+    stats = WireStats("/cpu:0")
+    fake, _, _, _ = _send(splits, rider, Wire(stats=stats))
+    # One peer's block (the other stays): header (2 counts + share) + the keys' capacity.
+    (_, sent_width), = fake.calls
+    assert stats.read()["keys"] == (sent_width - width) * 8
+    # Positive control: without a rider the whole block is keys.
+    stats = WireStats("/cpu:0")
+    fake, _, _, _ = _send(splits, None, Wire(stats=stats))
+    (_, sent_width), = fake.calls
+    assert stats.read()["keys"] == sent_width * 8

@@ -61,7 +61,10 @@ def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, h
         blocks = [tf.tile(header[None, :], [num_shards, 1]), tf.cast(rider, tf.int64)]
     first = tf.concat(blocks + [_padded(by_owner[:, :key_capacity], key_capacity)], axis=1)
     first_counts = lead + tf.minimum(splits, key_capacity)
-    with tf.control_dependencies(wire.count("keys", first, collectives, first_counts)):
+    # The keys' bytes without the rider's (its sender counts them as its own kind).
+    keys_only = first if rider is None else tf.concat([first[:, :width], first[:, lead:]], 1)
+    with tf.control_dependencies(wire.count("keys", keys_only, collectives,
+                                            first_counts - (lead - width))):
         received_first = collectives.all_to_all(first, tag + "/keys", bucket,
                                                 send_counts=first_counts, fill=-1)
     headers = received_first[:, :width]
