@@ -13,6 +13,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import exactness as ex  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
+from tf_nestpipe.strategy.coordination import configured_heartbeat_timeout_seconds  # noqa: E402
 
 
 def main():
@@ -20,6 +21,7 @@ def main():
     # would replicate these small tables) became the default.
     strategy = tnp.NestPipeStrategy(placement="row_wise")
     rank, workers = strategy.worker_index, strategy.num_workers
+    print("heartbeat timeout %s s" % configured_heartbeat_timeout_seconds(), flush=True)
     with strategy.scope():
         model = ex.TinyRanker()
         optimizer = ex.make_optimizer("sgd")

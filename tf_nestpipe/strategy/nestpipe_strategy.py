@@ -33,6 +33,7 @@ from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
                                             row_shard_being_created, row_shard_layout)
 from tf_nestpipe.strategy import equal_shares, exit_guard
+from tf_nestpipe.strategy.coordination import configure_coordination_service
 from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.summed_reads import SummedReads
@@ -257,6 +258,12 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- end of equal shares -----------------------------------------------------------------
 
     # --- one replica per worker -----------------------------------------------------------
+    def _initialize_multi_worker(self, cluster_resolver):
+        # The coordination service with a heartbeat timeout that survives a stalled machine
+        # (coordination.py); TensorFlow's own set-up then finds it configured.
+        configure_coordination_service(cluster_resolver)
+        super()._initialize_multi_worker(cluster_resolver)
+
     def _initialize_local_devices(self, cluster_resolver, worker_device):
         devices, device_type = super()._initialize_local_devices(cluster_resolver, worker_device)
         return devices[:1], device_type
