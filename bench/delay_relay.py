@@ -8,87 +8,17 @@ emulates link latency where `tc netem` is unavailable. With `--dynamic PORT` the
 listens on PORT for connections that name their destination in a 6-byte header (IPv4 address and
 port, network byte order): what bench/native/relay_connect.c sends for a task's direct
 connections (Horovod's Gloo). Prints `READY` once every port listens.
+
+The relay itself is native (`native/delay_relay.c`, built with gcc on first use and cached): it
+shares the benchmark's cores with the tasks and every byte they exchange crosses it twice, so
+it must cost them as little CPU as a real link would (the asyncio relay it replaced spent Python
+time on every chunk).
 """
 import argparse
-import asyncio
-import socket
-import struct
+import os
 import sys
 
-CHUNK = 1 << 16
-
-
-def _no_delay(writer):
-    sock = writer.get_extra_info("socket")
-    if sock is not None:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-
-async def _pump(reader, writer, delay):
-    """Copies reader to writer, each chunk released `delay` seconds after it arrived."""
-    loop = asyncio.get_running_loop()
-    queue = asyncio.Queue()
-
-    async def release():
-        while True:
-            due, data = await queue.get()
-            if data is None:
-                break
-            wait = due - loop.time()
-            if wait > 0:
-                await asyncio.sleep(wait)
-            writer.write(data)
-            await writer.drain()
-        if writer.can_write_eof():
-            writer.write_eof()
-
-    sender = asyncio.create_task(release())
-    try:
-        while True:
-            data = await reader.read(CHUNK)
-            if not data:
-                break
-            queue.put_nowait((loop.time() + delay, data))
-    except (ConnectionError, OSError):
-        pass
-    finally:
-        queue.put_nowait((0.0, None))
-        try:
-            await sender
-        except (ConnectionError, OSError):
-            pass
-
-
-async def _serve(listen_port, host, port, delay):
-    """Listens on `listen_port` and relays each connection to `host:port` (both None: to the
-    destination named by the connection's 6-byte header)."""
-    async def handle(client_reader, client_writer):
-        try:
-            if host is None:
-                header = await client_reader.readexactly(6)
-                destination = (socket.inet_ntoa(header[:4]), struct.unpack("!H", header[4:])[0])
-            else:
-                destination = (host, port)
-            server_reader, server_writer = await asyncio.open_connection(*destination)
-        except (OSError, asyncio.IncompleteReadError):
-            client_writer.close()
-            return
-        _no_delay(client_writer)
-        _no_delay(server_writer)
-        await asyncio.gather(_pump(client_reader, server_writer, delay),
-                             _pump(server_reader, client_writer, delay))
-        client_writer.close()
-        server_writer.close()
-
-    return await asyncio.start_server(handle, "0.0.0.0", listen_port)
-
-
-async def _main(mappings, delay, dynamic_port=None):
-    servers = [await _serve(*m, delay) for m in mappings]
-    if dynamic_port:
-        servers.append(await _serve(dynamic_port, None, None, delay))
-    print("READY", flush=True)
-    await asyncio.gather(*(s.serve_forever() for s in servers))
+import native_build
 
 
 def parse_mapping(text):
@@ -108,10 +38,15 @@ def main():
     args = parser.parse_args()
     if not args.mappings and not args.dynamic:
         parser.error("give at least one LISTEN_PORT:HOST:PORT mapping or --dynamic PORT")
-    try:
-        asyncio.run(_main(args.mappings, args.delay_ms / 1000.0, args.dynamic))
-    except KeyboardInterrupt:
-        sys.exit(0)
+    if args.delay_ms < 0:
+        parser.error("--delay-ms must be >= 0, got %r" % args.delay_ms)
+    relay = native_build.build("delay_relay")
+    argv = [relay, "--delay-ms", repr(args.delay_ms)]
+    if args.dynamic:
+        argv += ["--dynamic", str(args.dynamic)]
+    argv += ["%d:%s:%d" % mapping for mapping in args.mappings]
+    sys.stdout.flush()
+    os.execv(relay, argv)
 
 
 if __name__ == "__main__":

@@ -21,8 +21,9 @@ import shutil
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+
+import native_build
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 SUBNET = "10.211.0"
@@ -34,19 +35,11 @@ BASE_PORT = 21000
 PROBE_PORT = 21900  # relayed to the last task's namespace for `round_trip_ms` (not a task port)
 DYNAMIC_PORT = 21901  # the relay port of direct task-to-task connections (relay_connect.c)
 NETNS_ETC = "/etc/netns"
-RELAY_CONNECT_SOURCE = os.path.join(HERE, "native", "relay_connect.c")
 
 
 def relay_connect_library():
     """Builds (once per source version) and returns the path of the connect() interposer."""
-    mtime = int(os.path.getmtime(RELAY_CONNECT_SOURCE))
-    path = os.path.join(tempfile.gettempdir(), "nestpipe_relay_connect_%d.so" % mtime)
-    if not os.path.exists(path):
-        partial = path + ".%d" % os.getpid()
-        subprocess.run(["gcc", "-O2", "-shared", "-fPIC", "-o", partial, RELAY_CONNECT_SOURCE,
-                        "-ldl"], check=True)
-        os.replace(partial, path)
-    return path
+    return native_build.build("relay_connect", shared=True)
 
 
 def _ip(*args, namespace=None, check=True):

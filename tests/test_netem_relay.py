@@ -1,6 +1,7 @@
 """The benchmark's emulated-network delay for direct connections: a connect() to an address in the
 relayed subnet goes through bench/delay_relay.py's --dynamic port and is delayed both ways; other
-connections are untouched. Runs on loopback (127.0.0.0/8), no namespaces or root needed."""
+connections are untouched. The (native) relay passes a large stream intact, in order, and its
+end (half-close) on. Runs on loopback (127.0.0.0/8), no namespaces or root needed."""
 import os
 import socket
 import subprocess
@@ -90,3 +91,58 @@ def test_connections_outside_the_subnet_or_excluded_are_not_relayed(relayed_echo
     port, env = relayed_echo
     assert _round_trip_ms(port, dict(env, NESTPIPE_RELAY_SUBNET="10.")) < DELAY_MS
     assert _round_trip_ms(port, dict(env, NESTPIPE_RELAY_EXCLUDE="127.0.0.9,127.0.0.2")) < DELAY_MS
+
+
+def test_a_mapped_port_relays_a_large_stream_intact_and_passes_its_end_on():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen()
+
+    def echo():  # echoes until the client's end arrives, then ends its own side
+        conn, _ = server.accept()
+        with conn:
+            while True:
+                data = conn.recv(1 << 20)
+                if not data:
+                    break
+                conn.sendall(data)
+            conn.shutdown(socket.SHUT_WR)
+
+    threading.Thread(target=echo, daemon=True).start()
+    listen_port = _free_port()
+    relay = subprocess.Popen([sys.executable, "-u", os.path.join(REPO, "bench", "delay_relay.py"),
+                              "--delay-ms", "1", "%d:127.0.0.1:%d" % (listen_port,
+                                                                   server.getsockname()[1])],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        assert "READY" in relay.stdout.readline()
+        payload = os.urandom(24 << 20)
+        received = bytearray()
+        client = socket.create_connection(("127.0.0.1", listen_port))
+        client.settimeout(60)
+
+        def read_all():
+            while True:
+                data = client.recv(1 << 20)
+                if not data:  # the echo server's end, passed on by the relay
+                    return
+                received.extend(data)
+
+        reader = threading.Thread(target=read_all)
+        reader.start()
+        client.sendall(payload)
+        client.shutdown(socket.SHUT_WR)  # passed on: the echo server stops and ends its side
+        reader.join(90)
+        assert not reader.is_alive()
+        assert len(received) == len(payload) and bytes(received) == payload
+        client.close()
+    finally:
+        relay.kill()
+        relay.wait()
+        server.close()
+
+
+def test_the_relay_refuses_a_negative_delay():
+    result = run_command([sys.executable, os.path.join(REPO, "bench", "delay_relay.py"),
+                          "--delay-ms", "-1", "--dynamic", str(_free_port())], timeout=60)
+    assert result.returncode != 0 and "--delay-ms must be >= 0" in result.stdout, result.stdout
