@@ -326,15 +326,50 @@ def _python_path():
     return os.pathsep.join([REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])
 
 
+# A row's CPU steal above this share flags its timing: the hypervisor ran other machines' work
+# on this machine's cores while the row ran (a shared VM; seen at 37% on 2026-12-03).
+STEAL_FLAG = 0.05
+
+
+def cpu_times():
+    """The machine's cumulative CPU times (`/proc/stat`'s first line: user, nice, system, idle,
+    iowait, irq, softirq, steal, ...), in ticks; None where /proc/stat is unreadable."""
+    try:
+        with open("/proc/stat") as f:
+            return [int(v) for v in f.readline().split()[1:]]
+    except (OSError, ValueError):
+        return None
+
+
+def steal_share(before, after):
+    """The share of the machine's CPU time between two `cpu_times()` that the hypervisor stole
+    (gave to other machines), or None when unknown."""
+    if before is None or after is None or len(before) < 8 or len(after) < 8:
+        return None
+    # guest time (fields 9-10) is already counted in user / nice
+    total = sum(after[:8]) - sum(before[:8])
+    return (after[7] - before[7]) / total if total > 0 else None
+
+
+def steal_text(share):
+    """`share` of stolen CPU as a note, or "" below STEAL_FLAG."""
+    if share is None or share < STEAL_FLAG:
+        return ""
+    return ("CPU steal %.0f%% (the hypervisor gave this machine's cores to other machines during "
+            "the row: its timing is unreliable)" % (100 * share))
+
+
 def run_command(command, timeout, profiled=False):
     """Runs `command` in its own process group (killed on timeout); returns the dict printed
-    after `RESULT ` updated with the one after `PROFILE `, or raises RuntimeError with an error
+    after `RESULT ` updated with the one after `PROFILE ` (and `steal`: the machine's CPU steal
+    share while it ran, where /proc/stat tells), or raises RuntimeError with an error
     summary (full output kept in /tmp). A `profiled` run that printed its timing but no profile
     returns the timing with `profile_aborted` (why the run ended)."""
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
                                env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
                                         TF_USE_LEGACY_KERAS="1", PYTHONPATH=_python_path()))
+    started = cpu_times()
     try:
         output, _ = process.communicate(timeout=timeout)
         code = process.returncode
@@ -342,7 +377,10 @@ def run_command(command, timeout, profiled=False):
         os.killpg(process.pid, signal.SIGKILL)
         output, _ = process.communicate()
         code = "timeout after %d s" % timeout
+    steal = steal_share(started, cpu_times())
     result, profile = parse_output(output)
+    if result is not None and steal is not None:
+        result["steal"] = steal
     if result is not None and (profile is not None or not profiled):
         result.update(profile or {})
         return result
@@ -435,7 +473,10 @@ def run_interleaved(rows, args, env):
                 row["network"], row["workers"]), flush=True)
             try:
                 results[i].append(run_once())
-                print("    -> %.1f ms/step" % results[i][-1]["ms_median"], flush=True)
+                steal = results[i][-1].get("steal")
+                print("    -> %.1f ms/step%s" % (results[i][-1]["ms_median"], "" if steal is None
+                                                 else " (CPU steal %.0f%%)" % (100 * steal)),
+                      flush=True)
             except Exception as e:  # pylint: disable=broad-except  (reported by run_rounds)
                 errors[i] = e
                 print("    -> failed: %s" % str(e).splitlines()[0][:300], flush=True)
@@ -458,6 +499,9 @@ def summarize_rounds(row, args, out, results):
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s"):
         if key in first:
             out[key] = median(key)
+    steals = [r["steal"] for r in results if r.get("steal") is not None]
+    if steals:
+        out["steal"] = max(steals)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
                 "auto_timings_ms", "auto_probe_steps", "placements", "table_bytes_per_worker"):
         if key in first:
@@ -475,6 +519,8 @@ def summarize_rounds(row, args, out, results):
             out["exposure"] = median("exposure_ratio")
     if "profile_error" in first:
         extras.append("profile failed: " + first["profile_error"])
+    if steal_text(out.get("steal")):
+        extras.append(steal_text(out["steal"]))
     if "async_samples_per_s" in out:
         extras.append("one join for all steps: %.0f samples/s" % out["async_samples_per_s"])
     if out.get("placements"):
@@ -626,6 +672,12 @@ def memory_lines(args):
             ""]
 
 
+def run_steal_text(env):
+    """", CPU steal N% over the run" since `env["cpu_start"]` ("" when unknown)."""
+    share = steal_share(env.get("cpu_start"), cpu_times())
+    return "" if share is None else ", CPU steal %.0f%% over the run" % (100 * share)
+
+
 def markdown(rows, args, env, seconds):
     """The Markdown report: setup, the table of every row, the targets and the failures."""
     singles = {(r["model"], r["data"]): r["ms_median"] for r in rows if r["system"] == "single"}
@@ -635,13 +687,13 @@ def markdown(rows, args, env, seconds):
             " ".join(["python bench/compare.py"] + sys.argv[1:]),
             datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), seconds), "",
         "Cluster: every task of every row on this one machine (%d CPU cores shared by all tasks "
-        "and with other jobs; load average %.2f at the start), Python %s, TensorFlow 2.21 CPU, "
+        "and with other jobs; load average %.2f at the start%s), Python %s, TensorFlow 2.21 CPU, "
         "tf_keras, %s. Loopback: tasks on 127.0.0.1. `DELAYms:RATE`: every task in its own "
         "network namespace, veth pairs to a bridge with `tc tbf` at RATE on both ends and a TCP "
         "relay delaying each direction by DELAY (no `tc netem` on this kernel; Horovod's direct "
         "Gloo connections are redirected through it by a preloaded connect()); RTT is the "
         "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores." % (
-            os.cpu_count(), env["load"], platform.python_version(),
+            os.cpu_count(), env["load"], run_steal_text(env), platform.python_version(),
             env["horovod_text"]),
         "",
         "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
@@ -849,7 +901,7 @@ def main(argv=None):
     rows = [dict(row, placement=placement) if row["system"] == "nestpipe" else row
             for row in rows for placement in (args.placement if row["system"] == "nestpipe"
                                               else [None])]
-    env = {"load": os.getloadavg()[0], "horovod": False, "horovod_version": None,
+    env = {"load": os.getloadavg()[0], "cpu_start": cpu_times(), "horovod": False, "horovod_version": None,
            "launcher_horovod": launcher_has_horovod()}
     needs_horovod = any(uses_horovod(r) for r in rows)
     if needs_horovod and horovod_available():

@@ -218,7 +218,10 @@ def test_run_command_reads_result_and_profile(tmp_path, monkeypatch, output, pro
     script = tmp_path / "row.py"
     script.write_text("import sys\nsys.stdout.write(%r)\nsys.exit(%d)\n"
                       % (output, 1 if "invalid" in output else 0))
-    assert compare.run_command([sys.executable, str(script)], 30, profiled) == expected
+    result = compare.run_command([sys.executable, str(script)], 30, profiled)
+    steal = result.pop("steal", None)  # the machine's, while the row ran (where /proc/stat tells)
+    assert steal is None or 0.0 <= steal <= 1.0
+    assert result == expected
 
 
 def test_run_command_without_result_names_the_error(tmp_path, monkeypatch):
@@ -411,3 +414,23 @@ def test_memory_check_runs_the_worker_without_a_cluster():
     held = max(sum(p.bytes_on(w) for p in plans) for w in range(2))
     assert held <= 700_000_000 < verdict["bytes"]
     assert any(p.placement == pl.ROW_WISE for p in plans)
+
+
+def test_cpu_steal_is_measured_and_flags_a_row_run_on_stolen_cores():
+    before = [100, 0, 20, 800, 0, 0, 0, 80]
+    # 100 ticks passed: 40 user, 20 idle, 40 stolen by the hypervisor
+    assert compare.steal_share(before, [140, 0, 20, 820, 0, 0, 0, 120]) == pytest.approx(0.4)
+    assert compare.steal_share(before, [190, 0, 30, 880, 0, 0, 0, 80]) == 0.0
+    assert compare.steal_share(None, before) is None and compare.steal_share(before, before) is None
+    times = compare.cpu_times()
+    assert times is None or (len(times) >= 8 and all(t >= 0 for t in times))
+    args = compare.parse_args(["--steps", "10"])
+    ours = _row("nestpipe", 20.0, pipeline="none", collectives="sockets")
+    rounds = [{"ms_median": 20.0, "ms_p90": 22.0, "steps": 10, "steal": s} for s in (0.01, 0.37)]
+    stolen = compare.summarize_rounds(ours, args, dict(ours, note="ours", details=""), rounds)
+    assert stolen["steal"] == 0.37 and "CPU steal 37%" in stolen["note"]
+    assert "unreliable" in stolen["details"]
+    # Positive control: a row below the flag keeps a clean note.
+    quiet = compare.summarize_rounds(ours, args, dict(ours, note="ours", details=""),
+                                     [dict(rounds[0])])
+    assert quiet["note"] == "ours" and "steal" not in quiet["details"]
