@@ -10,11 +10,11 @@ itself, exactly as the strategy would (the same leader and jobs), with a longer 
 `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` (default 30). A worker that really stops answering is still
 named by the service's verdict, after that long (tests/test_dead_peer.py: within 60 s).
 """
-import os
-
 from tensorflow.python.distribute import multi_worker_util
 from tensorflow.python.eager import context
 from tensorflow.python.framework import ops
+
+from tf_nestpipe.strategy.env_settings import seconds_from_env
 
 # The protobuf module `context.configure_coordination_service` builds its config from.
 coordination_config_pb2 = context.coordination_config_pb2
@@ -28,17 +28,8 @@ _COORDINATED_JOBS = ("chief", "worker")
 def heartbeat_timeout_from_env(default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
     """The seconds `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` sets, else `default`; a value that is
     not a number >= 1 is refused naming the variable."""
-    raw = os.environ.get(_ENV)
-    if raw is None or raw == "":
-        return float(default)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = 0.0
-    if not value >= 1:
-        raise ValueError("%s must be a number of seconds >= 1 (how long a silent worker may go "
-                         "before the cluster is aborted), got %r" % (_ENV, raw))
-    return value
+    return seconds_from_env(_ENV, default, 1, "how long a silent worker may go before the "
+                            "cluster is aborted")
 
 
 def configure_coordination_service(cluster_resolver, heartbeat_timeout_seconds=None):

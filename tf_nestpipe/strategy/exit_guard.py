@@ -12,9 +12,10 @@ blocked) and exits with status 1, so the launcher (or a cluster manager) sees th
 the peers' exchanges fail naming this worker.
 """
 import faulthandler
-import os
 import sys
 import threading
+
+from tf_nestpipe.strategy.env_settings import seconds_from_env
 
 # Seconds a worker's shutdown may take after an uncaught error (TF_NESTPIPE_EXIT_GRACE_SECONDS).
 DEFAULT_GRACE_SECONDS = 15.0
@@ -27,17 +28,7 @@ _installed = {"grace": None, "previous": None}
 def grace_from_env(default=DEFAULT_GRACE_SECONDS):
     """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard), else
     `default`; a value that is not a number >= 0 is refused naming the variable."""
-    raw = os.environ.get(_ENV)
-    if raw is None or raw == "":
-        return float(default)
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value >= 0:
-        raise ValueError("%s must be a number of seconds >= 0 (0 turns the exit guard off), "
-                         "got %r" % (_ENV, raw))
-    return value
+    return seconds_from_env(_ENV, default, 0, "0 turns the exit guard off")
 
 
 def _guarded_excepthook(kind, value, traceback):
