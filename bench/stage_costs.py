@@ -88,7 +88,9 @@ def stage_functions(ids, shards, vocab, dim):
         # As owner 0, dedup every slot (what an owner receives from `shards` requesters): each
         # key is moved to shard 0's row of the same local index, so the volume is the real one.
         received = tf.where(padded >= 0, padded // shards * shards, -1)
-        local_rows, slot_to_unique = ops.owner_dedup(received, shards, 0)
+        local_rows, slot_to_unique = ops.owner_rounds(received, tf.reshape(splits, [-1, 1]),
+                                                      tf.reshape(capacity, [1]), shards, 0)
+        local_rows, slot_to_unique = local_rows[0], slot_to_unique[0]
         offsets = tf.cumsum(splits, exclusive=True)
         owner = tf.repeat(tf.range(shards, dtype=tf.int32), splits)
         slot = owner * capacity + tf.range(tf.size(keys, tf.int32)) - tf.gather(offsets, owner)

@@ -1,5 +1,6 @@
-// Key routing ops: fused dedup + bucket-by-owner on the requester side, and the
-// second-level dedup of received keys on the owner side.
+// Key routing ops: fused dedup + bucket-by-owner on the requester side, the second-level
+// dedup of received keys on the owner side (round by round for a frozen window routed as one),
+// and the requester's layout of such a window.
 //
 // Ownership rule (documented in tf_nestpipe/sharding/layout.py): id k is owned by
 // shard k mod num_shards and lives there at local row k / num_shards.
@@ -152,70 +153,211 @@ class RouteKeysOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeRouteKeys").Device(DEVICE_CPU), RouteKeysOp);
 
-REGISTER_OP("NestpipeOwnerDedup")
+REGISTER_OP("NestpipeOwnerRounds")
     .Input("received_keys: int64")
+    .Input("sent: int32")
+    .Input("capacities: int32")
     .Attr("num_shards: int >= 1")
     .Attr("shard_index: int >= 0")
-    .Output("local_rows: int64")
-    .Output("slot_to_unique: int32")
+    .Attr("rounds: int >= 1")
+    .Output("local_rows: rounds * int64")
+    .Output("slot_to_unique: rounds * int32")
     .SetShapeFn([](InferenceContext* c) {
-      ShapeHandle keys;
+      int rounds;
+      TF_RETURN_IF_ERROR(c->GetAttr("rounds", &rounds));
+      ShapeHandle keys, sent, capacities;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &keys));
-      c->set_output(0, c->Vector(c->UnknownDim()));
-      auto n = c->UnknownDim();
-      TF_RETURN_IF_ERROR(c->Multiply(c->Dim(keys, 0), c->Dim(keys, 1), &n));
-      c->set_output(1, c->Vector(n));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &sent));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &capacities));
+      for (int r = 0; r < 2 * rounds; ++r) c->set_output(r, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-Owner-side dedup of the padded [num_requesters, capacity] key matrix (-1 = padding).
+The owner's side of one keys exchange carrying `rounds` rounds (one round: a plain route).
 
-local_rows: the distinct local row indices (key / num_shards) in first-seen order.
-slot_to_unique: for each flattened slot, the index into local_rows, or -1 for padding.
+received_keys: [W, n], requester i's keys for this owner, round after round, then -1.
+sent: [W, rounds], the keys of round r requester i sent (its count header).
+capacities: [rounds], the slots per requester of round r's rows exchange.
+
+local_rows[r]: round r's distinct local rows (key / num_shards), first-seen in slot order.
+slot_to_unique[r]: [W * capacities[r]], slot i * capacities[r] + k (requester i's k-th key of
+the round) -> its index into local_rows[r]; -1 for an empty slot.
 )doc");
 
-class OwnerDedupOp : public OpKernel {
+class OwnerRoundsOp : public OpKernel {
  public:
-  explicit OwnerDedupOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+  explicit OwnerRoundsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("num_shards", &num_shards_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_index", &shard_index_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rounds", &rounds_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& keys_t = ctx->input(0);
+    const Tensor& sent_t = ctx->input(1);
+    const Tensor& cap_t = ctx->input(2);
     OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(keys_t.shape()),
-                errors::InvalidArgument("received_keys must be a matrix"));
-    const auto keys = keys_t.flat<int64_t>();
-    const int64_t n = keys.size();
-    Tensor* slot_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &slot_t));
-    auto slot = slot_t->flat<int32>();
-    FlatInt64Map pos(n);
-    std::vector<int64_t> rows;
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t k = keys(i);
-      if (k < 0) {
-        slot(i) = -1;
-        continue;
+                errors::InvalidArgument("received_keys must be a matrix, got shape ",
+                                        keys_t.shape().DebugString()));
+    const int64_t requesters = keys_t.dim_size(0), width = keys_t.dim_size(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(sent_t.shape()) &&
+                         sent_t.dim_size(0) == requesters && sent_t.dim_size(1) == rounds_,
+                errors::InvalidArgument("sent must be [", requesters, ", ", rounds_, "], got ",
+                                        sent_t.shape().DebugString()));
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(cap_t.shape()) && cap_t.dim_size(0) == rounds_,
+                errors::InvalidArgument("capacities must be [", rounds_, "], got ",
+                                        cap_t.shape().DebugString()));
+    const auto keys = keys_t.matrix<int64_t>();
+    const auto sent = sent_t.matrix<int32>();
+    const auto capacities = cap_t.vec<int32>();
+    // Where each requester's keys of round r start in its row.
+    std::vector<int64_t> first(requesters * rounds_);
+    for (int64_t i = 0; i < requesters; ++i) {
+      int64_t offset = 0;
+      for (int r = 0; r < rounds_; ++r) {
+        const int32 count = sent(i, r);
+        OP_REQUIRES(ctx, count >= 0 && count <= capacities(r),
+                    errors::InvalidArgument("requester ", i, " sent ", count, " keys in round ",
+                                            r, ", outside [0, capacity ", capacities(r), "]"));
+        first[i * rounds_ + r] = offset;
+        offset += count;
       }
-      OP_REQUIRES(ctx, k % num_shards_ == shard_index_,
-                  errors::Internal("key ", k, " routed to shard ", shard_index_,
-                                   " but is owned by shard ", k % num_shards_));
-      const auto it = pos.emplace(k / num_shards_, static_cast<int32>(rows.size()));
-      if (it.second) rows.push_back(k / num_shards_);
-      slot(i) = it.first;
+      OP_REQUIRES(ctx, offset <= width,
+                  errors::InvalidArgument("requester ", i, " counted ", offset,
+                                          " keys but its row holds ", width));
     }
-    Tensor* rows_t;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(
-                            0, TensorShape({static_cast<int64_t>(rows.size())}), &rows_t));
-    std::copy(rows.begin(), rows.end(), rows_t->flat<int64_t>().data());
+    OpOutputList rows_out, slots_out;
+    OP_REQUIRES_OK(ctx, ctx->output_list("local_rows", &rows_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("slot_to_unique", &slots_out));
+    for (int r = 0; r < rounds_; ++r) {
+      const int64_t capacity = capacities(r);
+      Tensor* slot_t;
+      OP_REQUIRES_OK(ctx, slots_out.allocate(r, TensorShape({requesters * capacity}), &slot_t));
+      auto slot = slot_t->flat<int32>();
+      slot.setConstant(-1);
+      int64_t total = 0;
+      for (int64_t i = 0; i < requesters; ++i) total += sent(i, r);
+      FlatInt64Map pos(total);
+      std::vector<int64_t> rows;
+      for (int64_t i = 0; i < requesters; ++i) {
+        const int64_t start = first[i * rounds_ + r];
+        for (int64_t k = 0; k < sent(i, r); ++k) {
+          const int64_t key = keys(i, start + k);
+          OP_REQUIRES(ctx, key >= 0,
+                      errors::Internal("requester ", i, " counted ", sent(i, r),
+                                       " keys in round ", r, " but key ", k, " is padding"));
+          OP_REQUIRES(ctx, key % num_shards_ == shard_index_,
+                      errors::Internal("key ", key, " routed to shard ", shard_index_,
+                                       " but is owned by shard ", key % num_shards_));
+          const auto it = pos.emplace(key / num_shards_, static_cast<int32>(rows.size()));
+          if (it.second) rows.push_back(key / num_shards_);
+          slot(i * capacity + k) = it.first;
+        }
+      }
+      Tensor* rows_t;
+      OP_REQUIRES_OK(ctx, rows_out.allocate(
+                              r, TensorShape({static_cast<int64_t>(rows.size())}), &rows_t));
+      std::copy(rows.begin(), rows.end(), rows_t->flat<int64_t>().data());
+    }
   }
 
  private:
   int num_shards_;
   int shard_index_;
+  int rounds_;
 };
-REGISTER_KERNEL_BUILDER(Name("NestpipeOwnerDedup").Device(DEVICE_CPU), OwnerDedupOp);
+REGISTER_KERNEL_BUILDER(Name("NestpipeOwnerRounds").Device(DEVICE_CPU), OwnerRoundsOp);
+
+REGISTER_OP("NestpipeWindowLayout")
+    .Input("inverse: int32")
+    .Input("split_sizes: int32")
+    .Input("round_sizes: int32")
+    .Output("counts: int32")
+    .Output("window_row: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle inverse, splits, sizes;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &inverse));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &sizes));
+      c->set_output(0, c->Matrix(c->Dim(splits, 0), c->Dim(sizes, 0)));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The requester's layout of a frozen window routed as one keys exchange.
+
+inverse: each looked-up id (the rounds' ids one after another) -> its key (NestpipeRouteKeys).
+split_sizes: keys per owner (NestpipeRouteKeys: an owner's keys in first-seen order).
+round_sizes: ids of each round.
+
+counts: [W, rounds], the keys first read in round r owned by shard j.
+window_row: each key's row in the window: the rounds' new keys one round after another, a
+round's keys in key (owner) order.
+)doc");
+
+class WindowLayoutOp : public OpKernel {
+ public:
+  explicit WindowLayoutOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& inv_t = ctx->input(0);
+    const Tensor& splits_t = ctx->input(1);
+    const Tensor& sizes_t = ctx->input(2);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(inv_t.shape()) &&
+                         TensorShapeUtils::IsVector(splits_t.shape()) &&
+                         TensorShapeUtils::IsVector(sizes_t.shape()),
+                errors::InvalidArgument("inverse, split_sizes and round_sizes must be vectors"));
+    const auto inverse = inv_t.vec<int32>();
+    const auto splits = splits_t.vec<int32>();
+    const auto sizes = sizes_t.vec<int32>();
+    const int64_t shards = splits.size(), rounds = sizes.size(), n = inverse.size();
+    int64_t keys = 0, ids = 0;
+    for (int64_t j = 0; j < shards; ++j) {
+      OP_REQUIRES(ctx, splits(j) >= 0, errors::InvalidArgument("negative split size"));
+      keys += splits(j);
+    }
+    for (int64_t r = 0; r < rounds; ++r) {
+      OP_REQUIRES(ctx, sizes(r) >= 0, errors::InvalidArgument("negative round size"));
+      ids += sizes(r);
+    }
+    OP_REQUIRES(ctx, ids == n,
+                errors::InvalidArgument("round_sizes sum to ", ids, " but there are ", n,
+                                        " ids"));
+    // The first round that reads each key.
+    std::vector<int32> round_of_key(keys, static_cast<int32>(rounds));
+    int64_t i = 0;
+    for (int64_t r = 0; r < rounds; ++r) {
+      for (int32 k = 0; k < sizes(r); ++k, ++i) {
+        const int32 key = inverse(i);
+        OP_REQUIRES(ctx, key >= 0 && key < keys,
+                    errors::InvalidArgument("inverse[", i, "] = ", key, " outside [0, ", keys,
+                                            ")"));
+        if (round_of_key[key] > r) round_of_key[key] = static_cast<int32>(r);
+      }
+    }
+    Tensor *counts_t, *row_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shards, rounds}), &counts_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({keys}), &row_t));
+    auto counts = counts_t->matrix<int32>();
+    auto row = row_t->vec<int32>();
+    counts.setZero();
+    std::vector<int64_t> per_round(rounds, 0);
+    int64_t key = 0;
+    for (int64_t j = 0; j < shards; ++j) {
+      for (int32 k = 0; k < splits(j); ++k, ++key) {
+        const int32 r = round_of_key[key];
+        OP_REQUIRES(ctx, r < rounds,
+                    errors::InvalidArgument("key ", key, " is read by no id"));
+        counts(j, r) += 1;
+        row(key) = static_cast<int32>(per_round[r]++);  // its index among its round's keys
+      }
+    }
+    std::vector<int64_t> start(rounds, 0);
+    for (int64_t r = 1; r < rounds; ++r) start[r] = start[r - 1] + per_round[r - 1];
+    for (int64_t k = 0; k < keys; ++k) row(k) += static_cast<int32>(start[round_of_key[k]]);
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeWindowLayout").Device(DEVICE_CPU), WindowLayoutOp);
 
 }  // namespace nestpipe
 }  // namespace tensorflow

@@ -12,7 +12,6 @@ from tf_nestpipe.collectives.counting import count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
 from tf_nestpipe.pipeline.fused_exchange import RoundTracker
 from tf_nestpipe.sharding.layout import ShardLayout
-from tf_nestpipe.sharding.lookup import round_keys, window_layout
 from tf_nestpipe.sharding.tables import FusedTables
 
 
@@ -135,7 +134,7 @@ def test_window_layout_fetches_each_id_once_in_the_round_that_first_reads_it(num
               np.array([1, 9, 5, 12])]
     ids = tf.constant(np.concatenate(rounds), tf.int64)
     keys, splits, inverse = ops.route_keys(ids, num_shards, 100)
-    counts, window_row = window_layout(inverse, splits, [len(r) for r in rounds], num_shards)
+    counts, window_row = ops.window_layout(inverse, splits, [len(r) for r in rounds])
     seen, fresh = set(), []
     for r in rounds:
         fresh.append([k for k in dict.fromkeys(r.tolist()) if k not in seen])
@@ -154,13 +153,14 @@ def test_window_layout_fetches_each_id_once_in_the_round_that_first_reads_it(num
         assert (rows[start:stop] < ends[r]).all()
 
 
-def test_round_keys_slices_each_rounds_keys_out_of_one_exchange():
-    """The owner's side: requester i's block holds its keys round after round, then -1."""
-    keys_in = tf.constant([[7, 8, 9, 4, -1, -1], [1, 2, -1, -1, -1, -1]], tf.int64)
-    sent = tf.constant([[2, 0, 2], [1, 1, 0]], tf.int32)  # [requester, round]
-    assert round_keys(keys_in, sent, 0).numpy().tolist() == [[7, 8], [1, -1]]
-    assert round_keys(keys_in, sent, 1).numpy().tolist() == [[-1], [2]]
-    assert round_keys(keys_in, sent, 2).numpy().tolist() == [[9, 4], [-1, -1]]
+def test_window_layout_refuses_inconsistent_sizes():
+    inverse = tf.constant([0, 1, 0], tf.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="sum to 4 but there are 3 ids"):
+        ops.window_layout(inverse, [1, 1], [2, 2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match=r"inverse\[1\] = 5 outside"):
+        ops.window_layout(tf.constant([0, 5], tf.int32), [1, 1], [2])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="key 1 is read by no id"):
+        ops.window_layout(tf.constant([0, 0], tf.int32), [1, 1], [2])
 
 
 def test_rounds_end_where_a_table_is_looked_up_again():

@@ -57,19 +57,50 @@ def test_route_keys_rejects_non_vector():
         ops.route_keys(tf.zeros([2, 2], tf.int64), 2, 10)
 
 
-def test_owner_dedup_matches_numpy():
-    received = np.array([[4, 2, 8, -1], [2, 6, -1, -1], [8, 8, 0, 4]], np.int64)
-    rows, slots = ops.owner_dedup(received, num_shards=2, shard_index=0)
-    flat = received.ravel()
-    expected_rows = list(dict.fromkeys((flat[flat >= 0] // 2).tolist()))
-    np.testing.assert_array_equal(rows.numpy(), expected_rows)
-    expected_slots = [expected_rows.index(k // 2) if k >= 0 else -1 for k in flat]
-    np.testing.assert_array_equal(slots.numpy(), expected_slots)
+def owner_rounds_reference(received, sent, capacities, num_shards):
+    """NumPy reference of `ops.owner_rounds`: per round, requester i's keys of the round are the
+    `sent[i, r]` after its earlier rounds' in its row; slot i * capacity + k."""
+    first = np.cumsum(sent, axis=1) - sent
+    rows, slots = [], []
+    for r, capacity in enumerate(capacities):
+        slot = -np.ones(len(received) * capacity, np.int64)
+        seen = {}
+        for i, row in enumerate(received):
+            for k in range(sent[i, r]):
+                local = int(row[first[i, r] + k]) // num_shards
+                slot[i * capacity + k] = seen.setdefault(local, len(seen))
+        rows.append(list(seen))
+        slots.append(slot)
+    return rows, slots
 
 
-def test_owner_dedup_rejects_foreign_keys():
+def test_owner_rounds_matches_numpy():
+    """Requester i's row holds its keys round after round (a round may be empty), then -1;
+    each round's slots are laid out at its own capacity."""
+    received = np.array([[4, 2, 8, 2, -1, -1], [2, 6, -1, -1, -1, -1], [8, 8, 0, 4, 6, -1]],
+                        np.int64)
+    sent = np.array([[2, 0, 2], [1, 1, 0], [3, 1, 1]], np.int32)
+    capacities = [4, 1, 2]
+    rows, slots = ops.owner_rounds(received, sent, capacities, num_shards=2, shard_index=0)
+    ref_rows, ref_slots = owner_rounds_reference(received, sent, capacities, 2)
+    for r in range(3):
+        np.testing.assert_array_equal(rows[r].numpy(), ref_rows[r])
+        np.testing.assert_array_equal(slots[r].numpy(), ref_slots[r])
+    assert rows[0].numpy().tolist() == [2, 1, 4, 0]  # positive control of the reference
+    assert slots[1].numpy().tolist() == [-1, 0, 1]
+
+
+def test_owner_rounds_rejects_foreign_keys_and_miscounted_rows():
     with pytest.raises(tf.errors.InternalError, match="owned by shard 1"):
-        ops.owner_dedup(np.array([[3]], np.int64), num_shards=2, shard_index=0)
+        ops.owner_rounds(np.array([[3]], np.int64), [[1]], [1], num_shards=2, shard_index=0)
+    with pytest.raises(tf.errors.InternalError, match="key 1 is padding"):
+        ops.owner_rounds(np.array([[2, -1]], np.int64), [[2]], [2], num_shards=2, shard_index=0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="counted 3 keys but its row holds 2"):
+        ops.owner_rounds(np.array([[2, 4]], np.int64), [[2, 1]], [2, 2], 2, 0)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="outside \\[0, capacity 1\\]"):
+        ops.owner_rounds(np.array([[2, 4]], np.int64), [[2]], [1], 2, 0)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="sent must be"):
+        ops.owner_rounds(np.array([[2, 4]], np.int64), [[1], [1]], [2], 2, 0)
 
 
 @pytest.mark.parametrize("dtype", [tf.float32, tf.float64])
@@ -210,7 +241,7 @@ def _hash_stress_ids(rng, n):
 
 
 @pytest.mark.parametrize("n", [0, 1, 7, 20000])
-def test_route_keys_and_owner_dedup_match_numpy_at_scale(n):
+def test_route_keys_and_owner_rounds_match_numpy_at_scale(n):
     """The flat hash tables (ops/flat_hash.h) against Python dicts on thousands of ids whose
     low bits collide; the reference keeps first-seen order, as the ops must."""
     rng = np.random.default_rng(n)
@@ -225,9 +256,10 @@ def test_route_keys_and_owner_dedup_match_numpy_at_scale(n):
     half = (len(owned) + 1) // 2
     received = -np.ones((2, half + 3), np.int64)
     received[0, :half], received[1, :len(owned) - half] = owned[:half], owned[half:]
-    rows, slots = ops.owner_dedup(received, num_shards=3, shard_index=1)
+    sent = (received >= 0).sum(axis=1, keepdims=True).astype(np.int32)
+    rows, slots = ops.owner_rounds(received, sent, [half + 3], num_shards=3, shard_index=1)
     flat = received.ravel()
     expected_rows = list(dict.fromkeys((flat[flat >= 0] // 3).tolist()))
-    np.testing.assert_array_equal(rows.numpy(), np.array(expected_rows, np.int64))
+    np.testing.assert_array_equal(rows[0].numpy(), np.array(expected_rows, np.int64))
     where = {k: i for i, k in enumerate(expected_rows)}
-    np.testing.assert_array_equal(slots.numpy(), [where[k // 3] if k >= 0 else -1 for k in flat])
+    np.testing.assert_array_equal(slots[0].numpy(), [where[k // 3] if k >= 0 else -1 for k in flat])

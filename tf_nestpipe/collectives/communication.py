@@ -40,9 +40,14 @@ MAX_BUCKET = len(_CAPACITIES) - 1
 
 
 def capacity_bucket(capacity):
-    """Returns `(bucket, padded_capacity)`: the smallest bucketed capacity >= `capacity` (int32)."""
+    """Returns `(bucket, padded_capacity)`: the smallest bucketed capacity >= `capacity` (int32),
+    a scalar, or elementwise for a vector of capacities."""
     table = tf.constant(_CAPACITIES, tf.int32)
-    bucket = tf.searchsorted(table, tf.reshape(tf.cast(capacity, tf.int32), [1]), side="left")[0]
+    capacity = tf.cast(capacity, tf.int32)
+    if capacity.shape.rank == 1:
+        bucket = tf.searchsorted(table, capacity, side="left")
+    else:
+        bucket = tf.searchsorted(table, tf.reshape(capacity, [1]), side="left")[0]
     return bucket, tf.gather(table, bucket)
 
 

@@ -5,7 +5,7 @@ from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dyna
                                           dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum, slice_rows
 from tf_nestpipe.ops.library import load_op_library
-from tf_nestpipe.ops.routing import check_ids, owner_dedup, route_keys
+from tf_nestpipe.ops.routing import check_ids, owner_rounds, route_keys, window_layout
 from tf_nestpipe.ops.row_init import stateless_row_init
 from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows, int8_words,
                                   saturate_to_half)
@@ -27,7 +27,7 @@ __all__ = [
     "gather_from_blocks",
     "gather_rows",
     "load_op_library",
-    "owner_dedup",
+    "owner_rounds",
     "read_table_rows",
     "route_keys",
     "segment_sum",
@@ -36,4 +36,5 @@ __all__ = [
     "sync_payload",
     "sync_plan",
     "sync_rows",
+    "window_layout",
 ]

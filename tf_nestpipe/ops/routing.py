@@ -1,4 +1,5 @@
-"""Key routing: requester-side dedup + bucket-by-owner and owner-side dedup."""
+"""Key routing: requester-side dedup + bucket-by-owner, owner-side dedup (round by round),
+and the requester's layout of a frozen window."""
 import tensorflow as tf
 
 from tf_nestpipe.ops.library import load_op_library
@@ -23,16 +24,42 @@ def check_ids(ids, vocab_size, table_name=""):
                                                 vocab_size=vocab_size, table_name=table_name)
 
 
-def owner_dedup(received_keys, num_shards, shard_index):
-    """Dedups the padded `[requesters, capacity]` keys an owner received (-1 is padding).
+def owner_rounds(received_keys, sent, capacities, num_shards, shard_index):
+    """The owner's side of one keys exchange that carried one or more rounds (a frozen
+    window's micro-batches; one round for a plain route).
 
-    Returns `(local_rows, slot_to_unique)`: the distinct local rows (key // num_shards) and, for
-    each flattened slot, its index into `local_rows` (-1 for padding).
+    `received_keys` `[W, n]`: requester i's keys for this owner, round after round, then -1;
+    `sent` `[W, rounds]` (int32): the keys of round r requester i sent; `capacities` `[rounds]`
+    (int32): the slots per requester of round r's rows exchange (>= every `sent[:, r]`).
+    Returns `(local_rows, slot_to_unique)`, lists with one tensor per round: round r's distinct
+    local rows (key // num_shards, first seen in slot order) and, for each of its
+    `W * capacities[r]` slots (requester i's k-th key at `i * capacities[r] + k`), its index into
+    `local_rows[r]` (-1 for an empty slot). A key owned by another shard raises `InternalError`.
     """
-    return load_op_library().nestpipe_owner_dedup(
-        received_keys, num_shards=num_shards, shard_index=shard_index)
+    sent = tf.convert_to_tensor(sent, tf.int32)
+    rounds = sent.shape[1]
+    if rounds is None:
+        raise ValueError("owner_rounds needs the number of rounds statically (sent's dim 1)")
+    local_rows, slot_to_unique = load_op_library().nestpipe_owner_rounds(
+        tf.convert_to_tensor(received_keys, tf.int64), sent,
+        tf.convert_to_tensor(capacities, tf.int32), num_shards=num_shards,
+        shard_index=shard_index, rounds=rounds)
+    return list(local_rows), list(slot_to_unique)
+
+
+def window_layout(inverse, splits, round_sizes):
+    """The requester's layout of a frozen window routed as one keys exchange, from
+    `route_keys(ids)`'s `inverse` (each id -> its key) and `splits` (keys per owner, an
+    owner's keys first-seen, so in round order) and `round_sizes` (ids per round; the rounds'
+    ids lie one after another). Returns (`counts` `[W, rounds]`: the keys first read by round r
+    owned by shard j; `window_row` `[keys]`: each key's row in the window, the rounds' new keys
+    one round after another, a round's keys in key (owner) order)."""
+    return load_op_library().nestpipe_window_layout(
+        tf.convert_to_tensor(inverse, tf.int32), tf.convert_to_tensor(splits, tf.int32),
+        tf.convert_to_tensor(round_sizes, tf.int32))
 
 
 tf.no_gradient("NestpipeCheckIds")
 tf.no_gradient("NestpipeRouteKeys")
-tf.no_gradient("NestpipeOwnerDedup")
+tf.no_gradient("NestpipeOwnerRounds")
+tf.no_gradient("NestpipeWindowLayout")

@@ -94,7 +94,7 @@ def assemble(single, clusters, keys, global_batch, micro_batches, commands):
     costs["routing"] = {
         "base_ms": route[0], "per_id_us": 1e3 * route[1], "per_slot_us": 1e3 * route[2],
         "how": "tf.function of ops.route_keys + capacity bucketing + padded key layout + "
-               "ops.owner_dedup over every padded slot (collectives replaced by local copies), "
+               "ops.owner_rounds over every padded slot (collectives replaced by local copies), "
                "minus an empty tf.function; fit base + per id + per padded slot",
         "points": [{k: s[k] for k in ("samples", "shards", "ids", "unique", "slots", "route_ms",
                                       "route_median_ms")} for s in stages]}

@@ -98,11 +98,12 @@ def _keys_per_pair(headers, num_shards):
 
 def _owner_side(received_keys, received, capacity, layout):
     """The owner's view of a rows exchange: the distinct local rows requested and each slot's
-    index into them (`owner_dedup`) from the keys each requester sent (`[W, n]`, -1 padded,
-    `received[i]` of them valid), laid out at `capacity` slots per requester."""
-    keys = _padded(tf.RaggedTensor.from_row_lengths(
-        tf.boolean_mask(received_keys, received_keys >= 0), tf.cast(received, tf.int64)), capacity)
-    return ops.owner_dedup(keys, layout.num_shards, layout.shard_index)
+    index into them (`owner_rounds`, one round) from the keys each requester sent (`[W, n]`,
+    its `received[i]` keys first, then -1), laid out at `capacity` slots per requester."""
+    local_rows, slot_to_unique = ops.owner_rounds(
+        received_keys, tf.reshape(received, [-1, 1]), tf.reshape(capacity, [1]),
+        layout.num_shards, layout.shard_index)
+    return local_rows[0], slot_to_unique[0]
 
 
 def _slots(splits, capacity, num_shards):
@@ -158,56 +159,25 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     num_shards, rounds = layout.num_shards, len(round_sizes)
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
-    counts, window_row = window_layout(inverse, splits, round_sizes, num_shards)
+    counts, window_row = ops.window_layout(inverse, splits, tf.stack(round_sizes))
     headers, keys_in, rider_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size,
                                             num_shards, collectives, tag, hint, wire, rider)
     every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
     mine = every[:, layout.shard_index, :]  # [requester, round]: keys it sent this worker
     shares = tf.cast(headers[:, -1], tf.int32)
+    # Each round's rows exchange is padded to its own largest count, as if routed alone.
+    buckets, capacities = capacity_bucket(tf.maximum(tf.reduce_max(every, axis=[0, 1]), 1))
+    local_rows, slot_to_unique = ops.owner_rounds(keys_in, mine, capacities, num_shards,
+                                                  layout.shard_index)
     records = []
     for r in range(rounds):
-        bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(every[:, :, r]), 1))
-        local_rows, slot_to_unique = _owner_side(round_keys(keys_in, mine, r), mine[:, r],
-                                                 capacity, layout)
         records.append(RoutingRecord(
             splits=counts[:, r], inverse=tf.range(tf.reduce_sum(counts[:, r])),
-            slot_of_bucket_pos=_slots(counts[:, r], capacity, num_shards), bucket=bucket,
-            capacity=capacity, local_rows=local_rows, slot_to_unique=slot_to_unique,
-            received=mine[:, r], shares=shares))
+            slot_of_bucket_pos=_slots(counts[:, r], capacities[r], num_shards),
+            bucket=buckets[r], capacity=capacities[r], local_rows=local_rows[r],
+            slot_to_unique=slot_to_unique[r], received=mine[:, r], shares=shares))
     window_inverse = tf.gather(window_row, inverse)
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
-
-
-def window_layout(inverse, splits, round_sizes, num_shards):
-    """The requester's bookkeeping of a window routed as one (`route_rounds`), from the route's
-    `inverse` (each id -> its key) and `splits` (keys per owner, first-seen order within an
-    owner, so an owner's keys are in round order). Returns (`counts` `[W, rounds]`: the keys
-    of round r, those first read by it, asked of owner j; each key's row in the window: the
-    rounds' buffers one after another, a round's keys in owner order)."""
-    rounds = len(round_sizes)
-    round_of_id = tf.repeat(tf.range(rounds, dtype=tf.int32), tf.stack(round_sizes))
-    round_of_key = tf.math.unsorted_segment_min(round_of_id, inverse, tf.reduce_sum(splits))
-    owner_of_key = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
-    counts = tf.reshape(tf.math.unsorted_segment_sum(
-        tf.ones_like(owner_of_key), owner_of_key * rounds + round_of_key, num_shards * rounds),
-        [num_shards, rounds])
-    # A key's index among its round's keys (in key order, i.e. owner order).
-    in_round = tf.one_hot(round_of_key, rounds, dtype=tf.int32)
-    index_in_round = tf.reduce_sum((tf.cumsum(in_round, axis=0) - 1) * in_round, axis=1)
-    round_starts = tf.cumsum(tf.reduce_sum(counts, axis=0), exclusive=True)
-    return counts, tf.gather(round_starts, round_of_key) + index_in_round
-
-
-def round_keys(keys_in, sent, r):
-    """The keys of round `r` each requester sent this owner, `[W, n]` padded with -1, from the
-    keys it received in one exchange (`keys_in`: each requester's keys in round order, then -1)
-    and `sent[i, r']` (keys of round r' from requester i)."""
-    first = tf.cumsum(sent, axis=1, exclusive=True)[:, r:r + 1]
-    count = sent[:, r:r + 1]
-    positions = first + tf.range(tf.reduce_max(sent[:, r]))[None, :]
-    width = tf.shape(keys_in)[1]
-    taken = tf.gather(keys_in, tf.minimum(positions, tf.maximum(width - 1, 0)), batch_dims=1)
-    return tf.where(positions < first + count, taken, tf.constant(-1, tf.int64))
 
 
 def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True, wire=None):
