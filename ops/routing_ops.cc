@@ -359,5 +359,166 @@ class WindowLayoutOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeWindowLayout").Device(DEVICE_CPU), WindowLayoutOp);
 
+REGISTER_OP("NestpipeBucketSlots")
+    .Input("split_sizes: int32")
+    .Input("capacity: int32")
+    .Output("slots: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle splits, capacity;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 0, &capacity));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The slot of each bucketed key in a rows exchange: owner j's split_sizes[j] keys (bucketed
+order) at slots j * capacity + 0, 1, ....
+)doc");
+
+class BucketSlotsOp : public OpKernel {
+ public:
+  explicit BucketSlotsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& splits_t = ctx->input(0);
+    const Tensor& capacity_t = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(splits_t.shape()) &&
+                         TensorShapeUtils::IsScalar(capacity_t.shape()),
+                errors::InvalidArgument("split_sizes must be a vector and capacity a scalar"));
+    const auto splits = splits_t.vec<int32>();
+    const int64_t capacity = capacity_t.scalar<int32>()();
+    int64_t total = 0;
+    for (int64_t j = 0; j < splits.size(); ++j) {
+      OP_REQUIRES(ctx, splits(j) >= 0 && splits(j) <= capacity,
+                  errors::InvalidArgument("owner ", j, " has ", splits(j),
+                                          " keys, outside [0, capacity ", capacity, "]"));
+      total += splits(j);
+    }
+    Tensor* slots_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &slots_t));
+    auto slots = slots_t->vec<int32>();
+    int64_t p = 0;
+    for (int64_t j = 0; j < splits.size(); ++j) {
+      for (int32 k = 0; k < splits(j); ++k) slots(p++) = static_cast<int32>(j * capacity + k);
+    }
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeBucketSlots").Device(DEVICE_CPU), BucketSlotsOp);
+
+REGISTER_OP("NestpipeWindowGradIndex")
+    .Input("slot_of_bucket_pos: rounds * int32")
+    .Input("split_sizes: rounds * int32")
+    .Input("slot_to_unique: rounds * int32")
+    .Input("received: rounds * int32")
+    .Input("capacities: int32")
+    .Input("unique_sizes: int32")
+    .Input("capacity: int32")
+    .Attr("rounds: int >= 1")
+    .Output("targets: int32")
+    .Output("send_counts: int32")
+    .Output("receive_index: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(2, c->Vector(c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The layout of a frozen window's one reverse all-to-all (the gradients of all its rounds).
+
+Round r's exchange put owner j's split_sizes[r][j] keys at slots j * capacities[r] + k
+(slot_of_bucket_pos[r] maps each bucketed key to its slot, -1 none); the reverse exchange
+packs, per owner j at `capacity` slots, its rows of round 0, then of round 1, ....
+
+targets: each round's bucketed keys, one round after another -> its packed slot (-1 none).
+send_counts: [W], the rows sent to each owner (the rounds' splits summed).
+receive_index: [W * capacity], as the owner: each packed slot of requester i -> the window's
+unique row it updates (round r's slot_to_unique offset by the earlier rounds' unique_sizes),
+-1 for padding.
+)doc");
+
+class WindowGradIndexOp : public OpKernel {
+ public:
+  explicit WindowGradIndexOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rounds", &rounds_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList slot_of_pos, splits, slot_to_unique, received;
+    OP_REQUIRES_OK(ctx, ctx->input_list("slot_of_bucket_pos", &slot_of_pos));
+    OP_REQUIRES_OK(ctx, ctx->input_list("split_sizes", &splits));
+    OP_REQUIRES_OK(ctx, ctx->input_list("slot_to_unique", &slot_to_unique));
+    OP_REQUIRES_OK(ctx, ctx->input_list("received", &received));
+    const auto capacities = ctx->input(4 * rounds_).vec<int32>();
+    const auto unique_sizes = ctx->input(4 * rounds_ + 1).vec<int32>();
+    const int64_t capacity = ctx->input(4 * rounds_ + 2).scalar<int32>()();
+    OP_REQUIRES(ctx, capacities.size() == rounds_ && unique_sizes.size() == rounds_,
+                errors::InvalidArgument("capacities and unique_sizes need one entry per round"));
+    const int64_t shards = splits[0].NumElements();
+    int64_t keys = 0;
+    std::vector<int64_t> sent(shards, 0), got(shards, 0);
+    for (int r = 0; r < rounds_; ++r) {
+      OP_REQUIRES(ctx, splits[r].NumElements() == shards && received[r].NumElements() == shards &&
+                           slot_to_unique[r].NumElements() == shards * capacities(r),
+                  errors::InvalidArgument("round ", r, "'s routing does not match ", shards,
+                                          " shards at capacity ", capacities(r)));
+      keys += slot_of_pos[r].NumElements();
+      for (int64_t j = 0; j < shards; ++j) {
+        sent[j] += splits[r].vec<int32>()(j);
+        got[j] += received[r].vec<int32>()(j);
+      }
+    }
+    for (int64_t j = 0; j < shards; ++j) {
+      OP_REQUIRES(ctx, sent[j] <= capacity && got[j] <= capacity,
+                  errors::InvalidArgument("the window's rows for worker ", j, " (", sent[j],
+                                          " sent, ", got[j], " received) exceed capacity ",
+                                          capacity));
+    }
+    Tensor *targets_t, *counts_t, *receive_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({keys}), &targets_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({shards}), &counts_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shards * capacity}), &receive_t));
+    auto targets = targets_t->vec<int32>();
+    auto counts = counts_t->vec<int32>();
+    auto receive = receive_t->vec<int32>();
+    receive.setConstant(-1);
+    std::vector<int64_t> earlier_sent(shards, 0), earlier_got(shards, 0);
+    int64_t p = 0, unique_base = 0;
+    for (int r = 0; r < rounds_; ++r) {
+      const int64_t cap = capacities(r);
+      const auto pos = slot_of_pos[r].vec<int32>();
+      for (int64_t i = 0; i < pos.size(); ++i, ++p) {
+        const int32 slot = pos(i);
+        if (slot < 0) {
+          targets(p) = -1;
+          continue;
+        }
+        const int64_t owner = slot / cap;
+        OP_REQUIRES(ctx, owner < shards,
+                    errors::InvalidArgument("slot ", slot, " of round ", r, " outside ", shards,
+                                            " x ", cap, " slots"));
+        targets(p) = static_cast<int32>(owner * capacity + earlier_sent[owner] + slot % cap);
+      }
+      const auto to_unique = slot_to_unique[r].vec<int32>();
+      const auto got_r = received[r].vec<int32>();
+      for (int64_t j = 0; j < shards; ++j) {
+        for (int32 k = 0; k < got_r(j); ++k) {
+          const int32 u = to_unique(j * cap + k);
+          receive(j * capacity + earlier_got[j] + k) =
+              u < 0 ? -1 : static_cast<int32>(u + unique_base);
+        }
+        earlier_sent[j] += splits[r].vec<int32>()(j);
+        earlier_got[j] += got_r(j);
+      }
+      unique_base += unique_sizes(r);
+    }
+    for (int64_t j = 0; j < shards; ++j) counts(j) = static_cast<int32>(sent[j]);
+  }
+
+ private:
+  int rounds_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeWindowGradIndex").Device(DEVICE_CPU), WindowGradIndexOp);
+
 }  // namespace nestpipe
 }  // namespace tensorflow

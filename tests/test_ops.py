@@ -1,4 +1,6 @@
 """Custom ops against NumPy references: eager, tf.function, shape inference, errors, gradients."""
+import collections
+
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -263,3 +265,64 @@ def test_route_keys_and_owner_rounds_match_numpy_at_scale(n):
     np.testing.assert_array_equal(rows[0].numpy(), np.array(expected_rows, np.int64))
     where = {k: i for i, k in enumerate(expected_rows)}
     np.testing.assert_array_equal(slots[0].numpy(), [where[k // 3] if k >= 0 else -1 for k in flat])
+
+
+def test_bucket_slots_lays_each_owners_keys_at_its_block():
+    slots = ops.bucket_slots([2, 0, 3], 4).numpy().tolist()
+    assert slots == [0, 1, 8, 9, 10]
+    assert ops.bucket_slots(np.zeros([2], np.int32), 1).numpy().tolist() == []
+    with pytest.raises(tf.errors.InvalidArgumentError, match="owner 1 has 5 keys, outside"):
+        ops.bucket_slots([1, 5], 4)
+
+
+class _Round(collections.namedtuple("_Round", "slot_of_bucket_pos splits slot_to_unique "
+                                              "received capacity local_rows")):
+    """The fields of a RoutingRecord that `ops.window_grad_index` reads."""
+
+
+def window_grad_index_reference(rounds, capacity):
+    """NumPy reference: round by round, owner j's gradient rows go behind its earlier rounds'."""
+    shards = len(rounds[0].splits)
+    targets, receive = [], -np.ones(shards * capacity, np.int64)
+    sent, got, base = np.zeros(shards, np.int64), np.zeros(shards, np.int64), 0
+    for r in rounds:
+        for slot in r.slot_of_bucket_pos:
+            owner = slot // r.capacity
+            targets.append(-1 if slot < 0 else owner * capacity + sent[owner] + slot % r.capacity)
+        for j in range(shards):
+            for k in range(r.received[j]):
+                u = r.slot_to_unique[j * r.capacity + k]
+                receive[j * capacity + got[j] + k] = -1 if u < 0 else u + base
+        sent += r.splits
+        got += r.received
+        base += len(r.local_rows)
+    return targets, sent, receive
+
+
+def test_window_grad_index_matches_numpy():
+    """Two owners, three rounds of different capacities (one round empty for an owner)."""
+    rounds = [
+        _Round(np.array([0, 1, 3], np.int32), np.array([2, 1], np.int32),
+               np.array([0, 1, -1, 2, -1, -1], np.int32), np.array([2, 1], np.int32), 3,
+               np.arange(3)),
+        _Round(np.array([2, 3], np.int32), np.array([0, 2], np.int32),
+               np.array([-1, -1, 0, 1], np.int32), np.array([0, 2], np.int32), 2, np.arange(2)),
+        _Round(np.array([0], np.int32), np.array([1, 0], np.int32),
+               np.array([0, -1], np.int32), np.array([1, 0], np.int32), 1, np.arange(1)),
+    ]
+    targets, counts, receive = ops.window_grad_index(rounds, 8)
+    ref_targets, ref_counts, ref_receive = window_grad_index_reference(rounds, 8)
+    np.testing.assert_array_equal(targets.numpy(), ref_targets)
+    np.testing.assert_array_equal(counts.numpy(), ref_counts)
+    np.testing.assert_array_equal(receive.numpy(), ref_receive)
+    # Positive control: owner 0 gets round 0's two rows then round 2's one; owner 1 round 0's
+    # one then round 1's two.
+    assert ref_targets == [0, 1, 8, 9, 10, 2]
+    assert ref_receive[:3].tolist() == [0, 1, 5] and ref_receive[8:11].tolist() == [2, 3, 4]
+
+
+def test_window_grad_index_refuses_a_window_above_its_capacity():
+    r = _Round(np.array([0, 1], np.int32), np.array([2, 0], np.int32),
+               np.array([0, 1, -1, -1], np.int32), np.array([2, 0], np.int32), 2, np.arange(2))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="exceed capacity 3"):
+        ops.window_grad_index([r, r], 3)

@@ -59,7 +59,33 @@ def window_layout(inverse, splits, round_sizes):
         tf.convert_to_tensor(round_sizes, tf.int32))
 
 
+def bucket_slots(splits, capacity):
+    """The slot of each bucketed key in a rows exchange (`[sum(splits)]` int32): owner j's
+    `splits[j]` keys at slots `j * capacity + 0, 1, ...` (a split above `capacity` raises)."""
+    return load_op_library().nestpipe_bucket_slots(tf.convert_to_tensor(splits, tf.int32),
+                                                   tf.convert_to_tensor(capacity, tf.int32))
+
+
+def window_grad_index(routings, capacity):
+    """The layout of a frozen window's one reverse all-to-all, from its rounds' `RoutingRecord`s
+    (round r's gradient rows for owner j packed behind those of rounds < r, `capacity` slots per
+    owner). Returns (`targets`: each round's bucketed keys, round after round -> its packed slot,
+    -1 none; `send_counts` `[W]`: rows sent to each owner; `receive_index` `[W * capacity]`:
+    as the owner, each packed slot -> the window's unique row (the rounds' `local_rows` one
+    after another), -1 for padding)."""
+    def ints(name):
+        return [tf.cast(getattr(r, name), tf.int32) for r in routings]
+
+    return load_op_library().nestpipe_window_grad_index(
+        ints("slot_of_bucket_pos"), ints("splits"), ints("slot_to_unique"), ints("received"),
+        tf.stack(ints("capacity")),
+        tf.stack([tf.size(r.local_rows, out_type=tf.int32) for r in routings]),
+        tf.cast(capacity, tf.int32))
+
+
 tf.no_gradient("NestpipeCheckIds")
 tf.no_gradient("NestpipeRouteKeys")
 tf.no_gradient("NestpipeOwnerRounds")
 tf.no_gradient("NestpipeWindowLayout")
+tf.no_gradient("NestpipeBucketSlots")
+tf.no_gradient("NestpipeWindowGradIndex")

@@ -368,24 +368,13 @@ def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire
     """The gradient of a window's owned rows (`lookup_window_from_buffers`): one reverse
     all-to-all of every round's slot gradients, packed per owner in round order. `d_window` is
     the rounds' unique-row gradients concatenated; each goes straight to its packed position
-    (owner j's block: its rows of round 0, then of round 1, ...)."""
+    (owner j's block: its rows of round 0, then of round 1, ...; `ops.window_grad_index`)."""
     _, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
-    targets, receive_index = [], []
-    earlier = tf.zeros([num_shards], tf.int32)  # rows for each owner in the rounds before
-    unique_base = 0
-    for routing in routings:
-        slot = routing.slot_of_bucket_pos
-        owner = tf.maximum(slot, 0) // routing.capacity
-        packed = owner * capacity + tf.gather(earlier, owner) + slot % routing.capacity
-        targets.append(tf.where(slot >= 0, packed, -1))
-        earlier += routing.splits
-        owner_slots = tf.reshape(routing.slot_to_unique, [num_shards, routing.capacity])
-        receive_index.append(tf.where(owner_slots >= 0, owner_slots + unique_base, -1))
-        unique_base += tf.size(routing.local_rows, out_type=tf.int32)
-    outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), tf.concat(targets, 0),
+    targets, send_counts, receive = ops.window_grad_index(routings, capacity)
+    outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), targets,
                                           num_shards * capacity), [num_shards, capacity, dim])
     bucket, _ = capacity_bucket(capacity)
     back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
-                         send_counts=earlier)
-    receive = _pack_per_peer(receive_index, [r.received for r in routings], capacity)
-    return ops.segment_sum(tf.reshape(back, [-1, dim]), tf.reshape(receive, [-1]), unique_base)
+                         send_counts=send_counts)
+    unique = tf.add_n([tf.size(r.local_rows, out_type=tf.int32) for r in routings])
+    return ops.segment_sum(tf.reshape(back, [-1, dim]), receive, unique)

@@ -106,14 +106,6 @@ def _owner_side(received_keys, received, capacity, layout):
     return local_rows[0], slot_to_unique[0]
 
 
-def _slots(splits, capacity, num_shards):
-    """Slot of each bucketed unique id in the rows exchange: from owner j, its splits[j] ids
-    at slots j * capacity + 0, 1, ...."""
-    offsets = tf.cumsum(splits, exclusive=True)
-    owner = tf.repeat(tf.range(num_shards, dtype=tf.int32), splits)
-    return owner * capacity + tf.range(tf.size(owner, tf.int32)) - tf.gather(offsets, owner)
-
-
 def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider=None):
     """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
     `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
@@ -134,7 +126,7 @@ def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider
     received = sent[:, layout.shard_index]
     local_rows, slot_to_unique = _owner_side(keys_in, received, capacity, layout)
     record = RoutingRecord(splits=splits, inverse=inverse,
-                           slot_of_bucket_pos=_slots(splits, capacity, num_shards),
+                           slot_of_bucket_pos=ops.bucket_slots(splits, capacity),
                            bucket=bucket, capacity=capacity, local_rows=local_rows,
                            slot_to_unique=slot_to_unique, received=received,
                            shares=tf.cast(headers[:, -1], tf.int32))
@@ -173,7 +165,7 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     for r in range(rounds):
         records.append(RoutingRecord(
             splits=counts[:, r], inverse=tf.range(tf.reduce_sum(counts[:, r])),
-            slot_of_bucket_pos=_slots(counts[:, r], capacities[r], num_shards),
+            slot_of_bucket_pos=ops.bucket_slots(counts[:, r], capacities[r]),
             bucket=buckets[r], capacity=capacities[r], local_rows=local_rows[r],
             slot_to_unique=slot_to_unique[r], received=mine[:, r], shares=shares))
     window_inverse = tf.gather(window_row, inverse)
