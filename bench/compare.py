@@ -496,7 +496,8 @@ def summarize_rounds(row, args, out, results):
     out.update(ms_median=median("ms_median"), ms_p90=median("ms_p90"), steps=results[0]["steps"])
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
     first = results[0]
-    for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s"):
+    for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s",
+                "ops_per_step"):
         if key in first:
             out[key] = median(key)
     steals = [r["steal"] for r in results if r.get("steal") is not None]
@@ -646,6 +647,8 @@ def collectives_text(row):
     if row.get("collectives_per_step") is None:
         return "-"
     text = "%d (%d)" % (row["collectives_per_step"], row.get("exchanges", 0))
+    if row.get("ops_per_step") is not None:
+        text += ", %d ops executed (profiled)" % row["ops_per_step"]
     if row.get("auto_choice"):
         text += ", auto chose %s" % row["auto_choice"]
         if row.get("auto_probe_steps"):
@@ -765,6 +768,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
              "exposure", "note"]
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
+              "ops_per_step",
               "vs_none", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker",

@@ -116,6 +116,7 @@ def profile(model, dataset, steps, trace, enabled=True):
             "communication_ms": median([p.communication_ms for p in profiles]),
             "exposed_ms": median([p.exposed_communication_ms for p in profiles]),
             "exposure_ratio": median([p.exposure_ratio for p in profiles]),
+            "ops_per_step": median([p.ops for p in profiles]),
             "stage_ms": {s: median([p.stage_ms[s] for p in profiles]) for s in profiles[0].stage_ms}}
 
 

@@ -113,6 +113,8 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     assert "vs_none" not in rows[4]
     assert compare.collectives_text(rows[1]) == "6 (1), auto chose dbp"
     assert compare.collectives_text(rows[4]) == "-"
+    profiled = dict(rows[1], ops_per_step=713)
+    assert compare.collectives_text(profiled) == "6 (1), 713 ops executed (profiled), auto chose dbp"
     text = compare.markdown(rows, compare.parse_args(["--steps", "10"]),
                             {"load": 0.5, "horovod": False, "horovod_version": None,
                              "horovod_text": "no Horovod rows"}, 1.0)

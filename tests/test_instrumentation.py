@@ -44,6 +44,7 @@ def test_step_profile_from_events():
     assert profile.exposure_ratio == pytest.approx(0.375)
     assert profile.stage_ms["compute"] == pytest.approx(2.0)
     assert profile.stage_ms["routing"] == pytest.approx(1.0)
+    assert profile.ops == 3
 
 
 def test_profile_real_steps_writes_chrome_trace_and_tensorboard(tmp_path):
@@ -59,6 +60,8 @@ def test_profile_real_steps_writes_chrome_trace_and_tensorboard(tmp_path):
     assert len(profiles) == 2
     assert all(p.step_ms > 0 and p.stage_ms["compute"] > 0 for p in profiles)
     assert all(p.communication_ms == 0 and p.exposure_ratio == 0 for p in profiles)
+    # Two Dense layers' forward, backward and SGD update: a few dozen executed ops per step.
+    assert all(10 < p.ops < 500 for p in profiles)
     trace_path = tmp_path / "trace.json"
     timeline.to_chrome_trace(str(trace_path))
     trace = json.loads(trace_path.read_text())["traceEvents"]

@@ -122,6 +122,7 @@ class StepProfile:
     stage_ms: Dict[str, float]
     communication_ms: float
     exposed_communication_ms: float
+    ops: int = 0  # ops the executor ran in the step (each a dispatch: ~2-5 us on a CPU core)
 
     @property
     def exposure_ratio(self):
@@ -151,7 +152,8 @@ class Timeline:
                 step_ms=(end - start) / 1e3,
                 stage_ms={stage: _union_length(items) / 1e3 for stage, items in by_stage.items()},
                 communication_ms=_union_length(communication) / 1e3,
-                exposed_communication_ms=exposed_length(communication, other) / 1e3))
+                exposed_communication_ms=exposed_length(communication, other) / 1e3,
+                ops=len(events)))
         return result
 
     def to_chrome_trace(self, path):
