@@ -91,9 +91,7 @@ def stage_functions(ids, shards, vocab, dim):
         local_rows, slot_to_unique = ops.owner_rounds(received, tf.reshape(splits, [-1, 1]),
                                                       tf.reshape(capacity, [1]), shards, 0)
         local_rows, slot_to_unique = local_rows[0], slot_to_unique[0]
-        offsets = tf.cumsum(splits, exclusive=True)
-        owner = tf.repeat(tf.range(shards, dtype=tf.int32), splits)
-        slot = owner * capacity + tf.range(tf.size(keys, tf.int32)) - tf.gather(offsets, owner)
+        slot = ops.bucket_slots(splits, capacity)
         return local_rows, slot_to_unique, tf.gather(slot, inverse), shards * capacity
 
     local_rows, slot_to_unique, rebuild, slots = route()
