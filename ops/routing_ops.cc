@@ -464,8 +464,13 @@ class WindowGradIndexOp : public OpKernel {
                                           " shards at capacity ", capacities(r)));
       keys += slot_of_pos[r].NumElements();
       for (int64_t j = 0; j < shards; ++j) {
-        sent[j] += splits[r].vec<int32>()(j);
-        got[j] += received[r].vec<int32>()(j);
+        const int32 out = splits[r].vec<int32>()(j), in = received[r].vec<int32>()(j);
+        OP_REQUIRES(ctx, out >= 0 && out <= capacities(r) && in >= 0 && in <= capacities(r),
+                    errors::InvalidArgument("round ", r, " sends ", out, " and receives ", in,
+                                            " rows for worker ", j, ", outside [0, capacity ",
+                                            capacities(r), "]"));
+        sent[j] += out;
+        got[j] += in;
       }
     }
     for (int64_t j = 0; j < shards; ++j) {

@@ -326,3 +326,7 @@ def test_window_grad_index_refuses_a_window_above_its_capacity():
                np.array([0, 1, -1, -1], np.int32), np.array([2, 0], np.int32), 2, np.arange(2))
     with pytest.raises(tf.errors.InvalidArgumentError, match="exceed capacity 3"):
         ops.window_grad_index([r, r], 3)
+    # A round that claims more received rows than its slots (would read past slot_to_unique).
+    overfull = r._replace(received=np.array([0, 3], np.int32))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="receives 3 rows for worker 1"):
+        ops.window_grad_index([overfull], 8)
