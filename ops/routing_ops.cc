@@ -70,6 +70,108 @@ class CheckIdsOp : public OpKernel {
 
 REGISTER_KERNEL_BUILDER(Name("NestpipeCheckIds").Device(DEVICE_CPU), CheckIdsOp);
 
+REGISTER_OP("NestpipeFuseIds")
+    .Input("ids: N * int64")
+    .Attr("N: int >= 1")
+    .Attr("vocab_sizes: list(int)")
+    .Attr("offsets: list(int)")
+    .Attr("table_names: list(string)")
+    .Attr("segment_ends: list(int)")
+    .Output("fused: int64")
+    .Output("sizes: int32")
+    .Output("segment_sizes: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      std::vector<int64_t> ends;
+      TF_RETURN_IF_ERROR(c->GetAttr("segment_ends", &ends));
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(0, c->Vector(c->UnknownDim()));
+      c->set_output(1, c->Vector(n));
+      c->set_output(2, c->Vector(static_cast<int64_t>(ends.size())));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The lookups of one exchange in one fused id space: input i's ids (any shape, read flat) checked
+against [0, vocab_sizes[i]) (0: not checked; the error names table_names[i]), plus offsets[i],
+all inputs one after another; sizes[i] counts input i's ids. segment_ends: the inputs are cut
+into segments (rounds) ending after input segment_ends[s] - 1 (nondecreasing, the last N);
+segment_sizes[s] counts the ids of segment s.
+)doc");
+
+class FuseIdsOp : public OpKernel {
+ public:
+  explicit FuseIdsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    int n;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &n));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("vocab_sizes", &vocab_sizes_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("offsets", &offsets_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("table_names", &table_names_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("segment_ends", &segment_ends_));
+    OP_REQUIRES(ctx, static_cast<int>(vocab_sizes_.size()) == n &&
+                         static_cast<int>(offsets_.size()) == n &&
+                         static_cast<int>(table_names_.size()) == n,
+                errors::InvalidArgument("vocab_sizes, offsets and table_names need one entry "
+                                        "per input (", n, ")"));
+    OP_REQUIRES(ctx, !segment_ends_.empty() && segment_ends_.back() == n,
+                errors::InvalidArgument("segment_ends must end at the number of inputs (", n,
+                                        ")"));
+    int64_t last = 0;
+    for (int64_t end : segment_ends_) {
+      OP_REQUIRES(ctx, end >= last, errors::InvalidArgument("segment_ends must not decrease"));
+      last = end;
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList ids;
+    OP_REQUIRES_OK(ctx, ctx->input_list("ids", &ids));
+    int64_t total = 0;
+    for (int i = 0; i < ids.size(); ++i) {
+      if (vocab_sizes_[i] > 0) {
+        OP_REQUIRES_OK(ctx,
+                       CheckIdRange(ids[i].flat<int64_t>(), vocab_sizes_[i], table_names_[i]));
+      }
+      total += ids[i].NumElements();
+    }
+    Tensor* fused_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({total}), &fused_t));
+    Tensor* input_sizes_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({ids.size()}), &input_sizes_t));
+    Tensor* sizes_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(
+                            2, TensorShape({static_cast<int64_t>(segment_ends_.size())}),
+                            &sizes_t));
+    auto fused = fused_t->vec<int64_t>();
+    auto input_sizes = input_sizes_t->vec<int32>();
+    auto sizes = sizes_t->vec<int32>();
+    int64_t p = 0;
+    size_t segment = 0;
+    int64_t segment_start = 0;
+    for (int i = 0; i < ids.size(); ++i) {
+      while (segment < segment_ends_.size() && segment_ends_[segment] <= i) {
+        sizes(segment++) = static_cast<int32>(p - segment_start);
+        segment_start = p;
+      }
+      const auto in = ids[i].flat<int64_t>();
+      input_sizes(i) = static_cast<int32>(in.size());
+      const int64_t offset = offsets_[i];
+      for (int64_t k = 0; k < in.size(); ++k) fused(p++) = in(k) + offset;
+    }
+    while (segment < segment_ends_.size()) {
+      sizes(segment++) = static_cast<int32>(p - segment_start);
+      segment_start = p;
+    }
+  }
+
+ private:
+  std::vector<int64_t> vocab_sizes_;
+  std::vector<int64_t> offsets_;
+  std::vector<std::string> table_names_;
+  std::vector<int64_t> segment_ends_;
+};
+
+REGISTER_KERNEL_BUILDER(Name("NestpipeFuseIds").Device(DEVICE_CPU), FuseIdsOp);
+
 REGISTER_OP("NestpipeRouteKeys")
     .Input("ids: int64")
     .Attr("num_shards: int >= 1")

@@ -97,6 +97,46 @@ def test_table_wise_and_row_wise_tables_share_one_fused_id_space(num_shards):
     assert group.offset(layers[0]) == 0  # positive control: the first table starts at 0
 
 
+class _CheckedTable(_PlacedTable):
+    """A placed fake table that checks its ids (invalid_id_policy="error") or not ("zero")."""
+
+    def __init__(self, *args, checked=True, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.checked_vocab_size = self.vocab_size if checked else 0
+
+    def checked_ids(self, flat_ids):
+        if not self.checked_vocab_size:
+            return flat_ids
+        return ops.check_ids(flat_ids, self.vocab_size, self.name)
+
+
+def test_fuse_lookups_is_each_lookups_fuse_in_one_op_checked_per_table():
+    sizes = [(7, None), (10, 1), (4, None), (5, 0)]  # (rows, table-wise owner)
+    fulls = [np.zeros((rows, 3), np.float32) for rows, _ in sizes]
+    layers = [_CheckedTable(full, 2, 0, "t%d" % i, owner)
+              for i, (full, (_, owner)) in enumerate(zip(fulls, sizes))]
+    group = FusedTables(layers, 2, 0)
+    lookups = [(layers[0], [6, 0]), (layers[1], [9, 3, 3]), (layers[2], [1]),
+               (layers[3], [4, 2]), (layers[0], [5])]
+    lookups = [(layer, tf.constant(ids, tf.int64)) for layer, ids in lookups]
+    fused, lookup_sizes, sizes_out = group.fuse_lookups(lookups, [3, 5])
+    expected = np.concatenate([group.fuse(layer, ids).numpy() for layer, ids in lookups])
+    np.testing.assert_array_equal(fused.numpy(), expected)
+    assert sizes_out.numpy().tolist() == [6, 3]
+    assert lookup_sizes.numpy().tolist() == [2, 3, 1, 2, 1]
+    # Row-wise and table-wise tables alike name themselves when an id is out of range...
+    for bad in (0, 1):
+        broken = list(lookups)
+        broken[bad] = (layers[bad], tf.constant([layers[bad].vocab_size], tf.int64))
+        with pytest.raises(tf.errors.InvalidArgumentError, match="'t%d': id" % bad):
+            group.fuse_lookups(broken)
+    # ... unless the table maps invalid ids itself (positive control: no check, offset only).
+    free = _CheckedTable(fulls[0], 2, 0, "free", None, checked=False)
+    group = FusedTables([free], 2, 0)
+    fused, _, _ = group.fuse_lookups([(free, tf.constant([99], tf.int64))])
+    assert fused.numpy().tolist() == [99]
+
+
 def test_fused_gather_sends_each_table_its_own_sparse_gradient():
     fulls, layers = _tables(2, 1)
     group = FusedTables(layers, 2, 1)

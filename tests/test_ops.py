@@ -267,6 +267,58 @@ def test_route_keys_and_owner_rounds_match_numpy_at_scale(n):
     np.testing.assert_array_equal(slots[0].numpy(), [where[k // 3] if k >= 0 else -1 for k in flat])
 
 
+def fuse_ids_reference(ids, vocab_sizes, offsets, segment_ends):
+    """NumPy reference of NestpipeFuseIds (valid ids)."""
+    flat = [np.asarray(t, np.int64).reshape(-1) for t in ids]
+    fused = np.concatenate([t + o for t, o in zip(flat, offsets)])
+    starts = [0] + list(segment_ends[:-1])
+    sizes = [sum(len(flat[i]) for i in range(a, b)) for a, b in zip(starts, segment_ends)]
+    return fused, np.asarray(sizes, np.int32)
+
+
+@pytest.mark.parametrize("segment_ends", [None, [4], [2, 4], [0, 1, 1, 4]])
+@pytest.mark.parametrize("as_function", [False, True])
+def test_fuse_ids_matches_numpy(segment_ends, as_function):
+    rng = np.random.default_rng(7)
+    ids = [rng.integers(0, 10, size=[3, 2]), rng.integers(0, 50, size=[5]),
+           np.zeros([0], np.int64), rng.integers(0, 10, size=[4])]
+    vocab, offsets, names = [10, 50, 5, 0], [0, 20, 70, 1000], ["a", "b", "c", "d"]
+
+    def fuse(*t):
+        return ops.fuse_ids(list(t), vocab, offsets, names, segment_ends)
+
+    fn = tf.function(fuse) if as_function else fuse
+    fused, input_sizes, sizes = fn(*[tf.constant(t, tf.int64) for t in ids])
+    ref_fused, ref_sizes = fuse_ids_reference(ids, vocab, offsets, segment_ends or [4])
+    np.testing.assert_array_equal(fused.numpy(), ref_fused)
+    assert input_sizes.numpy().tolist() == [6, 5, 0, 4]
+    np.testing.assert_array_equal(sizes.numpy(), ref_sizes)
+    assert sizes.shape == (len(segment_ends or [4]),)
+
+
+def test_fuse_ids_checks_each_table_against_its_own_vocabulary():
+    # Positive control: 7 is valid for "wide" (vocab 8) and not for "narrow" (vocab 6); an
+    # unchecked table (0) passes anything through.
+    fused, _, _ = ops.fuse_ids([[7], [5], [123]], [8, 6, 0], [0, 8, 100],
+                               ["wide", "narrow", "free"])
+    assert fused.numpy().tolist() == [7, 13, 223]
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match=r"ShardedEmbedding 'narrow': id 7 at position 1 is out of range"
+                             r" \[0, 6\).*invalid_id_policy"):
+        ops.fuse_ids([[7], [5, 7]], [8, 6], [0, 8], ["wide", "narrow"])
+    with pytest.raises(tf.errors.InvalidArgumentError, match="'wide': id -1 at position 0"):
+        ops.fuse_ids([[-1]], [8], [0], ["wide"])
+
+
+def test_fuse_ids_rejects_inconsistent_attributes():
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="one entry per input"):
+        ops.fuse_ids([[1], [2]], [8], [0, 0], ["a", "b"])
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="must end at"):
+        ops.fuse_ids([[1], [2]], [8, 8], [0, 0], ["a", "b"], [1])
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="must not decrease"):
+        ops.fuse_ids([[1], [2]], [8, 8], [0, 0], ["a", "b"], [2, 1, 2])
+
+
 def test_bucket_slots_lays_each_owners_keys_at_its_block():
     slots = ops.bucket_slots([2, 0, 3], 4).numpy().tolist()
     assert slots == [0, 1, 8, 9, 10]

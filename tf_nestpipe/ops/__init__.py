@@ -5,7 +5,7 @@ from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dyna
                                           dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum, slice_rows
 from tf_nestpipe.ops.library import load_op_library
-from tf_nestpipe.ops.routing import (bucket_slots, check_ids, owner_rounds, route_keys,
+from tf_nestpipe.ops.routing import (bucket_slots, check_ids, fuse_ids, owner_rounds, route_keys,
                                      window_grad_index, window_layout)
 from tf_nestpipe.ops.row_init import stateless_row_init
 from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows, int8_words,
@@ -25,6 +25,7 @@ __all__ = [
     "bucket_slots",
     "buffer_sync",
     "check_ids",
+    "fuse_ids",
     "gather_blocks",
     "gather_from_blocks",
     "gather_rows",

@@ -24,6 +24,21 @@ def check_ids(ids, vocab_size, table_name=""):
                                                 vocab_size=vocab_size, table_name=table_name)
 
 
+def fuse_ids(ids, vocab_sizes, offsets, table_names, segment_ends=None):
+    """The lookups of one exchange in one fused id space, in one op: `ids[i]` (int64, any
+    shape, read flat) checked against `[0, vocab_sizes[i])` (0: not checked; an out-of-range id
+    raises `InvalidArgumentError` naming `table_names[i]`, the id and its position), plus
+    `offsets[i]`, all inputs one after another. Returns `(fused, sizes, segment_sizes)`:
+    `sizes[i]` (int32) the ids of input i; the inputs are cut into segments (a frozen window's
+    rounds) ending after input `segment_ends[s] - 1` (default: one segment), `segment_sizes[s]`
+    (int32) the ids of segment s."""
+    ids = [tf.convert_to_tensor(t, tf.int64) for t in ids]
+    segment_ends = [len(ids)] if segment_ends is None else [int(e) for e in segment_ends]
+    return load_op_library().nestpipe_fuse_ids(
+        ids, vocab_sizes=[int(v) for v in vocab_sizes], offsets=[int(o) for o in offsets],
+        table_names=list(table_names), segment_ends=segment_ends)
+
+
 def owner_rounds(received_keys, sent, capacities, num_shards, shard_index):
     """The owner's side of one keys exchange that carried one or more rounds (a frozen
     window's micro-batches; one round for a plain route).
@@ -84,6 +99,7 @@ def window_grad_index(routings, capacity):
 
 
 tf.no_gradient("NestpipeCheckIds")
+tf.no_gradient("NestpipeFuseIds")
 tf.no_gradient("NestpipeRouteKeys")
 tf.no_gradient("NestpipeOwnerRounds")
 tf.no_gradient("NestpipeWindowLayout")

@@ -291,7 +291,8 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
 
 def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire=None):
     """Compute stage of a frozen window: `lookup_from_buffer` of each round's buffer (in round
-    order), with one reverse all-to-all for the gradients of all rounds instead of one per round.
+    order; the buffers of `route_rounds`, whose `inverse` is the identity), with one reverse
+    all-to-all for the gradients of all rounds instead of one per round.
 
     Round r's rows are its buffer's own values (they never wait for a later round's exchange);
     only their gradients meet, after the window's last backward, in one exchange: to each owner
@@ -317,11 +318,10 @@ def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire
         return tf.zeros([tf.reduce_sum(sizes), dim], tables.dtype), grad
 
     carriers = tf.split(window_carrier(owned), sizes, num=len(routings))
-    outputs = []
-    for prefetched, carrier in zip(prefetched_rounds, carriers):
-        outputs.append(ops.gather_rows(_round_rows(carrier, prefetched.rows),
-                                       prefetched.routing.inverse))
-    return outputs
+    # A window round's buffer holds its new ids in their own order (`route_rounds`: its
+    # `inverse` is the identity), so its rows are the round's output as they are.
+    return [_round_rows(carrier, prefetched.rows)
+            for prefetched, carrier in zip(prefetched_rounds, carriers)]
 
 
 def _round_rows(carrier, rows):

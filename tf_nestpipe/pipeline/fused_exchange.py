@@ -3,13 +3,14 @@ per group of tables and round (DESIGN.md section 10), however the model is writt
 `ShardedEmbedding` layers, collections, TFRS towers).
 
 A *route pass* traces the model on the batch's features with a `RouteRecorder` installed: each
-lookup records its checked ids and returns zeros, so the dense ops have no consumer and are
-pruned. `prefetch_lookups` then runs one route + fetch + output exchange per (round, group):
-a group is the tables of one dim and dtype (one fused id space), a round the lookups up to a
-table's next lookup (one round per micro-batch of a frozen window). The *compute pass* traces
-the step with a `BufferReader` installed: each lookup takes its rows from its buffer in the
-order the route pass recorded, and the backward is one reverse all-to-all per buffer (per
-frozen window: one for all its rounds, `dual_buffer.lookup_window_from_buffers`).
+lookup records its ids and returns zeros, so the dense ops have no consumer and are pruned.
+`prefetch_lookups` then checks and fuses each group's ids in one op (`FusedTables.fuse_lookups`)
+and runs one route + fetch + output exchange per (round, group): a group is the tables of one
+dim and dtype (one fused id space), a round the lookups up to a table's next lookup (one round
+per micro-batch of a frozen window). The *compute pass* traces the step with a `BufferReader`
+installed: a buffer's rows are split into its lookups' pieces in one op, each lookup takes its
+piece in the order the route pass recorded, and the backward is one reverse all-to-all per
+buffer (per frozen window: one for all its rounds, `dual_buffer.lookup_window_from_buffers`).
 
 In a frozen window (`frozen_window()` inside either pass) the window is kept per group, once per
 batch: one route of all the batch's fused ids (one dedup, one keys exchange, `route_rounds`),
@@ -22,6 +23,7 @@ can store them between steps).
 import contextlib
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 
 from tf_nestpipe import ops
@@ -47,12 +49,25 @@ def window_tag(group_key):
 
 
 class GroupBuffers(NamedTuple):
-    """The prefetch buffers of one group: `rounds` (round key -> `PrefetchedRows`) and, for a
-    frozen window, `window_inverse` (each looked-up id, in route order -> its index among the
-    window's unique ids; empty outside a window)."""
+    """The prefetch buffers of one group: `rounds` (round key -> `PrefetchedRows`),
+    `lookup_sizes` (round key -> int32 `[lookups]`: the ids of each of the round's lookups, in
+    route order) and, for a frozen window, `window_inverse` (round key -> each id the round
+    looks up, in route order -> its row among the window's rows of rounds 0..r; {} outside a
+    window)."""
 
     rounds: dict
-    window_inverse: tf.Tensor
+    lookup_sizes: dict
+    window_inverse: dict
+
+
+def lookup_counts(exchange, lookups):
+    """`{(group key, round key): lookups}` of a route pass's recorded `lookups`: how many
+    pieces each buffer's rows are split into (the same for every batch of one model)."""
+    counts = {}
+    for round_index, layer, _ in lookups:
+        key = (exchange.group_key(layer), round_key(round_index))
+        counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 class RoundTracker:
@@ -87,8 +102,8 @@ class _WindowAware(RowFetcher):
 
 
 class RouteRecorder(_WindowAware):
-    """Route pass: records every row-wise lookup (its round, layer and checked ids) and returns
-    zeros; other tables (one worker, ps) look up directly."""
+    """Route pass: records every row-wise lookup (its round, layer and ids) and returns zeros;
+    other tables (one worker, ps) look up directly."""
 
     def __init__(self):
         super().__init__()
@@ -98,7 +113,8 @@ class RouteRecorder(_WindowAware):
     def lookup(self, layer, flat_ids):
         if not layer.exchanged:
             return layer.direct_lookup(flat_ids)
-        self.lookups.append((self._rounds.place(layer), layer, layer.checked_ids(flat_ids)))
+        # Unchecked: `prefetch_lookups` checks and fuses a group's ids in one op.
+        self.lookups.append((self._rounds.place(layer), layer, flat_ids))
         return tf.zeros([tf.size(flat_ids), layer.dim], layer.embeddings.dtype)
 
     def lookup_dynamic(self, layer, flat_ids):
@@ -207,27 +223,33 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
             (layer, ids))
     riders = _Riders(exchange, pending)
     routed = {}  # (round, group) -> its exchange's RoutingRecord, or the fused ids to route
-    inverses = {}
+    inverses, lookup_sizes = {}, {}
     for group, rounds in sorted(entries.items()):
         tables = exchange.tables(group)
         dual_buffer.check_dtype(tables, group)
         order = sorted(rounds)
-        fused = [tf.concat([tables.fuse(layer, ids) for layer, ids in rounds[r]], axis=0)
-                 for r in order]
+        keys = [round_key(r) for r in order]
         if windowed:
             # One keys exchange for the whole window: each id fetched by its first round.
+            counts = [len(rounds[r]) for r in order]
+            fused, sizes, round_sizes = tables.fuse_lookups(
+                [entry for r in order for entry in rounds[r]], np.cumsum(counts))
+            lookup_sizes[group] = dict(zip(keys, tf.split(sizes, counts)))
             tag = window_tag(group)
             rider = riders.take(group)
             routed_window = route_rounds(
-                tf.concat(fused, axis=0), [tf.size(ids, tf.int32) for ids in fused],
-                tables.layout, exchange.collectives, tag, exchange.capacity_hint(tag),
-                share_size, exchange.wire, rider=rider)
-            records, inverses[group] = routed_window[:2]
+                fused, round_sizes, tables.layout, exchange.collectives, tag,
+                exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
+            records, window_inverse = routed_window[:2]
+            inverses[group] = dict(zip(keys, tf.split(window_inverse, round_sizes,
+                                                      num=len(order))))
             if rider is not None:
                 riders.arrived(group, routed_window[2])
             routed.update({(r, group): record for r, record in zip(order, records)})
         else:
-            routed.update({(r, group): ids for r, ids in zip(order, fused)})
+            for r, key in zip(order, keys):
+                routed[(r, group)], sizes, _ = tables.fuse_lookups(rounds[r])
+                lookup_sizes.setdefault(group, {})[key] = sizes
     buffers, plans = {}, {}
     updated = updated or {}
     for (round_index, group), routing in sorted(routed.items()):
@@ -247,7 +269,7 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
     riders.rest()
-    buffers = {group: GroupBuffers(rounds, inverses.get(group, tf.zeros([0], tf.int32)))
+    buffers = {group: GroupBuffers(rounds, lookup_sizes[group], inverses.get(group, {}))
                for group, rounds in buffers.items()}
     synced = (riders.buffers, riders.received) if pending is not None else (None, 0)
     return buffers, plans, synced
@@ -255,7 +277,9 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
 
 class BufferReader(_WindowAware):
     """Compute pass: each row-wise lookup takes its rows from its (round, group) buffer, in the
-    order the route pass recorded them (in a frozen window: from the rows of rounds 0..r).
+    order the route pass recorded them (in a frozen window: from the rows of rounds 0..r). A
+    buffer's rows are cut into its lookups' pieces in one op, at its first lookup:
+    `lookup_counts` (`lookup_counts(...)` of the route pass of the same model) says how many.
 
     A `DynamicEmbedding` looks up in the compute pass itself (admission and eviction are a
     step of the table): outside a frozen window each lookup directly; in one, the first lookup
@@ -263,16 +287,17 @@ class BufferReader(_WindowAware):
     route pass) as one step of the table, in micro-batch order, and every lookup takes its
     part of those rows, as the non-pipelined step's single lookup of the whole batch would."""
 
-    def __init__(self, exchange, buffers, dynamic_ids=None):
+    def __init__(self, exchange, buffers, lookup_counts, dynamic_ids=None):
         super().__init__()
         self._exchange = exchange
         self._buffers = buffers
+        self._lookup_counts = lookup_counts
         self._dynamic_ids = dynamic_ids or {}
         self._dynamic_rows = {}  # DynamicEmbedding name -> rows of all its recorded ids
         self._rows = {}  # (group, round key) -> the buffer's rows, one per id it fetched
         self._window_outputs = {}  # group -> {round key: its rows} (one gradient exchange)
-        self._window_rows = {}  # (group, round key) -> the window's rows up to that round
-        self._taken = {}  # group, or (group, round key) -> ids taken so far
+        self._pieces = {}  # (group, round key) -> its lookups' rows, one tensor per lookup
+        self._taken = {}  # (group, round key), or ("dynamic", name) -> lookups / ids taken
 
     def _buffer_rows(self, group, key):
         if (group, key) not in self._rows:
@@ -294,11 +319,23 @@ class BufferReader(_WindowAware):
                     "nestpipe/fused/%s/%s" % (group, key), self._exchange.wire)
         return self._rows[(group, key)]
 
-    def _take(self, counter, flat_ids):
-        """`[start, end)` of `flat_ids` among the ids counted by `counter`."""
-        start = self._taken.get(counter, 0)
-        self._taken[counter] = start + tf.size(flat_ids)
-        return start, start + tf.size(flat_ids)
+    def _round_pieces(self, group, key):
+        """The rows of round `key`'s lookups of `group`, one tensor per lookup (route order)."""
+        if (group, key) not in self._pieces:
+            buffers = self._buffers[group]
+            if self.windowed:
+                # The window's rows up to this round, each lookup's by its window index. The
+                # gradient is dense, one segment-sum per round into the window's rows so far
+                # (O(rounds x window) per batch, a few ops; an IndexedSlices split back over
+                # the concat costs a dozen).
+                upto = [k for k in sorted(buffers.rounds) if k <= key]
+                window_rows = tf.concat([self._buffer_rows(group, k) for k in upto], axis=0)
+                rows = ops.gather_rows(window_rows, buffers.window_inverse[key])
+            else:
+                rows = self._buffer_rows(group, key)
+            self._pieces[(group, key)] = tf.split(rows, buffers.lookup_sizes[key],
+                                                  num=self._lookup_counts[(group, key)])
+        return self._pieces[(group, key)]
 
     def lookup(self, layer, flat_ids):
         if not layer.exchanged:
@@ -306,26 +343,16 @@ class BufferReader(_WindowAware):
         key = round_key(self._rounds.place(layer))
         group = self._exchange.group_key(layer)
         buffers = self._buffers.get(group)
-        if buffers is None or key not in buffers.rounds:
+        taken = self._taken.get((group, key), 0)
+        if (buffers is None or key not in buffers.rounds
+                or taken >= self._lookup_counts.get((group, key), 0)):
             raise ValueError(
                 "ShardedEmbedding '%s' has no prefetched rows for this lookup: the training step "
                 "looked up the tables more often than the route pass did. The route pass must "
                 "call the model on the same inputs (and the same micro-batches); make the "
                 "lookups depend only on the inputs." % layer.name)
-        if not self.windowed:
-            start, end = self._take((group, key), flat_ids)
-            return ops.slice_rows(self._buffer_rows(group, key), start, end)
-        if (group, key) not in self._window_rows:
-            upto = [k for k in sorted(buffers.rounds) if k <= key]
-            self._window_rows[(group, key)] = tf.concat(
-                [self._buffer_rows(group, k) for k in upto], axis=0)
-        start, end = self._take(group, flat_ids)
-        # tf.gather (every window index is valid): each lookup's gradient is an IndexedSlices of
-        # its own rows; the concat's gradient hands each buffer the slices that point into it,
-        # and the buffer's read (`lookup_from_buffer`) sums them straight into its unique rows.
-        # A dense gradient per lookup (a segment-sum into the whole window, summed over lookups)
-        # cost O(lookups x window) per batch.
-        return tf.gather(self._window_rows[(group, key)], buffers.window_inverse[start:end])
+        self._taken[(group, key)] = taken + 1
+        return self._round_pieces(group, key)[taken]
 
     def lookup_dynamic(self, layer, flat_ids):
         if not self.windowed:
@@ -334,13 +361,16 @@ class BufferReader(_WindowAware):
             return super().lookup_dynamic(layer, flat_ids)  # refused: no ids were recorded
         if layer.name not in self._dynamic_rows:
             self._dynamic_rows[layer.name] = layer.direct_lookup(self._dynamic_ids[layer.name])
-        start, end = self._take(("dynamic", layer.name), flat_ids)
-        return self._dynamic_rows[layer.name][start:end]
+        counter = ("dynamic", layer.name)
+        start = self._taken.get(counter, 0)
+        self._taken[counter] = start + tf.size(flat_ids)
+        return self._dynamic_rows[layer.name][start:start + tf.size(flat_ids)]
 
     def untaken(self):
-        """(group, round) of the buffers the compute pass did not read."""
+        """(group, round) of the buffers whose lookups the compute pass did not all make."""
         return sorted((group, r) for group, buffers in self._buffers.items()
-                      for r in buffers.rounds if (group, r) not in self._rows)
+                      for r in buffers.rounds
+                      if self._taken.get((group, r), 0) < self._lookup_counts.get((group, r), 0))
 
 
 def shares_of(buffers):

@@ -29,8 +29,8 @@ import tf_keras
 from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
-                                                 prefetch_lookups, rows_requested, shares_of,
-                                                 sync_pending)
+                                                 lookup_counts, prefetch_lookups, rows_requested,
+                                                 shares_of, sync_pending)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
 from tf_nestpipe.tracing import user_function
@@ -118,6 +118,9 @@ class TrainPipeline:
         # The ids its frozen window's dynamic-table lookups recorded (see BufferReader).
         self._dynamic = TensorStore(device, "nestpipe_dynamic_ids")
         self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
+        # {(group, round key): lookups} of the model's route pass (the same for every batch),
+        # learnt where a step's route pass is traced and read by the compute passes.
+        self._lookup_counts = {}
         self._primed = False
         self._has_upcoming = False
         self._iterator_ref = None
@@ -150,11 +153,12 @@ class TrainPipeline:
                 self._exchange, recorder.lookups, recorder.windowed, updated, self._all_updated,
                 share_size_of(batch),
                 None if pending is None else PendingSync(current, pending))
+        self._lookup_counts = lookup_counts(self._exchange, recorder.lookups)
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
         return buffers, plans, recorder.dynamic_ids, synced
 
     def _compute_pass(self, batch, buffers, dynamic_ids=None):
-        reader = BufferReader(self._exchange, buffers, dynamic_ids)
+        reader = BufferReader(self._exchange, buffers, self._lookup_counts, dynamic_ids)
         shares_known = getattr(self._strategy.extended, "shares_known",
                                lambda sizes: contextlib.nullcontext())
         with installed(reader), shares_known(shares_of(buffers)):

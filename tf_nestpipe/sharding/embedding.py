@@ -143,10 +143,15 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         exchange = embedding_exchange_of(self._strategy)
         return exchange.collectives if exchange is not None else None
 
+    @property
+    def checked_vocab_size(self):
+        """The vocabulary a lookup's ids are checked against (an error naming the table and the
+        id), or 0: with invalid_id_policy="zero" they were already mapped into it."""
+        return self.vocab_size if self.invalid_id_policy == "error" else 0
+
     def checked_ids(self, flat_ids):
-        """`flat_ids` after checking they lie in the vocabulary (an error naming the table and
-        the id; with invalid_id_policy="zero" they were already mapped into it)."""
-        if self.invalid_id_policy != "error":
+        """`flat_ids` after checking they lie in the vocabulary (see `checked_vocab_size`)."""
+        if not self.checked_vocab_size:
             return flat_ids
         return ops.check_ids(flat_ids, self.vocab_size, self.name)
 

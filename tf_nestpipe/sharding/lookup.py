@@ -136,11 +136,12 @@ def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider
 def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=None, wire=None,
                  rider=None):
     """Routes the ids of a frozen window's rounds (micro-batches) with one keys exchange:
-    `ids` (int64, the rounds' fused ids one after another, `round_sizes[r]` of round r) are
-    deduplicated once, each distinct id fetched by the round that first reads it. Returns
-    (one `RoutingRecord` per round, whose buffer holds that round's new ids in its own bucketed
-    order (its `inverse` is the identity); `window_inverse` `[n]`: each id's row among the
-    rounds' buffers concatenated in round order).
+    `ids` (int64, the rounds' fused ids one after another, `round_sizes[r]` of round r: a list
+    of scalars or an int32 vector of static length) are deduplicated once, each distinct id
+    fetched by the round that first reads it. Returns (one `RoutingRecord` per round, whose
+    buffer holds that round's new ids in its own bucketed order (its `inverse` is the
+    identity); `window_inverse` `[n]`: each id's row among the rounds' buffers concatenated in
+    round order).
 
     Each block of the keys all-to-all carries the sender's `[W, rounds]` count matrix, so every
     worker learns how many keys each requester sends each owner in each round: the owner slices
@@ -149,9 +150,13 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     returns `(records, window_inverse, the received rider)`."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
-    num_shards, rounds = layout.num_shards, len(round_sizes)
+    round_sizes = tf.convert_to_tensor(round_sizes, tf.int32)
+    num_shards, rounds = layout.num_shards, round_sizes.shape[0]
+    if rounds is None:
+        raise ValueError("route_rounds needs the number of rounds statically (round_sizes' "
+                         "length)")
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
-    counts, window_row = ops.window_layout(inverse, splits, tf.stack(round_sizes))
+    counts, window_row = ops.window_layout(inverse, splits, round_sizes)
     headers, keys_in, rider_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size,
                                             num_shards, collectives, tag, hint, wire, rider)
     every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
@@ -161,13 +166,18 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     buckets, capacities = capacity_bucket(tf.maximum(tf.reduce_max(every, axis=[0, 1]), 1))
     local_rows, slot_to_unique = ops.owner_rounds(keys_in, mine, capacities, num_shards,
                                                   layout.shard_index)
+    # Each round's fields, a few ops for all rounds (unstacked) rather than a slice per field
+    # and round.
+    per_round = [tf.unstack(t, num=rounds, axis=axis) for t, axis in (
+        (counts, 1), (tf.reduce_sum(counts, axis=0), 0), (mine, 1), (buckets, 0),
+        (capacities, 0))]
     records = []
-    for r in range(rounds):
+    for r, (splits_r, keys_r, received_r, bucket_r, capacity_r) in enumerate(zip(*per_round)):
         records.append(RoutingRecord(
-            splits=counts[:, r], inverse=tf.range(tf.reduce_sum(counts[:, r])),
-            slot_of_bucket_pos=ops.bucket_slots(counts[:, r], capacities[r]),
-            bucket=buckets[r], capacity=capacities[r], local_rows=local_rows[r],
-            slot_to_unique=slot_to_unique[r], received=mine[:, r], shares=shares))
+            splits=splits_r, inverse=tf.range(keys_r),
+            slot_of_bucket_pos=ops.bucket_slots(splits_r, capacity_r),
+            bucket=bucket_r, capacity=capacity_r, local_rows=local_rows[r],
+            slot_to_unique=slot_to_unique[r], received=received_r, shares=shares))
     window_inverse = tf.gather(window_row, inverse)
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 

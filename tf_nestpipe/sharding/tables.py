@@ -85,6 +85,27 @@ class FusedTables:
             start = tf.gather(tf.constant(starts), owner)
         return width * (start + layout.local_row(flat_ids)) + owner
 
+    def fuse_lookups(self, lookups, segment_ends=None):
+        """`lookups` (`(layer, its unchecked int64 flat ids)`, one per lookup) checked (each
+        table's `checked_vocab_size`) and fused, one after another, in one op: returns
+        `(fused ids, each lookup's size, segment_sizes)` (`ops.fuse_ids`: the lookups cut into
+        segments, e.g. a frozen window's rounds, ending after lookup `segment_ends[s] - 1`;
+        default one)."""
+        ids, vocab_sizes, offsets = [], [], []
+        for layer, flat_ids in lookups:
+            layout, starts = self._layouts[id(layer)], self._starts[id(layer)]
+            if not layout.table_wise and (starts == starts[0]).all():
+                ids.append(flat_ids)  # row-wise: W * start + k, checked in the op
+                vocab_sizes.append(layer.checked_vocab_size)
+                offsets.append(int(starts[0]) * self.num_shards)
+            else:
+                # Fused by ownership: checked first (the route checks fused ids only).
+                ids.append(self.fuse(layer, layer.checked_ids(flat_ids)))
+                vocab_sizes.append(0)
+                offsets.append(0)
+        return ops.fuse_ids(ids, vocab_sizes, offsets, [layer.name for layer, _ in lookups],
+                            segment_ends)
+
     def read_rows(self, local_rows):
         """`gather(local_rows)`'s values, not differentiable: for a group of tables one op
         (`ops.read_table_rows`) instead of a partition, a gather per table and a stitch."""
