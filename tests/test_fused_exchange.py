@@ -10,7 +10,8 @@ from tensorflow.python.ops import collective_ops
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.counting import count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
-from tf_nestpipe.pipeline.fused_exchange import RoundTracker
+from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, RoundTracker,
+                                                 lookup_counts)
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.tables import FusedTables
 
@@ -404,3 +405,41 @@ def test_read_table_rows_errors():
         ops.read_table_rows(handles, [0], [0], tf.float32, 3)
     with pytest.raises(tf.errors.InvalidArgumentError, match="expected a matrix of 4 columns"):
         ops.read_table_rows(handles, [0], [0, 4], tf.float32, 4)
+
+
+class _Layer:
+    """What the fused exchange reads of a row-wise layer."""
+
+    exchanged = True
+
+    def __init__(self, name):
+        self.name = name
+
+
+class _Exchange:
+    """Every layer in group "g"."""
+
+    @staticmethod
+    def group_key(layer):
+        del layer
+        return "g"
+
+
+def test_lookup_counts_count_each_groups_lookups_per_round():
+    a, b = _Layer("a"), _Layer("b")
+    counts = lookup_counts(_Exchange(), [(0, a, None), (0, b, None), (1, a, None), (1, b, None),
+                                         (2, a, None)])
+    assert counts == {("g", "r000"): 2, ("g", "r001"): 2, ("g", "r002"): 1}
+
+
+def test_buffer_reader_refuses_lookups_the_route_pass_did_not_record():
+    buffers = {"g": GroupBuffers(rounds={"r000": None}, lookup_sizes={}, window_inverse={})}
+    # The route pass recorded no lookup of round 0: the compute pass's lookup is one too many.
+    reader = BufferReader(_Exchange(), buffers, {})
+    with pytest.raises(ValueError, match="'a' has no prefetched rows.*more often than the route"):
+        reader.lookup(_Layer("a"), tf.zeros([2], tf.int64))
+    # A round whose recorded lookups the compute pass did not all make is reported...
+    reader = BufferReader(_Exchange(), buffers, {("g", "r000"): 2})
+    assert reader.untaken() == [("g", "r000")]
+    # ... and none when the route pass recorded none (positive control).
+    assert BufferReader(_Exchange(), buffers, {}).untaken() == []
