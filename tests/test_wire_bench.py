@@ -63,3 +63,19 @@ def test_wire_stats_count_what_each_backend_sends():
     assert stats.read()["keys"] == 2 * 7 * 8
     stats.add("clamped", np.int64(3))
     assert stats.read() == {"keys": 112, "forward": 80, "backward": 24, "sync": 0, "clamped": 3}
+
+
+def test_wire_stats_count_the_same_when_shapes_are_known_only_at_run_time():
+    stats = WireStats("/cpu:0")
+
+    @tf.function(input_signature=[tf.TensorSpec(None, tf.float16)])
+    def count_unknown(block):
+        stats.count_sent("forward", block, _FakeCollectives("tf", 1))
+
+    @tf.function(input_signature=[tf.TensorSpec([3, None, 4], tf.float16)])
+    def count_static(block):
+        stats.count_sent("sync", block, _FakeCollectives("tf", 1))
+
+    count_unknown(tf.zeros([3, 5, 4], tf.float16))
+    count_static(tf.zeros([3, 5, 4], tf.float16))
+    assert stats.read()["forward"] == stats.read()["sync"] == 2 * 5 * 8

@@ -21,6 +21,7 @@ backend sends them: whole padded blocks (CollectiveAllToAllV2) or the data entri
 """
 from typing import NamedTuple
 
+import numpy as np
 import tensorflow as tf
 from tensorflow.python.ops import resource_variable_ops
 
@@ -101,12 +102,20 @@ class WireStats:
         """Counts the bytes of the padded `[W, capacity, ...]` `wire` tensor that leave this
         worker (its own block stays): whole blocks on a padded backend, the first
         `send_counts[j]` entries of each block on one with variable splits. Returns the op."""
-        shape = tf.shape(wire, out_type=tf.int64)
-        entry_bytes = tf.reduce_prod(shape[2:]) * wire.dtype.size
+        static = wire.shape
+        if static.rank is not None and static[2:].is_fully_defined():
+            # The usual case (dims known when traced): a few ops on the hot path, not a dozen.
+            entry_bytes = int(np.prod(static[2:].as_list(), dtype=np.int64)) * wire.dtype.size
+        else:
+            entry_bytes = (tf.reduce_prod(tf.shape(wire, out_type=tf.int64)[2:])
+                           * wire.dtype.size)
         if send_counts is not None and getattr(collectives, "backend", "tf") == "horovod":
             counts = tf.cast(send_counts, tf.int64)
             entries = tf.reduce_sum(counts) - counts[collectives.worker_index]
+        elif static.rank is not None and static[0] is not None:
+            entries = (static[0] - 1) * tf.shape(wire, out_type=tf.int64)[1]
         else:
+            shape = tf.shape(wire, out_type=tf.int64)
             entries = (shape[0] - 1) * shape[1]
         return self.add(kind, entries * entry_bytes)
 

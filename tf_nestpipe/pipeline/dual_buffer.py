@@ -369,11 +369,10 @@ def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire
     all-to-all of every round's slot gradients, packed per owner in round order. `d_window` is
     the rounds' unique-row gradients concatenated; each goes straight to its packed position
     (owner j's block: its rows of round 0, then of round 1, ...; `ops.window_grad_index`)."""
-    _, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
+    bucket, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
     targets, send_counts, receive = ops.window_grad_index(routings, capacity)
     outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), targets,
                                           num_shards * capacity), [num_shards, capacity, dim])
-    bucket, _ = capacity_bucket(capacity)
     back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
                          send_counts=send_counts)
     unique = tf.add_n([tf.size(r.local_rows, out_type=tf.int32) for r in routings])
