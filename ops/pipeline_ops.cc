@@ -494,5 +494,107 @@ NESTPIPE_REGISTER_SYNC(float)
 NESTPIPE_REGISTER_SYNC(double)
 #undef NESTPIPE_REGISTER_SYNC
 
+REGISTER_OP("NestpipePackPerPeer")
+    .Input("blocks: rounds * T")
+    .Input("lengths: rounds * Tlen")
+    .Input("capacity: int32")
+    .Attr("rounds: int >= 1")
+    .Attr("T: type")
+    .Attr("Tlen: {int32, int64}")
+    .Output("packed: T")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle first;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 2, &first));
+      ShapeHandle inner;
+      TF_RETURN_IF_ERROR(c->Subshape(first, 2, &inner));
+      ShapeHandle head = c->Matrix(c->Dim(first, 0), c->UnknownDim());
+      ShapeHandle out;
+      TF_RETURN_IF_ERROR(c->Concatenate(head, inner, &out));
+      c->set_output(0, out);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Per worker j: the first lengths[r][j] entries of blocks[r][j] (each [W, capacity_r, ...]), round
+after round, then entries of -1, in a [W, capacity, ...] tensor.
+)doc");
+
+template <typename T, typename Tlen>
+class PackPerPeerOp : public OpKernel {
+ public:
+  explicit PackPerPeerOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    OpInputList blocks, lengths;
+    OP_REQUIRES_OK(ctx, ctx->input_list("blocks", &blocks));
+    OP_REQUIRES_OK(ctx, ctx->input_list("lengths", &lengths));
+    const Tensor& capacity_t = ctx->input(2 * blocks.size());
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(capacity_t.shape()),
+                errors::InvalidArgument("capacity must be a scalar"));
+    const int64_t capacity = capacity_t.scalar<int32>()();
+    const TensorShape& first = blocks[0].shape();
+    OP_REQUIRES(ctx, first.dims() >= 2,
+                errors::InvalidArgument("blocks must be [W, capacity_r, ...]"));
+    const int64_t workers = first.dim_size(0);
+    int64_t inner = 1;
+    for (int d = 2; d < first.dims(); ++d) inner *= first.dim_size(d);
+    for (int r = 0; r < blocks.size(); ++r) {
+      const TensorShape& shape = blocks[r].shape();
+      bool same = shape.dims() == first.dims() && shape.dim_size(0) == workers;
+      for (int d = 2; same && d < first.dims(); ++d) same = shape.dim_size(d) == first.dim_size(d);
+      OP_REQUIRES(ctx, same,
+                  errors::InvalidArgument("block ", r, " has shape ", shape.DebugString(),
+                                          ", the first ", first.DebugString()));
+      OP_REQUIRES(ctx, lengths[r].NumElements() == workers,
+                  errors::InvalidArgument("lengths ", r, " must have one entry per worker"));
+    }
+    TensorShape out_shape({workers, capacity});
+    for (int d = 2; d < first.dims(); ++d) out_shape.AddDim(first.dim_size(d));
+    Tensor* packed_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, out_shape, &packed_t));
+    T* packed = packed_t->flat<T>().data();
+    std::fill(packed, packed + packed_t->NumElements(), static_cast<T>(-1));
+    for (int64_t j = 0; j < workers; ++j) {
+      int64_t filled = 0;
+      for (int r = 0; r < blocks.size(); ++r) {
+        const int64_t width = blocks[r].dim_size(1);
+        const int64_t length = static_cast<int64_t>(lengths[r].flat<Tlen>()(j));
+        OP_REQUIRES(ctx, length >= 0 && length <= width,
+                    errors::InvalidArgument("round ", r, " keeps ", length, " entries for worker ",
+                                            j, ", outside [0, ", width, "]"));
+        OP_REQUIRES(ctx, filled + length <= capacity,
+                    errors::InvalidArgument("worker ", j, "'s entries exceed the capacity ",
+                                            capacity));
+        if (length > 0) {
+          const T* source = blocks[r].flat<T>().data() + j * width * inner;
+          std::copy(source, source + length * inner, packed + (j * capacity + filled) * inner);
+        }
+        filled += length;
+      }
+    }
+  }
+};
+
+#define NESTPIPE_REGISTER_PACK(T)                                                          \
+  REGISTER_KERNEL_BUILDER(Name("NestpipePackPerPeer")                                      \
+                              .Device(DEVICE_CPU)                                          \
+                              .TypeConstraint<T>("T")                                      \
+                              .TypeConstraint<int32>("Tlen")                               \
+                              .HostMemory("capacity"),                                     \
+                          PackPerPeerOp<T, int32>);                                        \
+  REGISTER_KERNEL_BUILDER(Name("NestpipePackPerPeer")                                      \
+                              .Device(DEVICE_CPU)                                          \
+                              .TypeConstraint<T>("T")                                      \
+                              .TypeConstraint<int64_t>("Tlen")                             \
+                              .HostMemory("capacity"),                                     \
+                          PackPerPeerOp<T, int64_t>);
+NESTPIPE_REGISTER_PACK(float)
+NESTPIPE_REGISTER_PACK(double)
+NESTPIPE_REGISTER_PACK(Eigen::half)
+NESTPIPE_REGISTER_PACK(bfloat16)
+NESTPIPE_REGISTER_PACK(int8)
+NESTPIPE_REGISTER_PACK(int32)
+NESTPIPE_REGISTER_PACK(int64_t)
+#undef NESTPIPE_REGISTER_PACK
+
 }  // namespace nestpipe
 }  // namespace tensorflow

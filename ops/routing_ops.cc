@@ -4,6 +4,7 @@
 //
 // Ownership rule (documented in tf_nestpipe/sharding/layout.py): id k is owned by
 // shard k mod num_shards and lives there at local row k / num_shards.
+#include <algorithm>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -460,6 +461,59 @@ class WindowLayoutOp : public OpKernel {
   }
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeWindowLayout").Device(DEVICE_CPU), WindowLayoutOp);
+
+REGISTER_OP("NestpipeCapacityBucket")
+    .Input("capacity: int32")
+    .Attr("capacities: list(int)")
+    .Output("bucket: int32")
+    .Output("padded: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      c->set_output(0, c->input(0));
+      c->set_output(1, c->input(0));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Each capacity's bucket: the index of the smallest entry of capacities (ascending) >= it, and
+that entry (the padded capacity). A capacity above the largest entry is an error.
+)doc");
+
+class CapacityBucketOp : public OpKernel {
+ public:
+  explicit CapacityBucketOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
+    OP_REQUIRES(ctx, !capacities_.empty(), errors::InvalidArgument("capacities is empty"));
+    for (size_t i = 1; i < capacities_.size(); ++i) {
+      OP_REQUIRES(ctx, capacities_[i] > capacities_[i - 1],
+                  errors::InvalidArgument("capacities must be strictly increasing"));
+    }
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& capacity_t = ctx->input(0);
+    Tensor* bucket_t;
+    Tensor* padded_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, capacity_t.shape(), &bucket_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, capacity_t.shape(), &padded_t));
+    const auto capacity = capacity_t.flat<int32>();
+    auto bucket = bucket_t->flat<int32>();
+    auto padded = padded_t->flat<int32>();
+    for (int64_t i = 0; i < capacity.size(); ++i) {
+      const auto it = std::lower_bound(capacities_.begin(), capacities_.end(),
+                                       static_cast<int64_t>(capacity(i)));
+      OP_REQUIRES(ctx, it != capacities_.end(),
+                  errors::InvalidArgument("a padded exchange of ", capacity(i),
+                                          " entries per worker exceeds the largest capacity ",
+                                          capacities_.back(), ": split the batch (smaller "
+                                          "global batch or more workers)"));
+      bucket(i) = static_cast<int32>(it - capacities_.begin());
+      padded(i) = static_cast<int32>(*it);
+    }
+  }
+
+ private:
+  std::vector<int64_t> capacities_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeCapacityBucket").Device(DEVICE_CPU), CapacityBucketOp);
 
 REGISTER_OP("NestpipeBucketSlots")
     .Input("split_sizes: int32")

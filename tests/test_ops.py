@@ -319,6 +319,29 @@ def test_fuse_ids_rejects_inconsistent_attributes():
         ops.fuse_ids([[1], [2]], [8, 8], [0, 0], ["a", "b"], [2, 1, 2])
 
 
+@pytest.mark.parametrize("shape", [[], [5], [0]])
+def test_capacity_bucket_matches_numpy_searchsorted(shape):
+    from tf_nestpipe.collectives.communication import _CAPACITIES
+    rng = np.random.default_rng(len(shape))
+    capacity = rng.integers(0, _CAPACITIES[-1] + 1, size=shape).astype(np.int32)
+    bucket, padded = ops.capacity_bucket(capacity, _CAPACITIES)
+    expected = np.searchsorted(np.asarray(_CAPACITIES), capacity, side="left")
+    np.testing.assert_array_equal(bucket.numpy(), expected)
+    np.testing.assert_array_equal(padded.numpy(), np.asarray(_CAPACITIES)[expected])
+    assert bucket.shape == padded.shape == tuple(shape)
+
+
+def test_capacity_bucket_boundaries_and_errors():
+    bucket, padded = ops.capacity_bucket([1, 2, 3, 4, 9], [1, 4, 9])
+    assert bucket.numpy().tolist() == [0, 1, 1, 1, 2]
+    assert padded.numpy().tolist() == [1, 4, 4, 4, 9]
+    with pytest.raises(tf.errors.InvalidArgumentError, match="10 entries per worker exceeds "
+                                                             "the largest capacity 9"):
+        ops.capacity_bucket(10, [1, 4, 9])
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="strictly increasing"):
+        ops.capacity_bucket(1, [1, 4, 4])
+
+
 def test_bucket_slots_lays_each_owners_keys_at_its_block():
     slots = ops.bucket_slots([2, 0, 3], 4).numpy().tolist()
     assert slots == [0, 1, 8, 9, 10]

@@ -1,12 +1,13 @@
 """Python wrappers, shape contracts and gradients of the tf_nestpipe custom ops."""
 from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather_blocks,
-                                          gather_from_blocks, sync_payload, sync_plan, sync_rows)
+                                          gather_from_blocks, pack_per_peer, sync_payload,
+                                          sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
 from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum, slice_rows
 from tf_nestpipe.ops.library import load_op_library
-from tf_nestpipe.ops.routing import (bucket_slots, check_ids, fuse_ids, owner_rounds, route_keys,
-                                     window_grad_index, window_layout)
+from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
+                                     owner_rounds, route_keys, window_grad_index, window_layout)
 from tf_nestpipe.ops.row_init import stateless_row_init
 from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows, int8_words,
                                   saturate_to_half)
@@ -23,6 +24,7 @@ __all__ = [
     "saturate_to_half",
     "apply_sync_payload",
     "bucket_slots",
+    "capacity_bucket",
     "buffer_sync",
     "check_ids",
     "fuse_ids",
@@ -31,6 +33,7 @@ __all__ = [
     "gather_rows",
     "load_op_library",
     "owner_rounds",
+    "pack_per_peer",
     "read_table_rows",
     "route_keys",
     "segment_sum",

@@ -64,3 +64,17 @@ tf.no_gradient("NestpipeApplySyncPayload")
 tf.no_gradient("NestpipeGatherBlocks")
 tf.no_gradient("NestpipeGatherFromBlocks")
 tf.no_gradient("NestpipeBufferSync")
+
+
+def pack_per_peer(blocks, lengths, capacity):
+    """`[W, capacity, ...]`: per worker j, the first `lengths[r][j]` entries of `blocks[r][j]`
+    (each `[W, capacity_r, ...]`, one dtype) for r in order, then entries of -1; one op (a
+    frozen window's sync payload: every round's fresh rows for a requester behind each other).
+    A length outside `[0, capacity_r]` or a worker's total above `capacity` raises."""
+    lengths = [tf.convert_to_tensor(length) for length in lengths]
+    return load_op_library().nestpipe_pack_per_peer(
+        list(blocks), [tf.cast(length, lengths[0].dtype) for length in lengths],
+        tf.cast(capacity, tf.int32))
+
+
+tf.no_gradient("NestpipePackPerPeer")

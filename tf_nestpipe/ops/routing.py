@@ -74,6 +74,14 @@ def window_layout(inverse, splits, round_sizes):
         tf.convert_to_tensor(round_sizes, tf.int32))
 
 
+def capacity_bucket(capacity, capacities):
+    """`(bucket, padded)` (int32, `capacity`'s shape): for each capacity, the index of the
+    smallest entry of `capacities` (a strictly increasing list of ints) >= it, and that entry. A
+    capacity above the largest entry raises `InvalidArgumentError`."""
+    return load_op_library().nestpipe_capacity_bucket(tf.cast(capacity, tf.int32),
+                                                      capacities=list(capacities))
+
+
 def bucket_slots(splits, capacity):
     """The slot of each bucketed key in a rows exchange (`[sum(splits)]` int32): owner j's
     `splits[j]` keys at slots `j * capacity + 0, 1, ...` (a split above `capacity` raises)."""
@@ -104,4 +112,5 @@ tf.no_gradient("NestpipeRouteKeys")
 tf.no_gradient("NestpipeOwnerRounds")
 tf.no_gradient("NestpipeWindowLayout")
 tf.no_gradient("NestpipeBucketSlots")
+tf.no_gradient("NestpipeCapacityBucket")
 tf.no_gradient("NestpipeWindowGradIndex")

@@ -162,7 +162,7 @@ def sync_payload(tables, prefetched_rounds, plans, wire=None):
     tf.debugging.assert_less(base, _MAX_EXACT_POSITION,
                              message="window capacity too large for the float position column")
     bucket, capacity = capacity_bucket(tf.maximum(tf.add_n([p["capacity"] for p in plans]), 1))
-    return SyncPayload(_pack_per_peer(payloads, counts, capacity), tf.add_n(counts), bucket)
+    return SyncPayload(ops.pack_per_peer(payloads, counts, capacity), tf.add_n(counts), bucket)
 
 
 def _encoded_payload(payload, positions, dim, wire):
@@ -336,32 +336,6 @@ def _round_rows(carrier, rows):
         return tf.identity(rows), grad
 
     return round_rows(carrier)
-
-
-def _pack_per_peer(blocks, lengths, capacity):
-    """`[W, capacity, ...]`: per worker j, the first `lengths[r][j]` entries of `blocks[r][j]`
-    (each `[W, capacity_r, ...]`) for r in order, then entries of -1. One scatter into the
-    filled result (each valid entry straight to its packed place), not ragged tensors."""
-    num = tf.shape(blocks[0])[0]
-    dtype = lengths[0].dtype
-    capacity = tf.cast(capacity, dtype)
-    indices, values = [], []
-    earlier = tf.zeros_like(lengths[0])  # entries packed for each worker by the blocks before
-    for block, length in zip(blocks, lengths):
-        width = tf.shape(block, out_type=dtype)[1]
-        picked = tf.where(tf.sequence_mask(length, width))  # [n, 2]: (worker, entry) kept
-        start = tf.range(num, dtype=dtype) * capacity + earlier
-        target = start[:, None] + tf.range(width, dtype=dtype)[None, :]
-        indices.append(tf.gather_nd(target, picked))
-        values.append(tf.gather_nd(block, picked))
-        earlier += length
-    index = tf.concat(indices, 0) if len(indices) > 1 else indices[0]
-    value = tf.concat(values, 0) if len(values) > 1 else values[0]
-    inner = tf.shape(blocks[0])[2:]
-    filled = tf.fill(tf.concat([[num * tf.cast(capacity, tf.int32)], inner], 0),
-                     tf.constant(-1, blocks[0].dtype))
-    packed = tf.tensor_scatter_nd_update(filled, index[:, None], value)
-    return tf.reshape(packed, tf.concat([[num, tf.cast(capacity, tf.int32)], inner], 0))
 
 
 def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire):
