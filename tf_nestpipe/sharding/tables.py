@@ -62,22 +62,30 @@ class FusedTables:
         # A table that is not split (one shard): row-wise over `num_shards` is the same rule.
         return ShardLayout(layer.vocab_size, layer.dim, num_shards, shard_index)
 
+    def _single_offset(self, layer):
+        """`layer`'s fused id of its id 0 when every id k fuses to it + k (a row-wise table
+        starting on the same local row of every worker: W * start + k), else None."""
+        starts = self._starts[id(layer)]
+        if self._layouts[id(layer)].table_wise or (starts != starts[0]).any():
+            return None
+        return int(starts[0]) * self.num_shards
+
     def offset(self, layer):
         """The fused id of `layer`'s id 0 (a row-wise table of a group whose tables start on
         the same local row of every worker, e.g. row-wise tables only)."""
-        starts = self._starts[id(layer)]
-        if self._layouts[id(layer)].table_wise or (starts != starts[0]).any():
+        offset = self._single_offset(layer)
+        if offset is None:
             raise ValueError("table %r has no single fused offset: use FusedTables.fuse"
                              % layer.name)
-        return int(starts[0]) * self.num_shards
+        return offset
 
     def fuse(self, layer, flat_ids):
         """`layer`'s int64 ids as fused ids (see the module docstring)."""
+        offset = self._single_offset(layer)
+        if offset is not None:
+            return flat_ids + tf.constant(offset, tf.int64) if offset else flat_ids
         layout, starts = self._layouts[id(layer)], self._starts[id(layer)]
         width = self.num_shards
-        if not layout.table_wise and (starts == starts[0]).all():
-            offset = int(starts[0]) * width  # row-wise: W * start + k
-            return flat_ids + tf.constant(offset, tf.int64) if offset else flat_ids
         owner = layout.owner(flat_ids)
         if (starts == starts[0]).all():
             start = tf.constant(int(starts[0]), tf.int64)
@@ -93,11 +101,11 @@ class FusedTables:
         default one)."""
         ids, vocab_sizes, offsets = [], [], []
         for layer, flat_ids in lookups:
-            layout, starts = self._layouts[id(layer)], self._starts[id(layer)]
-            if not layout.table_wise and (starts == starts[0]).all():
-                ids.append(flat_ids)  # row-wise: W * start + k, checked in the op
+            offset = self._single_offset(layer)
+            if offset is not None:
+                ids.append(flat_ids)  # offset + k, checked in the op
                 vocab_sizes.append(layer.checked_vocab_size)
-                offsets.append(int(starts[0]) * self.num_shards)
+                offsets.append(offset)
             else:
                 # Fused by ownership: checked first (the route checks fused ids only).
                 ids.append(self.fuse(layer, layer.checked_ids(flat_ids)))
