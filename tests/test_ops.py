@@ -163,10 +163,10 @@ def _gradient_op_types(fn, variable):
 
 
 def test_slices_of_gathered_rows_send_their_gradients_straight_to_params():
-    """Slices taken one per lookup (`slice_rows`) of `gather_rows` output: the gradient equals
-    NumPy's, and it reaches the params as one sparse segment-sum, never padded per slice
-    (StridedSliceGrad) nor densified on the way (UnsortedSegmentSum); the positive control, plain
-    slices, does pad."""
+    """Slices of `gather_rows` output taken as gathers (an `IndexedSlices` upstream gradient):
+    the gradient equals NumPy's, and it reaches the params as one sparse segment-sum, never
+    padded per slice (StridedSliceGrad) nor densified on the way (UnsortedSegmentSum); the
+    positive control, plain slices, does pad."""
     rng = np.random.default_rng(3)
     params = tf.Variable(rng.normal(size=(6, 2)).astype(np.float32))
     indices = tf.constant([4, -1, 0, 4, 5, 2, 0, 1])
@@ -182,7 +182,8 @@ def test_slices_of_gathered_rows_send_their_gradients_straight_to_params():
         for r in indices.numpy()[s:e]:
             if r >= 0:
                 expected[r] += w
-    grad, types = _gradient_op_types(lambda: loss_of(ops.slice_rows), params)
+    grad, types = _gradient_op_types(
+        lambda: loss_of(lambda r, s, e: tf.gather(r, tf.range(s, e))), params)
     np.testing.assert_allclose(grad, expected, rtol=1e-6)
     assert "StridedSliceGrad" not in types and "UnsortedSegmentSum" not in types, types
     grad, types = _gradient_op_types(lambda: loss_of(lambda r, s, e: r[s:e]), params)

@@ -4,7 +4,7 @@ from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather
                                           sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum, slice_rows
+from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
                                      owner_rounds, route_keys, window_grad_index, window_layout)
@@ -37,7 +37,6 @@ __all__ = [
     "read_table_rows",
     "route_keys",
     "segment_sum",
-    "slice_rows",
     "stateless_row_init",
     "sync_payload",
     "sync_plan",

@@ -23,13 +23,6 @@ def segment_sum(data, segment_ids, num_segments):
     return load_op_library().nestpipe_segment_sum(data, segment_ids, tf.cast(num_segments, tf.int32))
 
 
-def slice_rows(rows, start, end):
-    """`rows[start:end]` (2-D `rows`, scalar bounds) whose gradient is an `IndexedSlices`: when a
-    step takes many slices of one tensor (one per lookup of a buffer), their gradients are
-    concatenated, not each padded to the whole tensor and summed densely."""
-    return tf.gather(rows, tf.range(start, end))
-
-
 tf.no_gradient("NestpipeReadTableRows")
 
 
@@ -38,7 +31,7 @@ def _gather_rows_grad(op, grad):
     params, indices = op.inputs
     num_rows = tf.shape(params, out_type=tf.int32)[0]
     if isinstance(grad, tf.IndexedSlices):
-        # A sparse upstream gradient (e.g. of `slice_rows` pieces): each row of it goes straight
+        # A sparse upstream gradient (e.g. a tf.gather of the rows): each row of it goes straight
         # to the params row its output row was gathered from, never densified in between.
         return segment_sum(grad.values, tf.gather(indices, grad.indices), num_rows), None
     return segment_sum(grad, indices, num_rows), None
