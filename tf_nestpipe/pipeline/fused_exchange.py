@@ -363,8 +363,8 @@ class BufferReader(_WindowAware):
             self._dynamic_rows[layer.name] = layer.direct_lookup(self._dynamic_ids[layer.name])
         counter = ("dynamic", layer.name)
         start = self._taken.get(counter, 0)
-        self._taken[counter] = start + tf.size(flat_ids)
-        return self._dynamic_rows[layer.name][start:start + tf.size(flat_ids)]
+        self._taken[counter] = end = start + tf.size(flat_ids)
+        return self._dynamic_rows[layer.name][start:end]
 
     def untaken(self):
         """(group, round) of the buffers whose lookups the compute pass did not all make."""
