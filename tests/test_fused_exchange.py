@@ -433,7 +433,8 @@ def test_lookup_counts_count_each_groups_lookups_per_round():
 
 
 def test_buffer_reader_refuses_lookups_the_route_pass_did_not_record():
-    buffers = {"g": GroupBuffers(rounds={"r000": None}, lookup_sizes={}, window_inverse={})}
+    buffers = {"g": GroupBuffers(rounds={"r000": None}, lookup_sizes={"r000": None},
+                                 window_inverse={})}
     # The route pass recorded no lookup of round 0: the compute pass's lookup is one too many.
     reader = BufferReader(_Exchange(), buffers, {})
     with pytest.raises(ValueError, match="'a' has no prefetched rows.*more often than the route"):

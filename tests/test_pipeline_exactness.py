@@ -78,29 +78,41 @@ def test_fwp_adds_only_the_micro_batches_row_exchanges_to_a_step(exactness_resul
 @pytest.mark.parametrize("workers,run", _cases("nested"),
                          ids=["%dw-%s" % c for c in _cases("nested")])
 def test_nested_matches_unpipelined_single_process(exactness_results, workers, run):
-    """DBP + FWP: 3 micro-batches per step, each with its own prefetch buffer, all re-synced
+    """DBP + FWP: 3 micro-batches per step in a frozen window whose rows are prefetched a step
+    ahead in one exchange per group (one buffer of the window's distinct ids), re-synced
     (clustered: ':cluster')."""
     got = load_run(exactness_results[workers], run)
     _assert_params_equal(_ref(exactness_results, run), got)
-    assert int(got["stats/exchanges"]) == 3 * _groups(run)  # a prefetch per micro-batch
+    assert int(got["stats/exchanges"]) == _groups(run)  # one prefetch per window and group
     assert int(got["stats/steps"]) == STEPS and int(got["stats/drains"]) == 1
     assert int(got["stats/rows_synced"]) > 0
-    # The window cache: later micro-batches fetch only ids the first did not.
-    assert 0 < int(got["stats/first_lookup_rows"]) < int(got["stats/rows_requested"])
+    assert int(got["stats/first_lookup_rows"]) == int(got["stats/rows_requested"]) > 0
+
+
+def test_nested_fetches_each_distinct_row_of_a_window_once(exactness_results):
+    """nested's one window exchange requests what dbp's one exchange of the whole batch does
+    (each distinct id once per batch), on the same batches."""
+    dbp = load_run(exactness_results[2], "loop:adagrad:dbp")
+    nested = load_run(exactness_results[2], "loop:adagrad:nested")
+    assert int(nested["stats/rows_requested"]) == int(dbp["stats/rows_requested"]) > 0
 
 
 def test_dbp_issues_the_collectives_of_a_step_without_a_pipeline(exactness_results):
     """dbp's sync (the fresh rows of the buffers it computes from) rides on the next batch's
     keys all-to-all: a dbp step issues exactly the collectives of fit without a pipeline (a
-    sync all-to-all of its own would add one). Positive control: nested adds its further
-    micro-batches' rows exchanges, so the count does see the exchanges of a step."""
+    sync all-to-all of its own would add one), and so does nested (its window's rows in one
+    exchange a step ahead). Positive control: fwp adds its further micro-batches' rows
+    exchanges, so the count does see the exchanges of a step."""
     plain = load_run(exactness_results[2], "fit:adam")
     dbp = load_run(exactness_results[2], "fit:adam:dbp")
     nested = load_run(exactness_results[2], "fit:adam:nested")
+    fwp = load_run(exactness_results[2], "fit:adam:fwp")
     assert int(plain["stats/collectives"]) >= 4  # keys, rows, gradients, dense all-reduce
     assert int(dbp["stats/collectives"]) == int(plain["stats/collectives"])
     assert int(dbp["stats/rows_synced"]) > 0  # and the sync did carry rows
-    assert int(nested["stats/collectives"]) - int(dbp["stats/collectives"]) == 3 - 1
+    assert int(nested["stats/collectives"]) == int(plain["stats/collectives"])
+    assert int(nested["stats/rows_synced"]) > 0
+    assert int(fwp["stats/collectives"]) - int(plain["stats/collectives"]) == 3 - 1
 
 
 @pytest.mark.parametrize("workers,run", _cases("auto"), ids=["%dw-%s" % c for c in _cases("auto")])
@@ -115,8 +127,8 @@ def test_auto_matches_unpipelined_single_process_and_chooses(exactness_results, 
 
 
 def test_clustering_puts_fewer_rows_in_the_first_micro_batch(exactness_results):
-    plain = load_run(exactness_results[2], "loop:adagrad:nested")
-    clustered = load_run(exactness_results[2], "loop:adagrad:cluster:nested")
+    plain = load_run(exactness_results[2], "loop:adagrad:fwp")
+    clustered = load_run(exactness_results[2], "loop:adagrad:cluster:fwp")
     # Same batches, same total of distinct rows per step (the window cache dedups the batch) ...
     assert int(clustered["stats/rows_requested"]) == int(plain["stats/rows_requested"])
     # ... but the first (exposed) micro-batch fetches fewer of them.

@@ -261,8 +261,9 @@ def _patch_at_positions(prefetched, rows, position):
     return prefetched._replace(rows=patched), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
-def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
-    """Compute stage: the rows of every fused id the buffer was prefetched for, in order; the
+def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct=False):
+    """Compute stage: the rows of every fused id the buffer was prefetched for, in order (with
+    `distinct`: its distinct rows, in bucketed order, for a frozen window's own indexing); the
     gradient flows to the owners' rows through the reverse all-to-all (an `IndexedSlices`
     gradient of each table) in `wire`'s backward encoding."""
     wire = wire or PLAIN
@@ -286,6 +287,8 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None):
 
         return tf.identity(prefetched.rows), grad
 
+    if distinct:
+        return active_rows(owned)
     return ops.gather_rows(active_rows(owned), routing.inverse)
 
 

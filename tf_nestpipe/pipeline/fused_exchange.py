@@ -207,9 +207,15 @@ class _Riders:
 
 
 def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_updated=False,
-                     share_size=None, pending=None):
+                     share_size=None, pending=None, one_window_exchange=False):
     """One exchange per (round, group) of the recorded `lookups`, in round order (the first
-    micro-batch's rows arrive first); returns `(buffers, plans, synced)`. With `updated` (group
+    micro-batch's rows arrive first); returns `(buffers, plans, synced)`.
+
+    `one_window_exchange` (in a frozen window): one exchange per group for all the window's
+    rounds instead, a single buffer of the window's distinct ids that every round reads through
+    its `window_inverse`. For a look-ahead pipeline: its rows all arrive a step before the
+    compute that reads them, so an exchange per round would only add collectives (and a sync
+    per round); the window still fetches each id once. With `updated` (group
     -> the local rows the batch computed meanwhile updates), each buffer of those groups comes
     with its sync plan (`dual_buffer.fetch`): `plans[group][round key]`. `share_size` (this
     worker's share of the batch) rides in every keys header (`shares_of` reads it back).
@@ -230,21 +236,33 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         order = sorted(rounds)
         keys = [round_key(r) for r in order]
         if windowed:
-            # One keys exchange for the whole window: each id fetched by its first round.
+            # One keys exchange for the whole window: one dedup, each id fetched once.
             counts = [len(rounds[r]) for r in order]
             fused, sizes, round_sizes = tables.fuse_lookups(
                 [entry for r in order for entry in rounds[r]], np.cumsum(counts))
             lookup_sizes[group] = dict(zip(keys, tf.split(sizes, counts)))
-            tag = window_tag(group)
             rider = riders.take(group)
-            routed_window = route_rounds(
-                fused, round_sizes, tables.layout, exchange.collectives, tag,
-                exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
-            records, window_inverse = routed_window[:2]
+            if one_window_exchange:
+                # One buffer of the window's distinct ids: each round reads its own through
+                # its part of the route's inverse.
+                tag = buffer_tag(group, order[0])
+                routed_window = route(fused, tables.layout, exchange.collectives, tag,
+                                      exchange.capacity_hint(tag), share_size, exchange.wire,
+                                      rider=rider)
+                record, received = routed_window if rider is not None else (routed_window, None)
+                records, window_inverse = [record], record.inverse
+            else:
+                # A rows exchange per round, fetching the ids first seen in that round.
+                tag = window_tag(group)
+                routed_window = route_rounds(
+                    fused, round_sizes, tables.layout, exchange.collectives, tag,
+                    exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
+                records, window_inverse = routed_window[:2]
+                received = routed_window[2] if rider is not None else None
             inverses[group] = dict(zip(keys, tf.split(window_inverse, round_sizes,
                                                       num=len(order))))
             if rider is not None:
-                riders.arrived(group, routed_window[2])
+                riders.arrived(group, received)
             routed.update({(r, group): record for r, record in zip(order, records)})
         else:
             for r, key in zip(order, keys):
@@ -301,7 +319,8 @@ class BufferReader(_WindowAware):
 
     def _buffer_rows(self, group, key):
         if (group, key) not in self._rows:
-            rounds = self._buffers[group].rounds
+            buffers = self._buffers[group]
+            rounds = buffers.rounds
             if self.windowed and len(rounds) > 1:
                 # One gradient exchange for the window's rounds (each round's rows still
                 # arrive by its own exchange).
@@ -314,9 +333,11 @@ class BufferReader(_WindowAware):
                     self._window_outputs[group] = dict(zip(keys, outputs))
                 self._rows[(group, key)] = self._window_outputs[group][key]
             else:
+                # In a window the rounds read the buffer's distinct rows by their window index.
                 self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
                     self._exchange.tables(group), rounds[key], self._exchange.collectives,
-                    "nestpipe/fused/%s/%s" % (group, key), self._exchange.wire)
+                    "nestpipe/fused/%s/%s" % (group, key), self._exchange.wire,
+                    distinct=bool(buffers.window_inverse))
         return self._rows[(group, key)]
 
     def _round_pieces(self, group, key):
@@ -324,12 +345,12 @@ class BufferReader(_WindowAware):
         if (group, key) not in self._pieces:
             buffers = self._buffers[group]
             if self.windowed:
-                # The window's rows up to this round, each lookup's by its window index. The
-                # gradient is dense, one segment-sum per round into the window's rows so far
-                # (O(rounds x window) per batch, a few ops; an IndexedSlices split back over
-                # the concat costs a dozen).
-                upto = [k for k in sorted(buffers.rounds) if k <= key]
-                window_rows = tf.concat([self._buffer_rows(group, k) for k in upto], axis=0)
+                # The window's rows up to this round (all of them from a window's one buffer),
+                # each lookup's by its window index. The gradient is dense, one segment-sum per
+                # round into the window's rows so far (O(rounds x window) per batch, a few ops;
+                # an IndexedSlices split back over the concat costs a dozen).
+                upto = [self._buffer_rows(group, k) for k in sorted(buffers.rounds) if k <= key]
+                window_rows = upto[0] if len(upto) == 1 else tf.concat(upto, axis=0)
                 rows = ops.gather_rows(window_rows, buffers.window_inverse[key])
             else:
                 rows = self._buffer_rows(group, key)
@@ -344,7 +365,7 @@ class BufferReader(_WindowAware):
         group = self._exchange.group_key(layer)
         buffers = self._buffers.get(group)
         taken = self._taken.get((group, key), 0)
-        if (buffers is None or key not in buffers.rounds
+        if (buffers is None or key not in buffers.lookup_sizes
                 or taken >= self._lookup_counts.get((group, key), 0)):
             raise ValueError(
                 "ShardedEmbedding '%s' has no prefetched rows for this lookup: the training step "
@@ -369,7 +390,7 @@ class BufferReader(_WindowAware):
     def untaken(self):
         """(group, round) of the buffers whose lookups the compute pass did not all make."""
         return sorted((group, r) for group, buffers in self._buffers.items()
-                      for r in buffers.rounds
+                      for r in buffers.lookup_sizes
                       if self._taken.get((group, r), 0) < self._lookup_counts.get((group, r), 0))
 
 

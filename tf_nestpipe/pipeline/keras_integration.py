@@ -9,7 +9,8 @@ through one exchange per group of tables, however many layers the model has:
 - `pipeline="fwp"`: tf_keras's standard train step over `micro_batches` micro-batches in a
   frozen window, one exchange per micro-batch (lookahead 0, one tape, one update);
 - `pipeline="dbp"`: the model's own `train_step` with the Dual-Buffer Pipeline (lookahead 1);
-- `pipeline="nested"`: both, the next batch prefetched micro-batch by micro-batch;
+- `pipeline="nested"`: both: the next batch prefetched a step ahead (its whole frozen window in
+  one exchange per group), then trained over micro-batches in a frozen window;
 - `pipeline="auto"` (the default): the first steps try each of these on real batches and the
   workers continue with the fastest (`tf_nestpipe.pipeline.auto`).
 

@@ -18,6 +18,9 @@ the last batch is computed without a prefetch (drain), its sync in an exchange o
 non-pipelined run reads at step i+1. `lookahead=0` routes and retrieves each batch in its own
 step, before its compute (no sync needed): the synchronous step, and with micro-batches in a
 frozen window the Frozen-Window Pipeline (micro-batch j+1's exchange overlaps j's compute).
+With look-ahead and micro-batches (nested) a batch's window is fetched in one exchange per
+group: every micro-batch's rows arrive a step ahead, so an exchange per micro-batch would
+only add collectives.
 """
 import contextlib
 import dataclasses
@@ -152,7 +155,8 @@ class TrainPipeline:
             buffers, plans, synced = prefetch_lookups(
                 self._exchange, recorder.lookups, recorder.windowed, updated, self._all_updated,
                 share_size_of(batch),
-                None if pending is None else PendingSync(current, pending))
+                None if pending is None else PendingSync(current, pending),
+                one_window_exchange=self._lookahead == 1)
         self._lookup_counts = lookup_counts(self._exchange, recorder.lookups)
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
         return buffers, plans, recorder.dynamic_ids, synced
