@@ -141,18 +141,30 @@ class PendingSync(NamedTuple):
     plans: dict
 
 
+def _planned_rounds(buffers, plans, group):
+    """`group`'s rounds that have a sync plan, in round order: (their keys, their buffers,
+    their plans)."""
+    keys = sorted(plans[group])
+    return keys, [buffers[group].rounds[k] for k in keys], [plans[group][k] for k in keys]
+
+
+def _with_rounds(buffers, group, keys, patched):
+    """`buffers` with `group`'s rounds `keys` replaced by `patched` (in place)."""
+    buffers[group] = buffers[group]._replace(
+        rounds={**buffers[group].rounds, **dict(zip(keys, patched))})
+
+
 def sync_pending(exchange, pending, tag="nestpipe/sync"):
     """`pending` (a `PendingSync`) applied in exchanges of their own (one per group): the
     buffers patched with their fresh rows, and the rows this worker received (int64). For a
     step with no keys exchange to ride on (the pipeline's last batch)."""
     buffers, received = dict(pending.buffers), tf.constant(0, tf.int64)
-    for group, group_plans in sorted(pending.plans.items()):
-        keys = sorted(group_plans)
+    for group in sorted(pending.plans):
+        keys, rounds, plans = _planned_rounds(buffers, pending.plans, group)
         patched, count = dual_buffer.apply_sync(
-            exchange.tables(group), [buffers[group].rounds[k] for k in keys],
-            [group_plans[k] for k in keys], exchange.collectives, "%s/%s" % (tag, group),
-            exchange.wire)
-        buffers[group] = buffers[group]._replace(rounds=dict(zip(keys, patched)))
+            exchange.tables(group), rounds, plans, exchange.collectives,
+            "%s/%s" % (tag, group), exchange.wire)
+        _with_rounds(buffers, group, keys, patched)
         received += count
     return buffers, received
 
@@ -168,30 +180,25 @@ class _Riders:
         self.buffers = dict(pending.buffers) if pending else {}
         self.received = tf.constant(0, tf.int64)
 
-    def _rounds(self, group):
-        keys = sorted(self._pending.plans[group])
-        return keys, [self.buffers[group].rounds[k] for k in keys]
-
     def take(self, group):
         """The int64 rider of `group`'s pending sync (read fresh now), or None (no sync pending,
         or already riding)."""
         if (self._pending is None or group not in self._pending.plans
                 or group in self._payloads):
             return None
-        keys, rounds = self._rounds(group)
-        payload = dual_buffer.sync_payload(self._exchange.tables(group), rounds,
-                                           [self._pending.plans[group][k] for k in keys],
+        _, rounds, plans = _planned_rounds(self.buffers, self._pending.plans, group)
+        payload = dual_buffer.sync_payload(self._exchange.tables(group), rounds, plans,
                                            self._exchange.wire)
         self._payloads[group] = payload
         return dual_buffer.sync_rider(payload, self._exchange.collectives, self._exchange.wire)
 
     def arrived(self, group, received):
         """Patches `group`'s buffers with the rider `received` in its keys exchange."""
-        keys, rounds = self._rounds(group)
+        keys, rounds, _ = _planned_rounds(self.buffers, self._pending.plans, group)
         patched, count = dual_buffer.patch_buffers(
             self._exchange.tables(group), rounds,
             dual_buffer.from_sync_rider(received, self._payloads[group]), self._exchange.wire)
-        self.buffers[group] = self.buffers[group]._replace(rounds=dict(zip(keys, patched)))
+        _with_rounds(self.buffers, group, keys, patched)
         self.received += count
 
     def rest(self):
