@@ -12,7 +12,8 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   exchange groups), dp (every table data_parallel: replicated, no exchange), mixdp (table_a
   data_parallel, the other tables row_wise), tw (table_a table_wise in the exchange of the
   row-wise table_b, the collection data_parallel), alltw (every table table_wise, balanced over
-  the workers), autoplace (placement="auto")}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
+  the workers), autoplace (placement="auto"), split (table_a looked up once per id column: two
+  lookups of one table per step, the same function as without)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
   through tnp.TrainPipeline: the fused exchange, with look-ahead under dbp / nested; 3
   micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
   own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
@@ -81,6 +82,17 @@ class TinyRanker(tf_keras.Model):
 
     def call(self, features):
         a = tf.reshape(self.table_a(features["ids"]), [-1, 2 * DIM])
+        b = self.table_b(features["bag"])
+        return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
+
+
+class SplitRanker(TinyRanker):
+    """TinyRanker whose table_a is looked up once per id column: the same function, two lookups
+    of one table per step (outside a frozen window, two rounds: under DBP two prefetch buffers
+    of one group, both re-synced)."""
+
+    def call(self, features):
+        a = tf.concat([self.table_a(features["ids"][:, k]) for k in range(2)], axis=1)
         b = self.table_b(features["bag"])
         return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
 
@@ -159,13 +171,13 @@ def make_optimizer(name):
             "adam": lambda: tf_keras.optimizers.Adam(0.05)}[name]()
 
 
-def train(strategy, batches, mode, opt_name, out_path, mixed=False):
-    """Trains a fresh TinyRanker (MixedRanker if `mixed`) with `mode` (custom loop or fit) and
-    saves all parameters."""
+def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False):
+    """Trains a fresh TinyRanker (MixedRanker if `mixed`, SplitRanker if `split`) with `mode`
+    (custom loop or fit) and saves all parameters."""
     rank, workers = strategy.worker_index, strategy.num_workers
     steps = len(batches)
     with strategy.scope():
-        model = MixedRanker() if mixed else TinyRanker()
+        model = MixedRanker() if mixed else SplitRanker() if split else TinyRanker()
         optimizer = make_optimizer(opt_name)
     loss_fn = new_loss_fn()
     spec = BATCH_SPEC
@@ -308,7 +320,7 @@ def main():
         strategy.placement = placement_of_run(options)
         train(strategy, batches, mode, opt_name,
               "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)),
-              mixed="mixed" in options)
+              mixed="mixed" in options, split="split" in options)
 
 
 if __name__ == "__main__":
