@@ -80,8 +80,12 @@ class TinyRanker(tf_keras.Model):
                                             kernel_initializer=tf_keras.initializers.GlorotUniform(seed=9))
         self.out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=10))
 
+    def embed_ids(self, ids):
+        """table_a's rows of both id columns, `[B, 2 * DIM]`."""
+        return tf.reshape(self.table_a(ids), [-1, 2 * DIM])
+
     def call(self, features):
-        a = tf.reshape(self.table_a(features["ids"]), [-1, 2 * DIM])
+        a = self.embed_ids(features["ids"])
         b = self.table_b(features["bag"])
         return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
 
@@ -91,10 +95,8 @@ class SplitRanker(TinyRanker):
     of one table per step (outside a frozen window, two rounds: under DBP two prefetch buffers
     of one group, both re-synced)."""
 
-    def call(self, features):
-        a = tf.concat([self.table_a(features["ids"][:, k]) for k in range(2)], axis=1)
-        b = self.table_b(features["bag"])
-        return self.out(self.hidden(tf.concat([a, b, features["dense"]], axis=1)))
+    def embed_ids(self, ids):
+        return tf.concat([self.table_a(ids[:, k]) for k in range(2)], axis=1)
 
 
 class MixedRanker(TinyRanker):
@@ -109,7 +111,7 @@ class MixedRanker(TinyRanker):
             name="fields")
 
     def call(self, features):
-        a = tf.reshape(self.table_a(features["ids"]), [-1, 2 * DIM])
+        a = self.embed_ids(features["ids"])
         b = self.table_b(features["bag"])
         # Field f reads column f of the id pair, folded into its table.
         fields = features["ids"] % tf.constant(FIELD_SIZES, tf.int64)[None, :]

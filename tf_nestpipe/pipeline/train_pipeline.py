@@ -66,7 +66,8 @@ class PipelineStats:
     rows_synced: int = 0  # fresh rows this worker received into its prefetch buffers
     rows_planned: int = 0  # fresh rows this worker sent as an owner
     rows_requested: int = 0  # distinct rows this worker prefetched (all tables and lookups)
-    first_lookup_rows: int = 0  # of which by the first round of each step (first micro-batch)
+    first_lookup_rows: int = 0  # of which by the first round of each step (fwp: the first
+    # micro-batch; nested fetches its window in one round, so all of them)
     exchanges: int = 0  # fused exchanges a step runs (rounds x groups of tables), as traced
     collectives: CollectiveCount = None  # the collectives a step issues, as traced
 
