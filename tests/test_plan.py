@@ -164,8 +164,8 @@ def test_dbp_pays_exactly_its_resync_without_overlap():
 def test_sync_adds_no_collective_latency():
     """The re-sync rides on existing exchanges (plan counts on the rows all-to-all, fresh rows on
     the next keys all-to-all): with a latency-only all-to-all (beta = 0) and nothing overlapping,
-    DBP costs exactly the plain step (+ its op overhead, 0 here) and nested exactly FWP; the
-    fetch pays two all-to-all latencies and no all-gather."""
+    DBP costs exactly the plain step (+ its op overhead, 0 here); the fetch pays two all-to-all
+    latencies and no all-gather."""
     costs = small_costs()
     costs["collectives"]["all_to_all"]["beta_ms_per_mb"] = 0.0
     model = StepModel(costs, scenario(costs, 0.0))
@@ -173,7 +173,6 @@ def test_sync_adds_no_collective_latency():
         assert model.sync(100, w) == (0.0, 0.0)
         assert model.lookup(100, w)[1] == pytest.approx(2 * (0.5 + 0.1 * (w - 1)))
         assert model.step_ms("dbp", w, 100) == pytest.approx(model.step_ms("none", w, 100))
-        assert model.step_ms("nested", w, 100, 2) == pytest.approx(model.step_ms("fwp", w, 100, 2))
 
 
 def test_sync_adds_exactly_the_bandwidth_of_its_bytes():
@@ -198,6 +197,43 @@ def test_sync_adds_exactly_the_bandwidth_of_its_bytes():
     assert collective_bandwidth_ms("all_to_all", params, 2, 10 ** 6) == pytest.approx(2.0)
     assert collective_bandwidth_ms("all_to_all", params, 4, 10 ** 6) == pytest.approx(0.75)
     assert collective_bandwidth_ms("all_to_all", params, 1, 10 ** 6) == 0.0
+
+
+def test_nested_is_dbp_with_its_own_overhead():
+    """A look-ahead window is fetched in one exchange of the batch's distinct ids, as DBP
+    fetches its batch: nested differs from dbp only by its measured op overhead, whatever M."""
+    costs = small_costs()
+    costs["pipeline_overhead"]["nested"] = {"base_ms": 0.25, "per_sample_us": 5.0}
+    for eta in (0.0, 1.0):
+        model = StepModel(costs, scenario(costs, eta))
+        for w in WORKERS:
+            for m in (1, 2, 4):
+                assert model.step_ms("nested", w, 100, m) == pytest.approx(
+                    model.step_ms("dbp", w, 100) + 0.25 + 0.5)
+
+
+def test_fwp_step_by_hand():
+    """FWP as it runs: one route of the batch (one keys all-to-all), a rows all-to-all per
+    micro-batch (round 2 overlapping micro-batch 1's compute), one gradient all-to-all for the
+    window. Latency-only all-to-all, 2 workers, 100 samples, M = 2: without overlap it pays
+    exactly one more round than none (a retrieval and a rows all-to-all); with perfect overlap
+    that round hides behind compute / M and FWP costs none's step."""
+    costs = small_costs()
+    costs["collectives"]["all_to_all"]["beta_ms_per_mb"] = 0.0
+    a2a = 0.5 + 0.1
+    none = 0.3 + 0.1 + a2a + a2a + 2.0 + a2a + (0.3 + 0.1 * 2)  # route, retrieval, keys, rows,
+    serial = StepModel(costs, scenario(costs, 0.0))              # compute, grads, all-reduce
+    assert serial.step_ms("none", 2, 100) == pytest.approx(none)
+    assert serial.step_ms("fwp", 2, 100, 2) == pytest.approx(none + 0.1 + a2a)
+    overlapped = StepModel(costs, scenario(costs, 1.0))
+    assert overlapped.step_ms("fwp", 2, 100, 2) == pytest.approx(none)
+    window = serial.window(100, 2, 2)
+    assert len(window.rounds) == 2 and window.keys == pytest.approx(a2a)
+    # One gradient exchange carries both rounds' rows (bandwidth on: it grows with their slots).
+    costs["collectives"]["all_to_all"]["beta_ms_per_mb"] = 1.0
+    window = StepModel(costs, scenario(costs, 0.0)).window(100, 2, 2)
+    slots = sum(s for _, _, s in window.rounds)
+    assert window.grad == pytest.approx(a2a + slots * 16 / 1e6 * 0.5)
 
 
 def test_fwp_with_one_micro_batch_is_the_plain_step():
@@ -388,6 +424,8 @@ def test_cli_on_small_costs(tmp_path, capsys):
         assert needle in text, needle
     assert "wrote" in capsys.readouterr().out
     assert not (tmp_path / "plan.png").exists()
+    # The report names the costs file it was made from (not the default one here).
+    assert "`python -m tf_nestpipe.plan --costs %s" % os.path.relpath(costs_path, cli.REPO) in text
 
 
 def test_runs_outside_the_key_statistics_are_listed_not_fatal():
@@ -423,3 +461,52 @@ def test_plot_is_written(tmp_path):
     path = os.path.join(tmp_path, "plan.png")
     assert report.write_plot(path, tables, validation, scenarios, 100, 2, ["a test"])
     assert os.path.getsize(path) > 10000
+
+
+# --- measure: the costs file's sections per transport ---------------------------------------
+def _raw_measurements(tf_ms_per_mb, mesh_ms_per_mb, cluster_transport="tf"):
+    """Hand-made raw results of bench/stage_costs.py (`single`, `cluster` per W on TF's
+    collectives, `cluster --collectives-only` per W on the mesh): every collective costs 1 ms +
+    its slope per MB (TF's or the mesh's)."""
+    stages = [{"samples": n, "shards": 1, "ids": 26 * n, "unique": 10 * n, "slots": 10 * n,
+               "owner_rows": 10 * n, "route_ms": 0.1 + n / 1e3, "route_median_ms": 0.2,
+               "retrieve_ms": 0.1 + n / 2e3, "retrieve_median_ms": 0.2} for n in (64, 256, 1024)]
+    steps = [{"pipeline": p, "batch": b, "best_ms": 2.0 + b / 100, "median_ms": 3.0}
+             for p in ("none", "dbp", "fwp", "nested", "plain") for b in (60, 100)]
+    single = {"fields": 26, "dim": 16, "dense_params": 1000, "table_scale": 0.002, "vocab": 500,
+              "loadavg": [0.1, 0.1], "stages": stages, "steps": steps}
+
+    def sweep(slope, transport, workers):
+        return {"transport": transport, "loadavg": [0.1, 0.1],
+                "compute_only": {"batch": 100, "best_ms": 5.0},
+                "collectives": {kind: [[n, 1.0 + slope * n / 1e6] for n in (1 << 10, 1 << 20)]
+                                for kind in ("all_to_all", "all_gather", "all_reduce")}}
+
+    clusters = {w: sweep(tf_ms_per_mb, cluster_transport, w) for w in (2, 4)}
+    mesh = {w: sweep(mesh_ms_per_mb, "sockets", w) for w in (2, 4)}
+    return single, clusters, mesh
+
+
+def test_measured_collectives_go_to_their_transports_section():
+    """`--measure` writes TF's sweeps to `collectives` (the model's, and the placement planner's
+    for tf / horovod) and the socket mesh's to `collectives_sockets` (the planner's for the
+    default transport), and refuses a 'collectives' sweep that timed the mesh (the mistake a
+    default-transport `cluster` run made: mesh costs labelled as TF's, the mesh's section
+    dropped)."""
+    from tf_nestpipe.plan.measure import assemble
+
+    keys = dict(small_costs()["keys"], samples=[10, 1000])
+    single, clusters, mesh = _raw_measurements(tf_ms_per_mb=3.0, mesh_ms_per_mb=0.5)
+    costs = assemble(single, clusters, keys, 512, 4, ["cmd"], mesh)
+    for section, slope in (("collectives", 3.0), ("collectives_sockets", 0.5)):
+        per_w = costs[section]["all_to_all"]["per_workers"]["2"]
+        assert per_w["slope_ms_per_mb"] == pytest.approx(slope, rel=1e-6)
+        assert per_w["intercept_ms"] == pytest.approx(1.0, abs=1e-3)
+    assert "socket mesh" in costs["collectives_sockets"]["how"]
+    assert "collectives_sockets" not in assemble(single, clusters, keys, 512, 4, ["cmd"])
+    single, wrong, mesh = _raw_measurements(3.0, 0.5, cluster_transport="sockets")
+    with pytest.raises(RuntimeError, match="timed the 'sockets' transport's collectives, not "
+                                           "'tf'.*--collectives tf"):
+        assemble(single, wrong, keys, 512, 4, ["cmd"], mesh)
+    with pytest.raises(RuntimeError, match="not 'sockets'"):
+        assemble(single, clusters, keys, 512, 4, ["cmd"], clusters)

@@ -13,6 +13,7 @@ from tf_nestpipe.plan.model import ModelError
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RESULTS = os.path.join(REPO, "bench", "results")
+DEFAULT_COSTS = os.path.join(RESULTS, "plan_costs.json")
 
 
 def parse_workers(text):
@@ -34,7 +35,7 @@ def build_parser():
         description="Predict NestPipe step time and scaling efficiency for W = 2 ... 1,536 "
                     "workers from measured per-stage costs, validate against measured runs, "
                     "write plan.md and plan.png.")
-    parser.add_argument("--costs", default=os.path.join(RESULTS, "plan_costs.json"),
+    parser.add_argument("--costs", default=DEFAULT_COSTS,
                         help="costs file (default bench/results/plan_costs.json)")
     parser.add_argument("--measure", action="store_true",
                         help="measure the stage costs on this machine first (about 5 "
@@ -176,15 +177,19 @@ def run_report(costs, args):
     keys_rows = report.key_assumptions(costs, args.workers, batch)
     needed = report.compute_needed(costs, scenarios["datacenter"], max(args.workers), batch,
                                    micro_batches)
-    commands = ["python -m tf_nestpipe.plan --measure"]
+    # The commands that made this report (with the costs file, where not the default one).
+    costs_flag = ("" if os.path.abspath(args.costs) == os.path.abspath(DEFAULT_COSTS)
+                  else " --costs %s" % os.path.relpath(args.costs, REPO))
+    commands = ["python -m tf_nestpipe.plan --measure" + costs_flag]
     if costs.get("runs"):
-        commands.append("python -m tf_nestpipe.plan --measure-runs")
-    commands.append("python -m tf_nestpipe.plan" + (
+        commands.append("python -m tf_nestpipe.plan --measure-runs" + costs_flag)
+    commands.append("python -m tf_nestpipe.plan" + costs_flag + (
         " --validate %s" % os.path.relpath(args.validate, REPO)
-        if args.validate and os.path.exists(args.validate) else ""))
+        if args.validate and os.path.exists(args.validate) else " --validate ''"))
     sensitivity = report.sensitivity(costs, network, max(args.workers), batch, micro_batches)
     text = report.render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, batch,
-                         micro_batches, args.workers, commands, sensitivity)
+                         micro_batches, args.workers, commands, sensitivity,
+                         costs_file=os.path.relpath(args.costs, REPO))
     os.makedirs(args.out_dir, exist_ok=True)
     md = os.path.join(args.out_dir, "plan.md")
     with open(md, "w") as f:

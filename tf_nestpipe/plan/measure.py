@@ -55,9 +55,26 @@ def _plain_model(costs):
     return StepModel(costs, scenario, overheads=False)
 
 
-def assemble(single, clusters, keys, global_batch, micro_batches, commands):
-    """The costs dict from the raw results of stage_costs.py `single`, `cluster` (by worker
-    count) and the key statistics grid."""
+def _check_transport(results, transport, what):
+    """Raises RuntimeError unless every cluster result in `results` ({workers: result}) timed
+    `transport`'s collectives (stage_costs.py reports the one it used)."""
+    for workers, result in sorted(results.items()):
+        used = result.get("transport", "tf")
+        if used != transport:
+            raise RuntimeError(
+                "%s on %d workers timed the %r transport's collectives, not %r: the costs file's "
+                "sections are per transport (tf_nestpipe.plan.placement.TRANSPORT_SECTIONS); "
+                "run bench/stage_costs.py cluster with --collectives %s"
+                % (what, workers, used, transport, "tf" if transport == "tf" else "auto"))
+
+
+def assemble(single, clusters, keys, global_batch, micro_batches, commands, mesh=None):
+    """The costs dict from the raw results of stage_costs.py `single`, `cluster` on TensorFlow's
+    collectives (by worker count), the key statistics grid and (optional) `cluster
+    --collectives-only` on the socket mesh (by worker count: `collectives_sockets`)."""
+    _check_transport(clusters, "tf", "the 'collectives' sweep")
+    if mesh:
+        _check_transport(mesh, "sockets", "the 'collectives_sockets' sweep")
     fields = single["fields"]
     costs = {
         "schema": SCHEMA,
@@ -164,6 +181,15 @@ def assemble(single, clusters, keys, global_batch, micro_batches, commands):
         "path (bytes = the tensor). Fit alpha0 + alpha_step * steps(W) + beta * MB * factor(W) "
         "(all_to_all: W-1, (W-1)/W; ring all_gather: W-1, W-1; ring all_reduce: 2(W-1), "
         "2(W-1)/W), coefficients >= 0" % ", ".join(str(w) for w in sorted(clusters)))
+    if mesh:
+        costs["collectives_sockets"] = {
+            kind: fit_collective(kind, {w: c["collectives"][kind] for w, c in mesh.items()})
+            for kind in COLLECTIVES}
+        costs["collectives_sockets"]["how"] = (
+            "the socket mesh (NestPipeStrategy's default transport on CPU, collectives='auto'), "
+            "measured like 'collectives' on W = %s local workers (stage_costs.py cluster "
+            "--collectives-only); all_reduce is the strategy's replica-context all-reduce on "
+            "the mesh; same fit as 'collectives'" % ", ".join(str(w) for w in sorted(mesh)))
     return validate_costs(costs, "measured costs")
 
 
@@ -198,17 +224,24 @@ def run_measurements(path, global_batch=512, micro_batches=4, with_runs=False, l
     commands = ["python %s single --micro-batches %d" % (rel, micro_batches)]
     log("measuring routing, retrieval and one-worker steps: %s" % commands[-1])
     single = run_result([stage, "single", "--micro-batches", str(micro_batches)])
-    clusters = {}
+    clusters, mesh = {}, {}
     for workers in (2, 4):
+        # TensorFlow's collectives ('collectives': the model's, and the placement planner's for
+        # the tf and horovod transports) with the contention run; then the socket mesh's sweeps
+        # ('collectives_sockets', the planner's for the default transport on CPU).
         commands.append("python -m tf_nestpipe.launch --workers %d -- python %s cluster "
-                        "--global-batch %d" % (workers, rel, global_batch))
+                        "--collectives tf --global-batch %d" % (workers, rel, global_batch))
         log("measuring collectives and contention: %s" % commands[-1])
-        clusters[workers] = run_result([stage, "cluster", "--global-batch", str(global_batch)],
-                                       workers=workers)
+        clusters[workers] = run_result([stage, "cluster", "--collectives", "tf",
+                                        "--global-batch", str(global_batch)], workers=workers)
+        commands.append("python -m tf_nestpipe.launch --workers %d -- python %s cluster "
+                        "--collectives-only" % (workers, rel))
+        log("measuring the socket mesh's collectives: %s" % commands[-1])
+        mesh[workers] = run_result([stage, "cluster", "--collectives-only"], workers=workers)
     log("sampling key statistics (tf_nestpipe.plan.keys)")
     keys = key_stats.sample_key_stats(single["table_scale"])
     commands.append("tf_nestpipe.plan.keys.sample_key_stats(%g)" % single["table_scale"])
-    costs = assemble(single, clusters, keys, global_batch, micro_batches, commands)
+    costs = assemble(single, clusters, keys, global_batch, micro_batches, commands, mesh)
     if with_runs:
         costs["runs"] = measure_runs(global_batch, micro_batches, log=log)
     elif os.path.exists(path):  # keep validation runs measured earlier

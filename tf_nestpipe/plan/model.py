@@ -5,9 +5,12 @@ One step of a worker holding `b` samples (weak scaling: `b` fixed, global batch 
     none    T = cpu_fetch + comm_fetch + compute + grad_a2a + all_reduce (dense + metric scalars)
     dbp     T = ov(P, K) + overhead      P = cpu_fetch + comm_fetch + sync (batch i+1)
                                          K = compute + grad_a2a + all_reduce (batch i)
-    fwp     T = F_1 + sum_j ov(k, F_j+1 + G_j) + k + G_M + all_reduce,  k = (compute + overhead) / M
-    nested  T = ov(P_M, K_M) + overhead  (DBP over the M micro-batches: P_M = their M fetches
-                                          + their M syncs, K_M = their compute and G_j)
+    fwp     T = R + F_1 + sum_j ov(k, F_j+1) + k + G + all_reduce,  k = (compute + overhead) / M
+              R = the window's route (one dedup of the batch, one keys all-to-all), F_j = micro-
+              batch j's retrieval + rows all-to-all (the ids the window first sees in it),
+              G = one gradient all-to-all for the whole window
+    nested  T = dbp's formula with nested's overhead: a look-ahead window is fetched in one
+              exchange (the batch's distinct ids, as dbp), only the compute is micro-batched
 
 cpu_fetch = routing (dedup + bucketing + owner dedup) + retrieval (gathers and their adjoints);
 comm_fetch = keys all-to-all + rows all-to-all, the per-owner key counts riding in the keys
@@ -23,7 +26,7 @@ the sampled key statistics (`tf_nestpipe.plan.keys`), interpolated in log(sample
 """
 import dataclasses
 import math
-from typing import Dict, Optional, Tuple
+from typing import Dict, NamedTuple, Optional, Tuple
 
 PIPELINES = ("none", "dbp", "fwp", "nested")
 COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
@@ -168,6 +171,16 @@ class Scenario:
         return self.contention[workers]
 
 
+class Window(NamedTuple):
+    """The modelled exchanges of one frozen window (ms; `rounds`: per micro-batch (retrieval
+    cpu, rows all-to-all, padded slots))."""
+
+    route_cpu: float
+    keys: float
+    rounds: Tuple[Tuple[float, float, float], ...]
+    grad: float
+
+
 class StepModel:
     """Predicts one step's time for a pipeline, worker count and per-worker batch from a costs
     dict (the plan_costs.json layout, see `tf_nestpipe.plan.costs`) under a Scenario."""
@@ -210,33 +223,62 @@ class StepModel:
     def _coll(self, kind, workers, nbytes):
         return collective_ms(kind, self.scenario.collectives[kind], workers, nbytes)
 
-    def lookup(self, samples, workers, share=1.0):
+    def lookup(self, samples, workers):
         """(cpu_fetch, comm_fetch, grad_a2a, exchanged slots) of one lookup of `samples` samples
-        per worker; `share` < 1 is a later micro-batch fetching only ids new to its window.
-        comm_fetch = keys all-to-all (the per-owner counts ride in it: a W x (W + 1) int64
-        header) + rows all-to-all."""
-        unique = self.keys.at("unique", samples, workers) * share
-        ids = samples * self.fields
-        if workers == 1:
-            slots = owner_rows = unique
-        else:
-            slots = workers * padded_capacity(self.keys.at("capacity", samples, workers) * share)
-            owner_rows = self.keys.at("owner_rows", samples, workers) * share
-        cpu = self.routing_ms(ids, slots) + self.retrieval_ms(owner_rows + slots + ids)
-        header = workers * (workers + 1) * HEADER_BYTES
-        comm = (self._coll("all_to_all", workers, slots * KEY_BYTES + header)
-                + self._coll("all_to_all", workers, slots * self.row_bytes))
-        grad = self._coll("all_to_all", workers, slots * self.row_bytes)
-        return cpu, comm, grad, slots
+        per worker (none, dbp, and nested's one window exchange). comm_fetch = keys all-to-all
+        (the per-owner counts ride in it: a W x (W + 1) int64 header) + rows all-to-all."""
+        window = self.window(samples, workers, 1)
+        (retrieval, rows, slots), = window.rounds
+        return window.route_cpu + retrieval, window.keys + rows, window.grad, slots
 
-    def sync(self, samples, workers, share=1.0):
+    def _round_slots(self, samples, workers, share):
+        """(padded slots, owner rows) of one round's rows exchange: the ids of `samples`
+        samples, a fraction `share` of them new to the window."""
+        if workers == 1:
+            unique = self.keys.at("unique", samples, workers) * share
+            return unique, unique
+        slots = workers * padded_capacity(self.keys.at("capacity", samples, workers) * share)
+        return slots, self.keys.at("owner_rows", samples, workers) * share
+
+    def window(self, samples, workers, micro_batches):
+        """The exchanges of a frozen window of `micro_batches` rounds over `samples` samples per
+        worker, as the implementation runs them (`route_rounds`): one route of the whole batch
+        (one dedup, one keys all-to-all padded to the batch's per-owner capacity, with a
+        W x (W x M + 1) header), then round j's retrieval and rows all-to-all fetching only the
+        ids first seen in micro-batch j, and one gradient all-to-all for all rounds' rows.
+        One round is the plain lookup."""
+        m = int(micro_batches)
+        micro = samples / m
+        shares = [1.0]
+        if m > 1:
+            # The first micro-batch fetches all its distinct ids; the later ones share the ids
+            # the batch adds beyond them.
+            unique_batch = self.keys.at("unique", samples, workers)
+            unique_micro = self.keys.at("unique", micro, workers)
+            shares += [max(unique_batch - unique_micro, 0.0) / (m - 1) / unique_micro] * (m - 1)
+        rounds = []
+        for share in shares:
+            slots, owner_rows = self._round_slots(micro, workers, share)
+            retrieval = self.retrieval_ms(owner_rows + slots + micro * self.fields)
+            rows = self._coll("all_to_all", workers, slots * self.row_bytes)
+            rounds.append((retrieval, rows, slots))
+        route_slots, _ = self._round_slots(samples, workers, 1.0)
+        header = workers * (workers * m + 1) * HEADER_BYTES
+        return Window(
+            route_cpu=self.routing_ms(samples * self.fields, route_slots),
+            keys=self._coll("all_to_all", workers, route_slots * KEY_BYTES + header),
+            rounds=tuple(rounds),
+            grad=self._coll("all_to_all", workers,
+                            sum(slots for _, _, slots in rounds) * self.row_bytes))
+
+    def sync(self, samples, workers):
         """(plan, send) ms of the Dual-Buffer re-sync of one buffer. The plan's counts ride on the
         rows all-to-all (no collective of their own: plan = 0); the fresh rows ride on the next
         keys all-to-all as int64 bit copies of the padded block (W x capacity x (row bytes + 4)),
         so send is only the bandwidth of those bytes on an all-to-all, no latency."""
         if workers == 1:
             return 0.0, 0.0
-        capacity = padded_capacity(self.keys.at("sync_capacity", samples, workers) * share)
+        capacity = padded_capacity(self.keys.at("sync_capacity", samples, workers))
         send = collective_bandwidth_ms("all_to_all", self.scenario.collectives["all_to_all"],
                                        workers, workers * capacity * (self.row_bytes + 4))
         return 0.0, send
@@ -255,7 +297,9 @@ class StepModel:
         all_reduce = (self._coll("all_reduce", workers, self.dense_bytes)
                       + self.metric_all_reduces * self._coll("all_reduce", workers, 4))
         parts = {"compute": compute, "overhead": overhead, "all_reduce": all_reduce}
-        if pipeline in ("none", "dbp"):
+        if pipeline in ("none", "dbp", "nested"):
+            # nested fetches its window as dbp fetches its batch (one exchange of the batch's
+            # distinct ids); only its compute is micro-batched (in its overhead).
             cpu, comm, grad, _ = self.lookup(batch, workers)
             parts.update(cpu_fetch=kappa * cpu, comm_fetch=comm, grad_a2a=grad)
             if pipeline == "none":
@@ -267,34 +311,16 @@ class StepModel:
                 parts.update(sync=plan + send)
                 total = overlap(prefetch, critical, eta) + overhead
         else:
-            micro = batch / m
-            first = self.lookup(micro, workers)
-            rest_share = 0.0
-            if m > 1:
-                unique_batch = self.keys.at("unique", batch, workers)
-                unique_micro = self.keys.at("unique", micro, workers)
-                rest_share = max(unique_batch - unique_micro, 0.0) / (m - 1) / unique_micro
-            rest = self.lookup(micro, workers, rest_share) if m > 1 else first
-            fetches = [(kappa * first[0] + first[1])] + [(kappa * rest[0] + rest[1])] * (m - 1)
-            grads = [first[2]] + [rest[2]] * (m - 1)
-            slot = (compute + (overhead if pipeline == "fwp" else 0.0)) / m
-            parts.update(cpu_fetch=kappa * (first[0] + (m - 1) * rest[0]),
-                         comm_fetch=first[1] + (m - 1) * rest[1], grad_a2a=sum(grads))
-            if pipeline == "fwp":
-                total = fetches[0]
-                for j in range(m - 1):
-                    total += overlap(slot, fetches[j + 1] + grads[j], eta)
-                total += slot + grads[-1] + all_reduce
-            else:
-                plans, sends = zip(*([self.sync(micro, workers)]
-                                     + [self.sync(micro, workers, rest_share)] * (m - 1)))
-                prefetch = sum(fetches) + sum(plans) + sum(sends)
-                critical = slot
-                for j in range(m - 1):
-                    critical += overlap(slot, grads[j], eta)
-                critical += grads[-1] + all_reduce
-                parts.update(sync=sum(plans) + sum(sends))
-                total = overlap(prefetch, critical, eta) + overhead
+            window = self.window(batch, workers, m)
+            fetches = [kappa * retrieval + rows for retrieval, rows, _ in window.rounds]
+            slot = (compute + overhead) / m
+            parts.update(cpu_fetch=kappa * (window.route_cpu + sum(r for r, _, _ in window.rounds)),
+                         comm_fetch=window.keys + sum(rows for _, rows, _ in window.rounds),
+                         grad_a2a=window.grad)
+            total = kappa * window.route_cpu + window.keys + fetches[0]
+            for j in range(m - 1):
+                total += overlap(slot, fetches[j + 1], eta)
+            total += slot + window.grad + all_reduce
         parts["total_ms"] = total
         return parts
 

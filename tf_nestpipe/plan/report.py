@@ -346,8 +346,9 @@ def write_plot(path, tables, validation, scenarios, batch, micro_batches, assump
 
 
 def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, batch,
-           micro_batches, workers, commands, sensitivity_table=None):
-    """The plan.md text."""
+           micro_batches, workers, commands, sensitivity_table=None,
+           costs_file="bench/results/plan_costs.json"):
+    """The plan.md text (`costs_file`: where `costs` came from, as the report names it)."""
     eta, eta_runs = eta_info
     measured = costs.get("measured", {})
     lines = ["# Scaling model: predicted NestPipe step time and efficiency for W = 2 ... %d workers"
@@ -363,17 +364,19 @@ def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, ba
              "tf_keras fit issues), all serialized. `dbp` = ov(prefetch of batch i+1 + re-sync "
              "of the prefetch buffer, compute of batch i + gradient all-to-all + all-reduce) + "
              "op overhead, the re-sync paying only the bandwidth of its rows on the keys "
-             "all-to-all. `fwp` = first "
-             "micro-batch's fetch + (M-1) x ov(compute/M, next fetch + gradient exchange) + "
-             "compute/M + last gradient exchange + all-reduce (op overhead inside compute). "
-             "`nested` = DBP over the M micro-batch fetches and M re-syncs (both on the prefetch "
-             "side). ov(a, b) = max(a, b) + (1 - eta) min(a, b). **Scaling efficiency "
+             "all-to-all. `fwp` = one route of the batch (one dedup, one keys all-to-all) + "
+             "the first micro-batch's retrieval and rows all-to-all + (M-1) x ov(compute/M, the "
+             "next micro-batch's retrieval and rows all-to-all) + compute/M + one gradient "
+             "all-to-all for the whole window + all-reduce (op overhead inside compute). "
+             "`nested` = dbp's formula with nested's op overhead: its look-ahead window is "
+             "fetched in one exchange of the batch's distinct ids, as dbp's batch; only the "
+             "compute is micro-batched. ov(a, b) = max(a, b) + (1 - eta) min(a, b). **Scaling efficiency "
              "E = T(1 worker, b) / T(W workers, b) "
              "of the same pipeline** (1.0 at W = 1, as the paper's efficiency); the ms columns "
              "compare the "
              "pipelines with each other."
              % (batch, micro_batches, costs["workload"].get("metric_all_reduces", 0)), "",
-             "## Measured per-stage costs (bench/results/plan_costs.json)", ""]
+             "## Measured per-stage costs (%s)" % costs_file, ""]
     lines += costs_table(costs)
     lines += ["", "Statistic: %s." % measured.get("statistic", "median"), "",
               "## Assumptions", "",
@@ -395,15 +398,19 @@ def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, ba
               "count shrinks; with Adagrad DBP re-syncs every prefetched row the previous global "
               "batch touched, which tends to all of them as W grows (tables here are small: "
               "Criteo profile x %g)." % costs["workload"].get("table_scale", 0),
-              "- FWP/nested micro-batches: the first fetches the ids of b/M samples, the later "
-              "ones only ids new to the window (window cache), padded in proportion.",
+              "- FWP micro-batches: the window's one keys all-to-all is padded to the batch's "
+              "per-owner capacity (its header carries a W x M count matrix); the first "
+              "micro-batch's rows all-to-all fetches the ids of b/M samples, each later one only "
+              "the ids new to the window, padded in proportion; the gradient all-to-all carries "
+              "all rounds' slots.",
               "- Overlap eta = %.2f (fitted to %d 2-worker pipelined runs on this testbed, each "
               "relative to the none run of the same source; 0 = nothing overlaps, everything "
               "competes for the same 2 cores) for the testbed and 'our measured costs'; eta = 1 "
               "for the perfect-overlap and datacenter rows."
               % (eta, eta_runs),
               "- Pipeline op overheads (extra ops of dbp / fwp / nested) measured on one worker "
-              "and added at every W; collectives launched per micro-batch pay alpha each time.",
+              "and added at every W; FWP's rows all-to-all per micro-batch pays alpha each "
+              "time.",
               "- The datacenter rows are an ASSUMPTION, not a measurement: %s."
               % "; ".join(scenarios["datacenter"].notes[1:]), "",
               "Key statistics at b = %d:" % batch, "",
