@@ -312,11 +312,12 @@ def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire
 
     @tf.custom_gradient
     def window_carrier(owned_rows):
-        del owned_rows  # only the gradient path: every round's values come from its buffer
+        # Only the gradient path: every round's values come from its buffer.
+        owned_count = tf.shape(owned_rows, out_type=tf.int32)[0]
 
         def grad(d_window):
-            return _window_backward(d_window, routings, num_shards, dim, collectives,
-                                    tag + "/window/grad", wire)
+            return _window_backward(d_window, routings, owned_count, num_shards, dim,
+                                    collectives, tag + "/window/grad", wire)
 
         return tf.zeros([tf.reduce_sum(sizes), dim], tables.dtype), grad
 
@@ -341,16 +342,16 @@ def _round_rows(carrier, rows):
     return round_rows(carrier)
 
 
-def _window_backward(d_window, routings, num_shards, dim, collectives, tag, wire):
-    """The gradient of a window's owned rows (`lookup_window_from_buffers`): one reverse
-    all-to-all of every round's slot gradients, packed per owner in round order. `d_window` is
-    the rounds' unique-row gradients concatenated; each goes straight to its packed position
-    (owner j's block: its rows of round 0, then of round 1, ...; `ops.window_grad_index`)."""
+def _window_backward(d_window, routings, owned_count, num_shards, dim, collectives, tag, wire):
+    """The gradient of a window's owned rows (`lookup_window_from_buffers`; `owned_count` of
+    them: every round's `local_rows`): one reverse all-to-all of every round's slot gradients,
+    packed per owner in round order. `d_window` is the rounds' unique-row gradients
+    concatenated; each goes straight to its packed position (owner j's block: its rows of round
+    0, then of round 1, ...; `ops.window_grad_index`)."""
     bucket, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
     targets, send_counts, receive = ops.window_grad_index(routings, capacity)
     outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), targets,
                                           num_shards * capacity), [num_shards, capacity, dim])
     back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
                          send_counts=send_counts)
-    unique = tf.add_n([tf.size(r.local_rows, out_type=tf.int32) for r in routings])
-    return ops.segment_sum(tf.reshape(back, [-1, dim]), receive, unique)
+    return ops.segment_sum(tf.reshape(back, [-1, dim]), receive, owned_count)
