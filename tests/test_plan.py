@@ -476,14 +476,14 @@ def _raw_measurements(tf_ms_per_mb, mesh_ms_per_mb, cluster_transport="tf"):
     single = {"fields": 26, "dim": 16, "dense_params": 1000, "table_scale": 0.002, "vocab": 500,
               "loadavg": [0.1, 0.1], "stages": stages, "steps": steps}
 
-    def sweep(slope, transport, workers):
+    def sweep(slope, transport):
         return {"transport": transport, "loadavg": [0.1, 0.1],
                 "compute_only": {"batch": 100, "best_ms": 5.0},
                 "collectives": {kind: [[n, 1.0 + slope * n / 1e6] for n in (1 << 10, 1 << 20)]
                                 for kind in ("all_to_all", "all_gather", "all_reduce")}}
 
-    clusters = {w: sweep(tf_ms_per_mb, cluster_transport, w) for w in (2, 4)}
-    mesh = {w: sweep(mesh_ms_per_mb, "sockets", w) for w in (2, 4)}
+    clusters = {w: sweep(tf_ms_per_mb, cluster_transport) for w in (2, 4)}
+    mesh = {w: sweep(mesh_ms_per_mb, "sockets") for w in (2, 4)}
     return single, clusters, mesh
 
 
