@@ -176,6 +176,9 @@ def make_optimizer(name):
 def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False):
     """Trains a fresh TinyRanker (MixedRanker if `mixed`, SplitRanker if `split`) with `mode`
     (custom loop or fit) and saves all parameters."""
+    if mixed and split:
+        raise ValueError("the 'mixed' and 'split' options name two different models; a run "
+                         "takes one of them")
     rank, workers = strategy.worker_index, strategy.num_workers
     steps = len(batches)
     with strategy.scope():
