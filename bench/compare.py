@@ -31,6 +31,7 @@ budget Y". That is arithmetic, not a memory limit imposed on the processes.
 """
 import argparse
 import datetime
+import importlib.util
 import itertools
 import json
 import os
@@ -359,6 +360,28 @@ def steal_text(share):
             "the row: its timing is unreliable)" % (100 * share))
 
 
+def _allocator():
+    """tf_nestpipe/launch/allocator.py, loaded by path (no TensorFlow import in the driver)."""
+    spec = importlib.util.spec_from_file_location(
+        "_nestpipe_allocator", os.path.join(REPO, "tf_nestpipe", "launch", "allocator.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def allocator_variables():
+    """The allocator setting the launcher gives its tasks, for every row's processes (also those
+    it does not start: single, horovodrun), so all rows run with the same malloc."""
+    return _allocator().allocator_env(os.environ)
+
+
+def allocator_text():
+    """The rows' allocator setting, for the report."""
+    variables = dict(os.environ, **allocator_variables())
+    name = _allocator().TOP_PAD_ENV
+    return "%s=%s" % (name, variables[name]) if name in variables else "glibc's default malloc"
+
+
 def run_command(command, timeout, profiled=False):
     """Runs `command` in its own process group (killed on timeout); returns the dict printed
     after `RESULT ` updated with the one after `PROFILE ` (and `steal`: the machine's CPU steal
@@ -367,8 +390,9 @@ def run_command(command, timeout, profiled=False):
     returns the timing with `profile_aborted` (why the run ended)."""
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE,
                                stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2",
-                                        TF_USE_LEGACY_KERAS="1", PYTHONPATH=_python_path()))
+                               env=dict(os.environ, **allocator_variables(),
+                                        TF_CPP_MIN_LOG_LEVEL="2", TF_USE_LEGACY_KERAS="1",
+                                        PYTHONPATH=_python_path()))
     started = cpu_times()
     try:
         output, _ = process.communicate(timeout=timeout)
@@ -695,9 +719,11 @@ def markdown(rows, args, env, seconds):
         "network namespace, veth pairs to a bridge with `tc tbf` at RATE on both ends and a TCP "
         "relay delaying each direction by DELAY (no `tc netem` on this kernel; Horovod's direct "
         "Gloo connections are redirected through it by a preloaded connect()); RTT is the "
-        "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores." % (
+        "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores. "
+        "Every process of every row runs with %s (tf_nestpipe/launch/allocator.py: freed "
+        "memory stays in the process)." % (
             os.cpu_count(), env["load"], run_steal_text(env), platform.python_version(),
-            env["horovod_text"]),
+            env["horovod_text"], allocator_text()),
         "",
         "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
         "of the per-step wall times; %d round(s)%s, median of the rounds); samples/s = global "

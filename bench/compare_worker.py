@@ -410,9 +410,11 @@ def run_fit(args, data):
     if args.eval_batches:
         result["auc"] = held_out_auc(args, strategy, model, data)
     profiling = None
-    if args.system == "nestpipe" and args.profile_steps:
+    if args.profile_steps:
+        # Ours, and the one-process baselines (single, compute_only: what a step's ops cost
+        # without the exchange), op by op.
         profiling = lambda: profiling_pass(strategy, model, dataset, args.profile_steps,  # noqa: E731
-                                           args.trace)
+                                           args.trace, rank, workers if kind == "sharded" else 1)
     return rank, workers, result, profiling
 
 
@@ -488,16 +490,17 @@ def held_out_auc(args, strategy, model, data):
                                 return_dict=True)["auc"])
 
 
-def profiling_pass(strategy, model, dataset, steps, trace=""):
+def profiling_pass(strategy, model, dataset, steps, trace="", rank=0, workers=1):
     """`steps` more steps on every worker, profiled on rank 0: its communication and exposure,
-    or `profile_error` naming why the profile failed. Every worker returns together."""
+    or `profile_error` naming why the profile failed. The `workers` of one strategy (ours) return
+    together; a compute_only process (`workers` 1) profiles its own steps if it is rank 0."""
     try:
-        result = profile(model, dataset, steps, trace, enabled=strategy.worker_index == 0)
+        result = profile(model, dataset, steps, trace, enabled=rank == 0)
     except Exception as e:  # pylint: disable=broad-except  (timing stands without it)
         result = {"profile_error": "%s: %s" % (type(e).__name__, str(e).splitlines()[0][:200])}
     # Rank 0 reads its trace for seconds after the last step; a Horovod-collectives rank that
     # exited meanwhile was seen to hang in its exit (until the row's timeout), so wait for it.
-    if strategy.num_workers > 1:
+    if workers > 1:
         strategy.extended.collectives.all_gather(tf.constant([1], tf.int32), "compare/exit")
     return result
 

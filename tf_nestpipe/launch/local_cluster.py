@@ -33,6 +33,7 @@ from typing import Dict, List, Optional, Sequence
 from tf_nestpipe.launch.cluster_check import RESTARTED_ENV
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 from tf_nestpipe.launch import threads as thread_pools
+from tf_nestpipe.launch.allocator import allocator_env
 
 _PR_SET_PDEATHSIG = 1
 OUTPUT_ENV = "TF_NESTPIPE_LAUNCH_OUTPUT"
@@ -239,6 +240,7 @@ class LocalCluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         env.update(thread_pools.thread_env(self.threads_per_task, env,
                                            parameter_server=self.parameter_server_mode))
+        env.update(allocator_env(env))  # freed memory stays in the task (launch.allocator)
         try:  # its server listens only on its TF_CONFIG address, not on every interface
             env.update(listen_only_env(self.cluster[role][index], env))
         except ShimMissingError as error:
