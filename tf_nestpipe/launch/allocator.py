@@ -11,8 +11,8 @@ unmaps a thread arena's whole heap once it is free unless the pad keeps it. Meas
 cell (global batch 4096, dim 64) took ~40,000 minor page faults per step and more kernel than
 user time at 230 ms/step; with `M_TOP_PAD` = 64 MiB (an arena keeps up to that much free memory
 at its top instead of returning it) ~8,000 faults per step at 116 ms/step, and the natural cell
-11-14 ms -> 8.2-8.5 ms/step, for +1% peak resident memory. One process of the same model (the compute-only row)
-was unaffected (119 vs 123 ms).
+11-14 ms -> 8.2-8.5 ms/step, for +1% peak resident memory. One process of the same model (the
+compute-only row) was unaffected (119 vs 123 ms).
 
 `keep_freed_memory` sets it in-process (the strategy calls it at construction); the local
 launcher also puts `MALLOC_TOP_PAD_` in each task's environment (`allocator_env`), which glibc
