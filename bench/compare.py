@@ -31,6 +31,7 @@ budget Y". That is arithmetic, not a memory limit imposed on the processes.
 """
 import argparse
 import datetime
+import functools
 import importlib.util
 import itertools
 import json
@@ -360,8 +361,10 @@ def steal_text(share):
             "the row: its timing is unreliable)" % (100 * share))
 
 
+@functools.lru_cache(maxsize=None)
 def _allocator():
-    """tf_nestpipe/launch/allocator.py, loaded by path (no TensorFlow import in the driver)."""
+    """tf_nestpipe/launch/allocator.py, loaded once by path (no TensorFlow import in the
+    driver)."""
     spec = importlib.util.spec_from_file_location(
         "_nestpipe_allocator", os.path.join(REPO, "tf_nestpipe", "launch", "allocator.py"))
     module = importlib.util.module_from_spec(spec)
