@@ -347,7 +347,7 @@ def write_plot(path, tables, validation, scenarios, batch, micro_batches, assump
 
 def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, batch,
            micro_batches, workers, commands, sensitivity_table=None,
-           costs_file="bench/results/plan_costs.json"):
+           *, costs_file):
     """The plan.md text (`costs_file`: where `costs` came from, as the report names it)."""
     eta, eta_runs = eta_info
     measured = costs.get("measured", {})
