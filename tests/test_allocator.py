@@ -1,6 +1,7 @@
 """The allocator setting that keeps freed memory in a worker (tf_nestpipe.launch.allocator): what
 it calls, when the user's choice wins, what it refuses, and that the strategy and the launcher
 apply it."""
+import json
 import os
 import platform
 import subprocess
@@ -12,6 +13,8 @@ from tf_nestpipe.launch import allocator
 from tf_nestpipe.launch.allocator import (DEFAULT_TOP_PAD_BYTES, DISABLED, SET, TOP_PAD_ENV,
                                           UNAVAILABLE, USER_SET, allocator_env, check_top_pad,
                                           keep_freed_memory)
+
+from tf_nestpipe.launch.local_cluster import free_ports
 
 from conftest import REPO
 
@@ -86,6 +89,41 @@ def test_the_strategy_applies_it_and_refuses_a_bad_pad(monkeypatch):
     with pytest.raises(ValueError, match="malloc_top_pad_bytes"):
         tnp.NestPipeStrategy(malloc_top_pad_bytes=-1)
     assert asked == [1 << 20]  # refused before anything was applied
+
+
+def test_the_parameter_server_strategy_applies_it_and_refuses_a_bad_pad(monkeypatch):
+    import tf_nestpipe as tnp
+
+    asked = []
+    monkeypatch.setattr(allocator, "keep_freed_memory",
+                        lambda top_pad: asked.append(top_pad) or "recorded")
+    monkeypatch.delenv("TF_CONFIG", raising=False)
+    with pytest.raises(ValueError, match="malloc_top_pad_bytes"):
+        tnp.ParameterServerStrategy(malloc_top_pad_bytes=1.5)
+    assert asked == []  # refused before anything was applied
+    with pytest.raises(ValueError, match="--ps K --chief"):  # no cluster here
+        tnp.ParameterServerStrategy(malloc_top_pad_bytes=1 << 20)
+    assert asked == [1 << 20]  # applied first, as the chief's process starts
+
+
+@pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
+@pytest.mark.parametrize("user_value,said", [(None, SET), ("4096", USER_SET)])
+def test_a_serving_task_applies_it(user_value, said):
+    """`python -m tf_nestpipe.server` (ps tasks, parameter-server workers) keeps freed memory
+    too, and says so on its serving line; the user's variable wins."""
+    env = {k: v for k, v in os.environ.items() if k != TOP_PAD_ENV}
+    if user_value is not None:
+        env[TOP_PAD_ENV] = user_value
+    env["TF_CONFIG"] = json.dumps({"cluster": {"ps": ["127.0.0.1:%d" % free_ports(1)[0]]},
+                                   "task": {"type": "ps", "index": 0}})
+    server = subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], cwd=REPO, env=env,
+                              text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    try:
+        line = server.stdout.readline()  # the serving line (it then serves until killed)
+    finally:
+        server.kill()
+        server.wait()
+    assert "ps:0 serving at" in line and line.rstrip().endswith("(malloc top pad: %s)" % said), line
 
 
 def test_launched_tasks_get_it_unless_the_user_set_it(tmp_path):

@@ -148,6 +148,8 @@ def test_parameter_server_mode_runs_servers_and_the_command_on_the_chief(tmp_pat
     assert "[chief:0] chief saw ['chief', 'ps', 'worker'] {'type': 'chief', 'index': 0}" in result.stdout
     assert "[ps:0] tf_nestpipe.server: ps:0 serving at" in result.stdout
     assert "[worker:0] tf_nestpipe.server: worker:0 serving at" in result.stdout
+    # The launcher's MALLOC_TOP_PAD_ reaches the serving tasks (tf_nestpipe.launch.allocator).
+    assert "(malloc top pad: user_set)" in result.stdout
 
 
 TERM_AWARE = """

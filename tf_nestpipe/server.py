@@ -3,14 +3,17 @@
 `python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
 can run on this task, then serves the task named by `TF_CONFIG` until killed. While serving,
 it takes part in the start-up cluster check of parameter-server mode (`cluster_check`, led by
-a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field.
+a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field. Like `tnp.NestPipeStrategy` and
+`tnp.ParameterServerStrategy`, it first makes this process keep freed memory
+(`tf_nestpipe.launch.allocator`; a `MALLOC_TOP_PAD_` in the environment wins, and
+`MALLOC_TOP_PAD_=0` turns it off); the serving line says what was done.
 """
 import os
 import sys
 
 import tensorflow as tf
 
-from tf_nestpipe.launch import cluster_check
+from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 
@@ -20,11 +23,12 @@ def main():
     config = parse_tf_config()
     if config is None:
         sys.exit("tf_nestpipe.server: TF_CONFIG is not set; it names this task's role and index.")
+    top_pad = allocator.keep_freed_memory()
     load_op_library()
     server = tf.distribute.Server(tf.train.ClusterSpec(config.cluster), job_name=config.task_type,
                                   task_index=config.task_index, protocol="grpc", start=True)
-    print("tf_nestpipe.server: %s:%d serving at %s" % (config.task_type, config.task_index, server.target),
-          flush=True)
+    print("tf_nestpipe.server: %s:%d serving at %s (malloc top pad: %s)"
+          % (config.task_type, config.task_index, server.target, top_pad), flush=True)
     if config.cluster.get("chief"):  # parameter-server mode: the chief leads the check
         cluster_check.report_while_serving(config.cluster, config.task_type, config.task_index,
                                            _exit_on_mismatch)

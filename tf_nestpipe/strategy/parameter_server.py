@@ -4,7 +4,7 @@ ops and DOWNPOUR update windows."""
 import tensorflow as tf
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
 
-from tf_nestpipe.launch import cluster_check
+from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
@@ -37,13 +37,20 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     `tnp.DownpourTrainer`: T local steps per worker between a pull and a push of the summed
     gradient; T=1 pushes every step (Hogwild-style). tf_keras `fit` runs one window per step
     (see `downpour_fit`).
+
+    `malloc_top_pad_bytes` (default 64 MiB; 0: leave the allocator alone): the freed memory each
+    glibc malloc arena of the chief keeps instead of returning it to the kernel, as in
+    `tnp.NestPipeStrategy` (`tf_nestpipe.launch.allocator`; `malloc_top_pad` says what was
+    done). The worker and ps tasks do the same in `python -m tf_nestpipe.server`.
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, update_window=1,
-                 local_optimizer=None):
+                 local_optimizer=None, malloc_top_pad_bytes=allocator.DEFAULT_TOP_PAD_BYTES):
+        allocator.check_top_pad(malloc_top_pad_bytes)
         if int(update_window) < 1:
             raise ValueError("update_window must be >= 1, got %r" % (update_window,))
         local_optimizer_from(local_optimizer)  # validates it
+        self.malloc_top_pad = allocator.keep_freed_memory(malloc_top_pad_bytes)
         load_op_library()
         if cluster_resolver is None:
             config = parse_tf_config()  # raises a clear TFConfigError for a malformed TF_CONFIG
