@@ -43,7 +43,7 @@ class AutoPipeline:
     (e.g. the max over workers); `log(text)` reports the choice."""
 
     def __init__(self, candidates, agree, warmup_steps=1, timed_steps=4, log=None, margin=0.05,
-                 rounds=3, settle_steps=1):
+                 rounds=6, settle_steps=1):
         if (warmup_steps < 0 or timed_steps < 1 or rounds < 1 or settle_steps < 0
                 or not 0 <= margin < 1):
             raise ValueError("auto pipeline needs warmup_steps >= 0, timed_steps >= 1, "

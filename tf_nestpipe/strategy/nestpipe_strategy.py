@@ -640,7 +640,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
                  communication_options=None, collective_timeout_seconds=0, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
                  collectives="auto", auto_warmup_steps=1, auto_timed_steps=4,
-                 auto_probe_rounds=3, auto_micro_batches=None,
+                 auto_probe_rounds=6, auto_micro_batches=None,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
                  placement="auto", memory_budget_bytes=None,
                  malloc_top_pad_bytes=allocator.DEFAULT_TOP_PAD_BYTES):
