@@ -13,7 +13,6 @@ from tf_nestpipe.launch import allocator
 from tf_nestpipe.launch.allocator import (DEFAULT_TOP_PAD_BYTES, DISABLED, SET, TOP_PAD_ENV,
                                           UNAVAILABLE, USER_SET, allocator_env, check_top_pad,
                                           keep_freed_memory)
-
 from tf_nestpipe.launch.local_cluster import free_ports
 
 from conftest import REPO

@@ -3,10 +3,10 @@
 `python -m tf_nestpipe.server` loads tf_nestpipe's custom ops first, so functions that use them
 can run on this task, then serves the task named by `TF_CONFIG` until killed. While serving,
 it takes part in the start-up cluster check of parameter-server mode (`cluster_check`, led by
-a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field. Like `tnp.NestPipeStrategy` and
-`tnp.ParameterServerStrategy`, it first makes this process keep freed memory
-(`tf_nestpipe.launch.allocator`; a `MALLOC_TOP_PAD_` in the environment wins, and
-`MALLOC_TOP_PAD_=0` turns it off); the serving line says what was done.
+a `tnp.ParameterServerStrategy` chief): a task given another cluster exits, naming the field.
+Like `tnp.NestPipeStrategy` and `tnp.ParameterServerStrategy`, it first makes this process keep
+freed memory (`tf_nestpipe.launch.allocator`; a `MALLOC_TOP_PAD_` in the environment wins, so
+`MALLOC_TOP_PAD_=0` keeps none); the serving line says what was done.
 """
 import os
 import sys
