@@ -4,6 +4,7 @@ apply it."""
 import json
 import os
 import platform
+import select
 import subprocess
 import sys
 
@@ -118,7 +119,9 @@ def test_a_serving_task_applies_it(user_value, said):
     server = subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], cwd=REPO, env=env,
                               text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
-        line = server.stdout.readline()  # the serving line (it then serves until killed)
+        # The serving line (it then serves until killed); a task that never prints fails here.
+        ready, _, _ = select.select([server.stdout], [], [], 120)
+        line = server.stdout.readline() if ready else "no serving line within 120 s"
     finally:
         server.kill()
         server.wait()
