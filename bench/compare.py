@@ -293,6 +293,8 @@ def row_command(row, args, net, env):
     w = str(row["workers"])
     launch = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", w,
               "--timeout", str(args.row_timeout)]
+    if args.pin_cpus is not None:
+        launch.append("--pin-cpus" if args.pin_cpus else "--no-pin-cpus")
     # On the emulated network every task's direct connections (Gloo's) go through the relay too.
     relayed = ["env"] + ["%s=%s" % kv for kv in sorted(net.relay_env().items())] if net else []
     if uses_horovod(row):
@@ -311,6 +313,16 @@ def row_command(row, args, net, env):
         launch += ["--ps", w, "--chief"]
     net_flags = net.launcher_flags() if net is not None else []
     return relayed + launch + net_flags + ["--"] + argv
+
+
+def pinning_text(args):
+    """How the rows' tasks were placed on the cores (the launcher's `--pin-cpus`)."""
+    if args.pin_cpus is False:
+        return "No task is pinned to a core (`--no-pin-cpus`)."
+    scope = "every row's tasks" if args.pin_cpus else "the tasks of every row but PSv2's"
+    return ("The launcher pins %s to their own cores (tf_nestpipe/launch/cpu_pinning.py: W "
+            "tasks on C cores, one block of C/W cores each, or task k on core k mod C); single "
+            "runs unpinned on all cores." % scope)
 
 
 def error_summary(output, returncode):
@@ -724,9 +736,9 @@ def markdown(rows, args, env, seconds):
         "Gloo connections are redirected through it by a preloaded connect()); RTT is the "
         "measured 1-byte round trip. PSv2 rows add a chief and W ps tasks on the same cores. "
         "Every process of every row runs with %s (tf_nestpipe/launch/allocator.py: freed "
-        "memory stays in the process)." % (
+        "memory stays in the process). %s" % (
             os.cpu_count(), env["load"], run_steal_text(env), platform.python_version(),
-            env["horovod_text"], allocator_text()),
+            env["horovod_text"], allocator_text(), pinning_text(args)),
         "",
         "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
         "of the per-step wall times; %d round(s)%s, median of the rounds); samples/s = global "
@@ -900,6 +912,10 @@ def parse_args(argv=None):
                              "it; a baseline whose tables (computed) do not fit is not run "
                              "(see the module docstring)")
     parser.add_argument("--row-timeout", type=int, default=600, help="seconds per row")
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                        help="passed to the launcher of every row it starts: each task pinned "
+                             "to its own cores (--pin-cpus) or free (--no-pin-cpus); default "
+                             "the launcher's (pinned, but not PSv2 rows: ps mode)")
     parser.add_argument("--output", default="compare", help="bench/results/OUTPUT.{md,json,png}")
     parser.add_argument("--plot-only", action="store_true",
                         help="only redraw OUTPUT.png from an existing OUTPUT.json")

@@ -1,6 +1,7 @@
 """The local launcher: TF_CONFIG per task, prefixed output, fail-fast teardown, no orphans."""
 import json
 import os
+import re
 import sys
 import textwrap
 import time
@@ -324,6 +325,7 @@ def test_tensorflow_start_up_noise_stays_in_the_log_files(tmp_path):
 def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path):
     """Each task's TensorFlow pools get the host's cores split among the tasks (at least 1); a
     variable the user set wins; --threads-per-task 0 leaves TensorFlow's own sizing."""
+    from tf_nestpipe.launch.cpu_pinning import host_task_cpu_sets
     from tf_nestpipe.launch.threads import THREAD_VARIABLES, host_cores
 
     script = write(tmp_path, "threads.py", """
@@ -331,9 +333,15 @@ def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path
         print("threads", [os.environ.get(v, "-") for v in %r])
     """ % (THREAD_VARIABLES,))
     each = str(max(1, host_cores() // 3))
+    pinned = host_task_cpu_sets(3)  # a pinned task's pools: one thread per CPU it has
     result = launcher("--workers", "3", "--output", "all", "--", sys.executable, script)
     assert result.returncode == 0, result.stdout
-    expected = [os.environ.get(v, each) for v in THREAD_VARIABLES]  # the caller's own win
+    third = str(len(pinned[2])) if pinned else each
+    expected = [os.environ.get(v, third) for v in THREAD_VARIABLES]  # the caller's own win
+    assert "[worker:2] threads %r" % expected in result.stdout
+    result = launcher("--workers", "3", "--output", "all", "--no-pin-cpus", "--",
+                      sys.executable, script)
+    expected = [os.environ.get(v, each) for v in THREAD_VARIABLES]  # unpinned: the equal split
     assert "[worker:2] threads %r" % expected in result.stdout
     # A parameter-server cluster keeps at least 2 inter-op threads per task (1 deadlocks it).
     result = launcher("--workers", "1", "--ps", "1", "--chief", "--", sys.executable, script)
@@ -347,6 +355,41 @@ def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path
     result = launcher("--workers", "2", "--threads-per-task", "0", "--", sys.executable, script)
     expected = [os.environ.get(v, "-") for v in THREAD_VARIABLES]
     assert "[worker:0] threads %r" % expected in result.stdout, result.stdout
+
+
+AFFINITY = """
+    import os
+    print("cpus", sorted(os.sched_getaffinity(0)))
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_getaffinity") or len(os.sched_getaffinity(0)) < 2,
+                    reason="pinning needs CPU affinity and at least 2 CPUs")
+def test_tasks_are_pinned_to_their_own_cores_where_the_launcher_splits_them(tmp_path):
+    """Each task runs on its own cores (the summary names them); --no-pin-cpus, a user-sized
+    pool (--threads-per-task) and parameter-server mode leave every task free."""
+    from tf_nestpipe.launch.cpu_pinning import host_task_cpu_sets
+
+    sets = host_task_cpu_sets(2)
+    if sets is None:
+        pytest.skip("this host's core topology cannot be read")
+    everywhere = sorted(os.sched_getaffinity(0))
+    script = write(tmp_path, "cpus.py", AFFINITY)
+    result = launcher("--workers", "2", "--output", "all", "--", sys.executable, script)
+    assert result.returncode == 0, result.stdout
+    for k in range(2):
+        assert "[worker:%d] cpus %r" % (k, sorted(sets[k])) in result.stdout, result.stdout
+    assert not sets[0] & sets[1]  # disjoint cores
+    assert re.search(r"\[launch\] worker:1: exit 0 after [\d.]+ s, cpus [\d,-]+, log ",
+                     result.stdout), result.stdout
+    for flags in (["--workers", "2", "--no-pin-cpus"],
+                  ["--workers", "2", "--threads-per-task", "1"],
+                  ["--workers", "1", "--ps", "1", "--chief"]):
+        result = launcher(*flags, "--output", "all", "--", sys.executable, script)
+        assert result.returncode == 0, result.stdout
+        runs = "chief:0" if "--chief" in flags else "worker:1"
+        assert "[%s] cpus %r" % (runs, everywhere) in result.stdout, (flags, result.stdout)
+        assert ", cpus " not in result.stdout, result.stdout
 
 
 def test_threads_per_task_split_and_refusals():

@@ -65,6 +65,11 @@ def main(argv=None):
                              "among the tasks (at least 1 each); 0: TensorFlow's default, every "
                              "task sized to all cores. Variables already set in the environment "
                              "or with --env win")
+    parser.add_argument("--pin-cpus", action=argparse.BooleanOptionalAction, default=None,
+                        help="pin each task to its own physical cores (CPU affinity), its "
+                             "thread pools sized to them. Default: pinned where the launcher "
+                             "splits the cores itself (no --threads-per-task) and there are no "
+                             "ps tasks; --no-pin-cpus leaves every task free to run anywhere")
     args = parser.parse_args(flags)
     if not command:
         parser.error("no command: add `-- python script.py ARGS`")
@@ -97,7 +102,8 @@ def main(argv=None):
                                horovod_interface=args.horovod_interface,
                                output_mode=args.output, log_dir=args.log_dir,
                                grace_period=args.grace_period,
-                               threads_per_task=args.threads_per_task)
+                               threads_per_task=args.threads_per_task,
+                               pin_cpus=args.pin_cpus)
     except ValueError as e:
         parser.error(str(e))
     if args.restarts < 0:

@@ -14,7 +14,10 @@ whatever the mode, and every attempt ends with one summary line per task (exit c
 log file). TensorFlow's informational start-up lines, printed before its log level applies,
 stay in the log files only. SIGTERM / SIGINT to the launcher is forwarded to the training tasks
 as SIGTERM (so `PreemptionCheckpointHandler` saves); after `grace_period` seconds what still runs is killed, and
-the launcher exits with the tasks' code (128 + signal if it had to kill them).
+the launcher exits with the tasks' code (128 + signal if it had to kill them). Where the
+launcher splits this machine's cores among the tasks (no `threads_per_task` given, no ps tasks)
+it also pins each task to its own physical cores (`cpu_pinning`), its thread pools sized to
+them; `pin_cpus=False` leaves the tasks unpinned, `True` pins them in any cluster.
 """
 import ctypes
 import dataclasses
@@ -32,6 +35,7 @@ from typing import Dict, List, Optional, Sequence
 
 from tf_nestpipe.launch.cluster_check import RESTARTED_ENV
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
+from tf_nestpipe.launch import cpu_pinning
 from tf_nestpipe.launch import threads as thread_pools
 from tf_nestpipe.launch.allocator import allocator_env
 
@@ -93,6 +97,17 @@ def _die_with_parent():
         pass
 
 
+def _child_setup(cpus):
+    """What a task's process runs before its command: its own process group, death with the
+    launcher, and (with `cpus`) its CPU affinity, which every thread it starts inherits."""
+    def setup():
+        _die_with_parent()
+        if cpus:
+            cpu_pinning.pin_this_process(cpus)
+
+    return setup
+
+
 @dataclasses.dataclass
 class _Task:
     role: str
@@ -118,7 +133,7 @@ class LocalCluster:
                  horovod_address: Optional[str] = None, horovod_interface: Optional[str] = None,
                  output_mode: Optional[str] = None, log_dir: Optional[str] = None,
                  grace_period: float = DEFAULT_GRACE_PERIOD,
-                 threads_per_task: Optional[int] = None):
+                 threads_per_task: Optional[int] = None, pin_cpus: Optional[bool] = None):
         """`cluster` overrides the generated localhost addresses (e.g. hosts inside network
         namespaces); `task_prefix` is a command template put before each task's command, with
         `{role}` and `{index}` filled in (e.g. `ip netns exec ns_{role}{index}`). `horovod`
@@ -129,7 +144,10 @@ class LocalCluster:
         `output_mode` "first" (default, or `$TF_NESTPIPE_LAUNCH_OUTPUT`) shows only the first
         training task's output on the console, "all" every task's; each task's output is also
         written to `log_dir` (default: a new temporary directory). `grace_period`: seconds the
-        tasks get to exit after the launcher forwarded them a SIGTERM."""
+        tasks get to exit after the launcher forwarded them a SIGTERM. `pin_cpus` (default:
+        where the launcher splits the cores itself, i.e. no `threads_per_task`, and not in
+        parameter-server mode) pins each task to its own physical cores, its thread pools sized
+        to them (`cpu_pinning`)."""
         output_mode = output_mode or os.environ.get(OUTPUT_ENV) or "first"
         if output_mode not in OUTPUT_MODES:
             raise ValueError("output mode must be one of %s, got %r" % (OUTPUT_MODES, output_mode))
@@ -167,9 +185,16 @@ class LocalCluster:
         self.max_worker_restarts = 3  # per worker server, parameter-server mode only
         self._restarts: Dict[str, int] = {}
         self.env = dict(env or {})
+        num_tasks = sum(len(addresses) for addresses in self.cluster.values())
+        if pin_cpus is None:
+            pin_cpus = threads_per_task is None and not self.parameter_server_mode
+        # {task name: the CPUs it is pinned to}; {} unpinned (or the topology is unknown).
+        cpu_sets = cpu_pinning.host_task_cpu_sets(num_tasks) if pin_cpus else None
+        names = ["%s:%d" % (role, index) for role, addresses in self.cluster.items()
+                 for index in range(len(addresses))]
+        self.task_cpus = dict(zip(names, cpu_sets)) if cpu_sets else {}
         if threads_per_task is None:  # every task runs on this machine: split its cores
-            threads_per_task = thread_pools.threads_per_task(
-                sum(len(addresses) for addresses in self.cluster.values()))
+            threads_per_task = thread_pools.threads_per_task(num_tasks)
         thread_pools.thread_env(threads_per_task, {})  # refuses a negative count now
         self.threads_per_task = threads_per_task
         self.output = output or sys.stdout
@@ -238,7 +263,11 @@ class LocalCluster:
             env.update(self._rendezvous.env(rank))
         env.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
         env.setdefault("PYTHONUNBUFFERED", "1")
-        env.update(thread_pools.thread_env(self.threads_per_task, env,
+        name = "%s:%d" % (role, index)
+        cpus = self.task_cpus.get(name)
+        # A pinned task's pools: one thread per CPU it has; otherwise the cores' equal split.
+        threads = len(cpus) if cpus else self.threads_per_task
+        env.update(thread_pools.thread_env(threads, env,
                                            parameter_server=self.parameter_server_mode))
         env.update(allocator_env(env))  # freed memory stays in the task (launch.allocator)
         try:  # its server listens only on its TF_CONFIG address, not on every interface
@@ -254,8 +283,7 @@ class LocalCluster:
         log_path = self._log_path(role, index)
         process = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE,
                                    stderr=subprocess.STDOUT, text=True,
-                                   errors="replace", preexec_fn=_die_with_parent)
-        name = "%s:%d" % (role, index)
+                                   errors="replace", preexec_fn=_child_setup(cpus))
         task = _Task(name, process, runs_command, log_path=log_path,
                      to_console=self.output_mode == "all" or name == self._first_command_role(),
                      started=time.time())
@@ -326,7 +354,8 @@ class LocalCluster:
                 task.ended = time.time()
 
     def summary(self) -> List[str]:
-        """One line per task of the last attempt: its exit code, how long it ran, its log."""
+        """One line per task of the last attempt: its exit code, how long it ran, the CPUs it
+        was pinned to (if pinned), its log."""
         lines = []
         for task in self.tasks:
             code = task.process.returncode
@@ -337,7 +366,10 @@ class LocalCluster:
             else:
                 status = "exit %s" % code
             duration = (task.ended or time.time()) - task.started
-            lines.append("%s: %s after %.1f s, log %s" % (task.role, status, duration, task.log_path))
+            cpus = self.task_cpus.get(task.role)
+            pinned = ", cpus %s" % cpu_pinning.describe(cpus) if cpus else ""
+            lines.append("%s: %s after %.1f s%s, log %s" % (task.role, status, duration, pinned,
+                                                            task.log_path))
         return lines
 
     def forward_signal(self, signum: int):

@@ -16,6 +16,8 @@ exchange queues its messages and returns), and a second thread per worker preemp
 (natural DLRM step, 2 workers on 2 cores, 3 interleaved rounds, median ms/step with 1 vs 2
 inter-op threads: none 8.3 vs 10.7, dbp 9.6 vs 11.0, fwp 9.8 vs 9.9, nested 9.4 vs 13.1).
 A variable the user set (in the launcher's environment or with `--env`) is never overridden.
+Where the launcher also pins each task to its own cores (`cpu_pinning`), a task's pools get one
+thread per CPU it is pinned to instead of this equal split.
 """
 import os
 from typing import Dict, Mapping, Optional
