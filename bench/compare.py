@@ -320,9 +320,9 @@ def pinning_text(args):
     if args.pin_cpus is False:
         return "No task is pinned to a core (`--no-pin-cpus`)."
     scope = "every row's tasks" if args.pin_cpus else "the tasks of every row but PSv2's"
-    return ("The launcher pins %s to their own cores (tf_nestpipe/launch/cpu_pinning.py: W "
-            "tasks on C cores, one block of C/W cores each, or task k on core k mod C); single "
-            "runs unpinned on all cores." % scope)
+    return ("The launcher pins %s to their own cores where every task gets the same share "
+            "(tf_nestpipe/launch/cpu_pinning.py: W tasks on C cores, one block of C/W cores "
+            "each, or task k on core k mod C); single runs unpinned on all cores." % scope)
 
 
 def error_summary(output, returncode):

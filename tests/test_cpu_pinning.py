@@ -36,15 +36,16 @@ def test_an_unreadable_topology_pins_nothing(tmp_path):
     assert physical_cores([0], sysfs) is None
 
 
-def test_blocks_per_task_and_the_wrap_around():
+def test_equal_blocks_the_wrap_around_and_no_uneven_pinning():
     cores = [[c] for c in range(8)]
     assert task_cpu_sets(2, cores) == [set(range(4)), set(range(4, 8))]
-    # 8 cores for 3 tasks: 3 + 3 + 2, disjoint, all used.
-    sets = task_cpu_sets(3, cores)
-    assert [len(s) for s in sets] == [3, 3, 2] and set().union(*sets) == set(range(8))
-    assert sum(len(s) for s in sets) == 8
-    # More tasks than cores: task k on core k mod the number of cores.
-    assert task_cpu_sets(5, [[0], [1]]) == [{0}, {1}, {0}, {1}, {0}]
+    assert task_cpu_sets(8, cores) == [{c} for c in range(8)]
+    # More tasks than cores, a multiple: task k on core k mod the number of cores.
+    assert task_cpu_sets(4, [[0], [1]]) == [{0}, {1}, {0}, {1}]
+    # Uneven shares stay unpinned: 3 tasks on 8 cores (3 + 3 + 2), 3 or 5 tasks on 2 cores (a
+    # synchronous step would wait for the tasks that got less).
+    assert task_cpu_sets(3, cores) is None
+    assert task_cpu_sets(3, [[0], [1]]) is None and task_cpu_sets(5, [[0], [1]]) is None
 
 
 def test_refusals():

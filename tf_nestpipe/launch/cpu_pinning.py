@@ -4,12 +4,16 @@ the task starts).
 
 Unpinned, the kernel moves the co-located workers' threads between the cores, so one worker's
 step is preempted by the other's, and by the other's socket threads, at random. Measured on the
-2-core testbed (natural-code DLRM cell, 2 workers, one thread per pool each, `bench/compare_worker.py
---steps 80 --warmup 40`, worker 0, three runs of `none` each way): median 4.3-5.8 ms/step pinned
-against 5.4-8.1 unpinned, p90 4.8-7.9 against 7.4-11.2; 4 workers (2 per core) 9.9-13.5 against
-13.2-15.3. Like the thread split (`threads.py`), whose sizes it matches, it applies only where
-the launcher splits this machine's cores itself, and not in parameter-server mode (its ps and
-chief tasks mostly wait, and the coordinator's scheduling was not measured pinned).
+2-core testbed (natural-code DLRM cell, 2 workers, one thread per pool each,
+`bench/compare_worker.py --steps 80 --warmup 40`, worker 0, three runs of `none` each way):
+median 4.3-5.8 ms/step pinned against 5.4-8.1 unpinned, p90 4.8-7.9 against 7.4-11.2; 4 workers
+(2 per core) 9.9-13.5 against 13.2-15.3. Tasks are pinned only where every task gets the same
+share (the tasks divide the cores, or the cores the tasks): a synchronous step waits for its
+slowest worker, so 3 workers on 2 cores, two of them sharing a core, would run at the pace of
+half a core where the kernel gives each two thirds. Like the thread split (`threads.py`; a
+pinned task's pools get one thread per CPU it has), it applies only where the launcher splits
+this machine's cores itself, and not in parameter-server mode (its ps and chief tasks mostly
+wait, and the coordinator's scheduling was not measured pinned).
 
 Cores are whole physical cores (hyperthread siblings stay together, read from sysfs), so two
 tasks never share one through its siblings; where the topology cannot be read nothing is pinned.
@@ -45,29 +49,30 @@ def physical_cores(cpus: Sequence[int], sysfs: str = SYSFS_CPUS) -> Optional[Lis
     return sorted((sorted(group) for group in cores.values()), key=lambda group: group[0])
 
 
-def task_cpu_sets(num_tasks: int, cores: Sequence[Sequence[int]]) -> List[FrozenSet[int]]:
+def task_cpu_sets(num_tasks: int,
+                  cores: Sequence[Sequence[int]]) -> Optional[List[FrozenSet[int]]]:
     """The CPUs each of `num_tasks` tasks is pinned to, given the host's physical `cores` (lists
-    of sibling CPUs): with at least as many cores as tasks a disjoint block of whole cores each
-    (the first `len(cores) % num_tasks` tasks one core more), else task k on core k mod the
-    number of cores."""
+    of sibling CPUs), where every task gets the same share: the tasks divide the cores (a
+    disjoint block of whole cores each) or the cores divide the tasks (task k on core k mod the
+    number of cores). None otherwise: the tasks stay unpinned."""
     if num_tasks < 1:
         raise ValueError("a cluster has at least one task, got %d" % num_tasks)
     if not cores:
         raise ValueError("no cores to pin %d tasks to" % num_tasks)
     if num_tasks > len(cores):
+        if num_tasks % len(cores):
+            return None
         return [frozenset(cores[k % len(cores)]) for k in range(num_tasks)]
-    share, extra = divmod(len(cores), num_tasks)
-    sets, start = [], 0
-    for k in range(num_tasks):
-        size = share + (1 if k < extra else 0)
-        sets.append(frozenset(cpu for core in cores[start:start + size] for cpu in core))
-        start += size
-    return sets
+    if len(cores) % num_tasks:
+        return None
+    share = len(cores) // num_tasks
+    return [frozenset(cpu for core in cores[k * share:(k + 1) * share] for cpu in core)
+            for k in range(num_tasks)]
 
 
 def host_task_cpu_sets(num_tasks: int, sysfs: str = SYSFS_CPUS) -> Optional[List[FrozenSet[int]]]:
     """`task_cpu_sets` over this host's physical cores (those this process may run on); None
-    where they cannot be known (no affinity support, unreadable topology)."""
+    where they cannot be known (no affinity support, unreadable topology) or would be uneven."""
     cpus = allowed_cpus()
     cores = physical_cores(cpus, sysfs) if cpus else None
     if not cores:
