@@ -193,6 +193,7 @@ class LocalCluster:
         names = ["%s:%d" % (role, index) for role, addresses in self.cluster.items()
                  for index in range(len(addresses))]
         self.task_cpus = dict(zip(names, cpu_sets)) if cpu_sets else {}
+        self._pools_per_cpu = threads_per_task is None  # the user did not size the pools
         if threads_per_task is None:  # every task runs on this machine: split its cores
             threads_per_task = thread_pools.threads_per_task(num_tasks)
         thread_pools.thread_env(threads_per_task, {})  # refuses a negative count now
@@ -265,8 +266,9 @@ class LocalCluster:
         env.setdefault("PYTHONUNBUFFERED", "1")
         name = "%s:%d" % (role, index)
         cpus = self.task_cpus.get(name)
-        # A pinned task's pools: one thread per CPU it has; otherwise the cores' equal split.
-        threads = len(cpus) if cpus else self.threads_per_task
+        # A pinned task's pools: one thread per CPU it has, unless the user sized them (an
+        # explicit --threads-per-task wins, also with --pin-cpus); otherwise the equal split.
+        threads = len(cpus) if cpus and self._pools_per_cpu else self.threads_per_task
         env.update(thread_pools.thread_env(threads, env,
                                            parameter_server=self.parameter_server_mode))
         env.update(allocator_env(env))  # freed memory stays in the task (launch.allocator)
