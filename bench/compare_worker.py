@@ -353,6 +353,8 @@ def run_fit(args, data):
     else:
         options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches,
                    "auto_timed_steps": args.auto_timed_steps}
+        if args.auto_probe_rounds:
+            options["auto_probe_rounds"] = args.auto_probe_rounds
         options["collectives"] = args.collectives  # sockets, tf or horovod (issue 7)
         if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
             forward, _, backward = args.wire_dtype.partition("-")
@@ -418,7 +420,7 @@ def run_fit(args, data):
     return rank, workers, result, profiling
 
 
-AUTO_PROBE_STEPS_LIMIT = 400  # steps an auto row may take to choose before it is an error
+AUTO_PROBE_STEPS_LIMIT = 1000  # steps an auto row may take to choose before it is an error
 
 
 class AutoSettled(tf_keras.callbacks.Callback):
@@ -624,6 +626,8 @@ def main():
                         help="synthetic: N:ROWS tables of ROWS rows instead of the Criteo profile")
     parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="nestpipe pipeline=auto: timed probe steps per mode")
+    parser.add_argument("--auto-probe-rounds", type=int, default=0,
+                        help="nestpipe pipeline=auto: probe rounds (0: the strategy's default)")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
     parser.add_argument("--times-out", default="",
                         help="write rank 0's per-step wall times (ms, every fit step) to this JSON")

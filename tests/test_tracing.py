@@ -49,3 +49,66 @@ def test_user_functions_are_converted_as_the_enclosing_function_asks():
     # Control: with AutoGraph off, the same call cannot branch on a tensor.
     with pytest.raises(TypeError, match="bool"):
         unconverted(tf.constant(-2.0))
+
+
+class _CountingFunction:
+    """A tf.function wrapper counting the calls that go through the function's own matching."""
+
+    def __init__(self, function):
+        self.function = function
+        self.calls = 0
+
+    def __call__(self, iterator):
+        self.calls += 1
+        return self.function(iterator)
+
+    def get_concrete_function(self, iterator):
+        return self.function.get_concrete_function(iterator)
+
+
+def _sum_next(iterator):
+    return tf.reduce_sum(next(iterator))
+
+
+def test_iterator_step_matches_the_function_once_per_iterator():
+    dataset = tf.data.Dataset.range(12).batch(3)
+    counting = _CountingFunction(tf.function(_sum_next))
+    step = tracing.IteratorStep(counting)
+    iterator = iter(dataset)
+    assert [int(step(iterator)) for _ in range(3)] == [3, 12, 21]
+    assert counting.calls == 1  # the later calls ran the kept concrete function
+    # A new iterator goes through the function again, and reads from its own start.
+    fresh = iter(dataset)
+    assert [int(step(fresh)) for _ in range(2)] == [3, 12]
+    assert counting.calls == 2
+    assert counting.function.experimental_get_tracing_count() == 1  # same type: no new trace
+    assert int(step(fresh)) == 21 and int(step(fresh)) == 30
+    with pytest.raises(tf.errors.OutOfRangeError):  # the end of the data, as the function says
+        step(fresh)
+
+
+def test_iterator_step_control_a_plain_call_matches_every_time():
+    # Control for the count above: without IteratorStep every call goes through the matching.
+    counting = _CountingFunction(tf.function(_sum_next))
+    iterator = iter(tf.data.Dataset.range(6).batch(3))
+    assert [int(counting(iterator)) for _ in range(2)] == [3, 12]
+    assert counting.calls == 2
+
+
+def test_iterator_step_with_variables_and_a_distributed_iterator():
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    dataset = tf.data.Dataset.range(8).batch(2)
+    total = []
+
+    @tf.function
+    def accumulate(iterator):
+        if not total:  # the first trace creates a variable (TF traces such a function twice)
+            with strategy.scope():
+                total.append(tf.Variable(0, dtype=tf.int64))
+        value = strategy.run(tf.reduce_sum, args=(next(iterator),))
+        total[0].assign_add(strategy.reduce("SUM", value, axis=None))
+        return total[0].read_value()
+
+    step = tracing.IteratorStep(accumulate)
+    iterator = iter(strategy.experimental_distribute_dataset(dataset))
+    assert [int(step(iterator)) for _ in range(4)] == [1, 6, 15, 28]

@@ -8,7 +8,12 @@ rules; the user functions our code calls inside a trace (a `TrainPipeline`'s ste
 reduce functions, a DOWNPOUR loss) go through `user_function`, which converts them as
 `strategy.run` converts its function: as the enclosing `tf.function` asks (AutoGraph on by
 default, off under `tf.function(autograph=False)`). Keras layers convert their own `call`.
+
+`IteratorStep` calls a step `tf.function` of one iterator argument without matching the
+iterator against the function's traces on every call (see its docstring).
 """
+import weakref
+
 import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config
 
@@ -28,3 +33,33 @@ def user_function(fn):
     """`fn` (a user's function, called by our code inside a trace) converted by AutoGraph as the
     enclosing `tf.function` asks; call it inside that trace."""
     return tf.__internal__.autograph.tf_convert(fn, tf.__internal__.autograph.control_status_ctx())
+
+
+class IteratorStep:
+    """Calls `function` (a `tf.function` whose only argument is an iterator) step after step
+    without binding the iterator anew on every call.
+
+    A `tf.function` call matches its arguments against its traces: for a distributed iterator
+    that computes the iterator's type (its element spec, per worker) and flattens it, about
+    0.5-1.3 ms per call on this testbed's CPU, a sixth of a small model's step. The first call
+    with an iterator goes through `function` (tracing it, creating variables, as usual) and keeps
+    the concrete function it ran and the iterator's tensors (its resource handles, fixed for the
+    iterator's life); later calls with the same iterator run that concrete function on them
+    directly. A new iterator goes through `function` again (a trace only if its type is new)."""
+
+    def __init__(self, function):
+        self._function = function
+        self._iterator_ref = None
+        self._concrete = None
+        self._flat_iterator = None
+
+    def __call__(self, iterator):
+        if self._iterator_ref is not None and self._iterator_ref() is iterator:
+            concrete = self._concrete
+            # The private entry the public call ends in, after its matching (TF 2.21).
+            return concrete._call_flat(self._flat_iterator, concrete.captured_inputs)  # pylint: disable=protected-access
+        outputs = self._function(iterator)
+        self._concrete = self._function.get_concrete_function(iterator)
+        self._flat_iterator = tf.nest.flatten(iterator, expand_composites=True)
+        self._iterator_ref = weakref.ref(iterator)
+        return outputs

@@ -36,7 +36,7 @@ from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, Rout
                                                  shares_of, sync_pending)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
-from tf_nestpipe.tracing import user_function
+from tf_nestpipe.tracing import IteratorStep, user_function
 
 
 def updates_only_touched_rows(optimizer):
@@ -130,10 +130,11 @@ class TrainPipeline:
         self._iterator_ref = None
         self.stats = PipelineStats()
         self._prime = tf.function(self._prime_step)
-        self._step = tf.function(self._pipelined_step)
+        # The steps called once per batch skip tf.function's argument matching (IteratorStep).
+        self._step = IteratorStep(tf.function(self._pipelined_step))
         self._step_held = tf.function(lambda: self._pipelined_step(None))
         self._drain = tf.function(self._drain_step)
-        self._synchronous = tf.function(self._synchronous_step)
+        self._synchronous = IteratorStep(tf.function(self._synchronous_step))
 
     # --- traced pieces -----------------------------------------------------------------------
     def _prefetch(self, batch, current=None, pending=None):
