@@ -1,5 +1,7 @@
 """AutoGraph leaves tf_nestpipe's code alone (it is graph ops only) but still converts the user
 functions our code calls inside a trace, as the enclosing tf.function asks."""
+import gc
+
 import pytest
 import tensorflow as tf
 from tensorflow.python.autograph.impl import conversion
@@ -85,6 +87,11 @@ def test_iterator_step_matches_the_function_once_per_iterator():
     assert int(step(fresh)) == 21 and int(step(fresh)) == 30
     with pytest.raises(tf.errors.OutOfRangeError):  # the end of the data, as the function says
         step(fresh)
+    # The iterator's handles are not kept past the iterator (its resources die with it).
+    assert step.holds_iterator
+    del iterator, fresh
+    gc.collect()
+    assert not step.holds_iterator
 
 
 def test_iterator_step_control_a_plain_call_matches_every_time():

@@ -61,5 +61,23 @@ class IteratorStep:
         outputs = self._function(iterator)
         self._concrete = self._function.get_concrete_function(iterator)
         self._flat_iterator = tf.nest.flatten(iterator, expand_composites=True)
-        self._iterator_ref = weakref.ref(iterator)
+        self._iterator_ref = weakref.ref(iterator, self._forget_callback())
         return outputs
+
+    def _forget_callback(self):
+        """A weakref callback that drops the iterator's handles when the iterator is collected:
+        they must not keep its resources (a prefetching multi-device iterator, its threads)
+        alive past the iterator, as nothing did before."""
+        step_ref = weakref.ref(self)
+
+        def forget(iterator_ref):
+            step = step_ref()
+            if step is not None and step._iterator_ref is iterator_ref:
+                step._iterator_ref = step._concrete = step._flat_iterator = None
+
+        return forget
+
+    @property
+    def holds_iterator(self):
+        """Whether this keeps an iterator's handles (only while that iterator is alive)."""
+        return self._flat_iterator is not None
