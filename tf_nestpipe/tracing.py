@@ -45,7 +45,8 @@ class IteratorStep:
     with an iterator goes through `function` (tracing it, creating variables, as usual) and keeps
     the concrete function it ran and the iterator's tensors (its resource handles, fixed for the
     iterator's life); later calls with the same iterator run that concrete function on them
-    directly. A new iterator goes through `function` again (a trace only if its type is new)."""
+    directly. A new iterator goes through `function` again (a trace only if its type is new);
+    a collected iterator's handles are dropped with it (`_forget_callback`)."""
 
     def __init__(self, function):
         self._function = function
