@@ -48,7 +48,10 @@ def test_a_killed_worker_is_restarted_and_every_window_runs(downpour_results):
 @pytest.mark.parametrize("setting", ["train_T1_sgd", "train_T3_sgd", "train_T3_adagrad"])
 def test_windows_train(downpour_results, setting):
     result = downpour_results[setting]
-    assert result["last_loss"] < result["first_loss"]
+    # On fixed samples: the per-window losses are of whichever batches each worker drew, and
+    # their first and last thirds differed by less than their noise (CI of stop 38: T=3 SGD's
+    # last third 0.659 > first third 0.632).
+    assert result["eval_after"] < result["eval_before"] - 0.02
     # Stateful local optimizer: its accumulators are per-worker variables; the ps holds only
     # the global optimizer's state.
     expected_slots = 5 if setting.endswith("adagrad") else 0

@@ -4,7 +4,8 @@
 usage: downpour.py OUT_DIR [--ps-failure]
   exact: one window (T=3, local SGD, global SGD with learning rate 1) must leave the ps holding
   pulled - sum of the three local-step gradients, computed here by a plain model on the same
-  three batches. train_T<T>_<opt>: 90 local steps of each setting; the losses must fall, and the
+  three batches. train_T<T>_<opt>: 90 local steps of each setting; the loss of the ps values on a fixed
+  1024 samples must fall, and the
   local Adagrad accumulators must live on the workers. fit_T3: tf_keras fit over a T=3
   DOWNPOUR strategy (each fit step one window); its loss must fall.
 """
@@ -48,6 +49,17 @@ def dataset_fn(_context=None):
 
 def loss_fn(labels, logits):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
+
+
+def eval_loss(values):
+    """The loss of a plain model holding VALUES on a fixed 1024 samples of the data: a measure of
+    training that does not depend on which worker ran which window (the per-window losses do)."""
+    model = make_model()
+    for variable, value in zip(model.trainable_variables, values):
+        variable.assign(value)
+    losses = [float(loss_fn(labels, model(features))) for features, labels in
+              dataset_fn().take(64)]
+    return float(np.mean(losses))
 
 
 def exact_window(out):
@@ -97,6 +109,7 @@ def train(out):
         coordinator = tf.distribute.coordinator.ClusterCoordinator(strategy)
         trainer = tnp.DownpourTrainer(strategy, coordinator, make_model, loss_fn,
                                       tf_keras.optimizers.Adagrad(0.5))
+        eval_before = eval_loss(trainer.global_values())
         iterator = iter(coordinator.create_per_worker_dataset(dataset_fn))
         windows = STEPS // window
         # With local Adagrad, worker 1 is SIGKILLed mid-run: the launcher restarts it, the
@@ -118,6 +131,7 @@ def train(out):
         out["train_T%d_%s" % (window, local)] = {
             "first_loss": float(np.mean(losses[:windows // 3])),
             "last_loss": float(np.mean(losses[-(windows // 3):])),
+            "eval_before": eval_before, "eval_after": eval_loss(trainer.global_values()),
             "pushed_per_sample": pushed / float(STEPS * BATCH),
             "windows_done": len(values), "windows_scheduled": windows,
             "worker_killed": killer is not None and killer.killed,
