@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, launch, run_command
+from conftest import UNPINNED, PROGRAMS, launch, run_command
 from tf_nestpipe.sharding import ShardLayout
 from tf_nestpipe.strategy.checkpoint import _reshard_rows, latest_step
 
@@ -52,7 +52,7 @@ def checkpoint_runs(tmp_path_factory):
     run(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore", "--dbp"])
     # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes
     # from the checkpoint of step 5.
-    restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+    restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
                              "--restarts", "1", "--", sys.executable, PROGRAM,
                              str(out / "restarted"), str(out / "ckpt_restart"), "0", "15",
                              "--resume", "--die-at", "8", "--export", str(out / "saved_model"),
@@ -60,7 +60,7 @@ def checkpoint_runs(tmp_path_factory):
     assert restarted.returncode == 0, restarted.stdout[-5000:]
     (out / "restarted.log").write_text(restarted.stdout)
     # Worker 1 gets SIGTERM in step 7: every worker saves step 7 and exits; the restart resumes.
-    preempted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+    preempted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
                              "--restarts", "1", "--", sys.executable, PROGRAM,
                              str(out / "preempted"), str(out / "ckpt_preempt"), "0", "15",
                              "--resume", "--sigterm-at", "7"], timeout=300)

@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, run_command
+from conftest import UNPINNED, PROGRAMS, run_command
 from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
@@ -42,7 +42,7 @@ def horovod_results(tmp_path_factory):
     surface_ref = run_command([sys.executable, os.path.join(PROGRAMS, "horovod_surface.py"),
                                str(out / "surface_ref")])
     assert surface_ref.returncode == 0, surface_ref.stdout[-4000:]
-    launched = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+    launched = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
                             "--horovod", "--", sys.executable, program, str(out / "launch"),
                             str(STEPS)] + LAUNCHER_RUNS + ["--check-splits", "--surface",
                                                            str(out / "surface")], timeout=600)

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, launch, run_command
+from conftest import UNPINNED, PROGRAMS, launch, run_command
 
 PROGRAM = os.path.join(PROGRAMS, "keras_checkpoint.py")
 
@@ -23,7 +23,7 @@ def keras_checkpoint_runs(tmp_path_factory):
     assert three.returncode == 0, three.stdout[-5000:]
     one = run_command([sys.executable, PROGRAM, str(out), "load"])
     assert one.returncode == 0, one.stdout[-5000:]
-    killed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+    killed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
                           "--restarts", "1", "--output", "all", "--", sys.executable, PROGRAM,
                           str(out), "killed"], timeout=300)
     assert killed.returncode == 0, killed.stdout[-5000:]
