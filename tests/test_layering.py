@@ -1,6 +1,7 @@
 """Dependencies point one way: strategy -> pipeline -> sharding -> collectives, ops (DESIGN.md
 section 10). A lower package never imports a higher one, and production code never reads the
-benchmarks' environment switches."""
+benchmarks' environment switches; only `tf_nestpipe/tf_private.py` imports
+TensorFlow's and tf_keras' private modules."""
 import ast
 import glob
 import os
@@ -50,6 +51,44 @@ def violations(package):
 @pytest.mark.parametrize("package", sorted(FORBIDDEN))
 def test_lower_layers_never_import_higher_ones(package):
     assert violations(package) == []
+
+
+PRIVATE_TF = ("tensorflow.python", "tf_keras.src")
+PRIVATE_TF_MODULE = os.path.join("tf_nestpipe", "tf_private.py")
+
+
+def private_tf_imports(path):
+    """The private TensorFlow / tf_keras modules (`PRIVATE_TF`) a module imports, at any depth."""
+    with open(path) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        found.update(n for n in names if n.startswith(PRIVATE_TF))
+    return found
+
+
+def test_only_tf_private_imports_private_tensorflow_apis():
+    """One module (tf_nestpipe/tf_private.py) reaches TensorFlow's and tf_keras' private APIs."""
+    importers = {}
+    for path in glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True):
+        imported = private_tf_imports(path)
+        if imported:
+            importers[os.path.relpath(path, REPO)] = imported
+    assert set(importers) == {PRIVATE_TF_MODULE}, importers
+
+
+def test_the_private_api_check_sees_a_private_import(tmp_path):
+    """Positive control: private imports at any depth are found, public ones are not."""
+    module = tmp_path / "bad.py"
+    module.write_text("import tensorflow as tf\nfrom tensorflow.python.ops import array_ops\n"
+                      "def f():\n    import tf_keras.src.engine.training\n")
+    assert private_tf_imports(str(module)) == {"tensorflow.python.ops",
+                                               "tf_keras.src.engine.training"}
 
 
 def test_the_check_sees_an_upward_import(tmp_path):

@@ -1,6 +1,6 @@
 """The tf_keras hooks behind the Keras surface of `NestPipeStrategy` (installed at import).
 
-The tf_keras internals it patches come from `strategy.keras_private`; the logic lives in modules
+The tf_keras internals it patches come from `tf_nestpipe.tf_private`; the logic lives in modules
 of one job each:
 - step outputs and predictions: `pipeline.keras_outputs` (raw values a step returns are summed
   over the workers, `predict` returns every worker's rows in input order);
@@ -27,9 +27,9 @@ import tf_keras
 
 from tf_nestpipe.pipeline import keras_outputs
 from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
-from tf_nestpipe.strategy.keras_private import embedding as keras_embedding
-from tf_nestpipe.strategy.keras_private import saving_api
-from tf_nestpipe.strategy.keras_private import training as keras_training
+from tf_nestpipe.tf_private import keras_embedding
+from tf_nestpipe.tf_private import keras_saving_api as saving_api
+from tf_nestpipe.tf_private import keras_training
 
 _HOOKED = "_nestpipe_hooked"
 _state = threading.local()

@@ -15,7 +15,9 @@ iterator against the function's traces on every call (see its docstring).
 import weakref
 
 import tensorflow as tf
-from tensorflow.python.autograph.core import config as autograph_config
+
+from tf_nestpipe import tf_private
+from tf_nestpipe.tf_private import autograph_config
 
 _PACKAGE = "tf_nestpipe"
 
@@ -56,9 +58,8 @@ class IteratorStep:
 
     def __call__(self, iterator):
         if self._iterator_ref is not None and self._iterator_ref() is iterator:
-            concrete = self._concrete
             # The private entry the public call ends in, after its matching (TF 2.21).
-            return concrete._call_flat(self._flat_iterator, concrete.captured_inputs)  # pylint: disable=protected-access
+            return tf_private.call_concrete_flat(self._concrete, self._flat_iterator)
         outputs = self._function(iterator)
         self._concrete = self._function.get_concrete_function(iterator)
         self._flat_iterator = tf.nest.flatten(iterator, expand_composites=True)

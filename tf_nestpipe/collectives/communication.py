@@ -21,7 +21,7 @@ import zlib
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import collective_ops, resource_variable_ops
+from tf_nestpipe.tf_private import collective_ops, resource_variable_ops
 
 from tf_nestpipe import ops
 

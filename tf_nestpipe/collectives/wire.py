@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+from tf_nestpipe.tf_private import resource_variable_ops
 
 from tf_nestpipe import ops
 

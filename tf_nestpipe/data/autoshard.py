@@ -17,7 +17,8 @@ import logging
 
 import tensorflow as tf
 from tensorflow.core.framework import graph_pb2
-from tensorflow.python.distribute import input_ops
+from tf_nestpipe.tf_private import input_ops
+from tf_nestpipe import tf_private
 
 AutoShardPolicy = tf.data.experimental.AutoShardPolicy
 
@@ -26,8 +27,8 @@ OK, TOO_FEW_FILES, FAILED = 0, 1, 2
 
 
 def _graph_def(dataset):
-    serialized = dataset._as_serialized_graph(  # pylint: disable=protected-access
-        external_state_policy=tf.data.experimental.ExternalStatePolicy.WARN)
+    serialized = tf_private.serialized_dataset_graph(
+        dataset, tf.data.experimental.ExternalStatePolicy.WARN)
     return graph_pb2.GraphDef.FromString(serialized.numpy())
 
 

@@ -31,13 +31,14 @@ import sys
 
 import tensorflow as tf
 import tf_keras
-from tf_keras.src.engine import training as keras_training
+from tf_nestpipe.tf_private import keras_training
 
 from tf_nestpipe.pipeline.auto import AutoPipeline, auto_candidates
 from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
 from tf_nestpipe.pipeline.modes import LOOKAHEAD, MICRO_BATCHED
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
+from tf_nestpipe import tf_private
 
 _ORIGINAL = keras_training.Model.make_train_function
 _PATCHED_ATTR = "_nestpipe_patched"
@@ -86,9 +87,9 @@ def _pipelined_strategy(model):
                  "train_step looks up (e.g. calls its towers on the features) for the fused "
                  "exchange and the pipelines." % type(model).__name__)
         return None
-    if model.run_eagerly or model._cluster_coordinator:  # pylint: disable=protected-access
+    if model.run_eagerly or tf_private.keras_cluster_coordinator(model):
         return None
-    steps = model._steps_per_execution  # pylint: disable=protected-access
+    steps = tf_private.steps_per_execution(model)
     if steps is not None and int(steps.numpy()) != 1:
         return None
     return strategy
@@ -161,8 +162,8 @@ def _counting_step(model, train_step):
     """`train_step` followed by the model's train-counter increment, as in Keras's own step."""
     def step_fn(data):
         outputs = train_step(data)
-        with tf.control_dependencies(keras_training._minimum_control_deps(outputs)):  # pylint: disable=protected-access
-            model._train_counter.assign_add(1)  # pylint: disable=protected-access
+        with tf.control_dependencies(tf_private.minimum_control_deps(outputs)):
+            tf_private.train_counter(model).assign_add(1)
         return outputs
 
     return step_fn
@@ -215,7 +216,7 @@ def _metrics_first_train_step(model, data):
     with tf.GradientTape() as tape:
         y_pred = model(x, training=True)
         loss = model.compute_loss(x, y, y_pred, sample_weight)
-    model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
+    tf_private.validate_target_and_loss(model, y, loss)
     return _update_then_minimize(model, loss, tape, x, y, y_pred, sample_weight)
 
 

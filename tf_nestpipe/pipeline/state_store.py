@@ -2,7 +2,7 @@
 whose shapes may change on every assignment, so a pipelined step takes no tensor arguments:
 calling a `tf.function` with only an iterator is much cheaper than binding dozens of tensors."""
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+from tf_nestpipe.tf_private import resource_variable_ops
 
 
 class TensorStore:

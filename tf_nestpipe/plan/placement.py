@@ -528,10 +528,11 @@ def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
 def model_tables(model) -> Dict[str, TableSpec]:
     """The TableSpecs of every `ShardedEmbedding` of a tf_keras model (built or not), by name
     (imports tf_nestpipe's layers: only for `python -m tf_nestpipe.plan --placement`)."""
+    from tf_nestpipe import tf_private
     from tf_nestpipe.sharding.embedding import ShardedEmbedding
 
     found = {}
-    for layer in model._flatten_layers():  # pylint: disable=protected-access
+    for layer in tf_private.flatten_layers(model):
         if isinstance(layer, ShardedEmbedding):
             found[layer.name] = TableSpec(layer.name, layer.vocab_size, layer.dim)
     return found

@@ -9,7 +9,7 @@ variable (`NestPipeStrategy._update`), after the lookup recorded the step's fres
 """
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+from tf_nestpipe.tf_private import resource_variable_ops
 
 _ATTR = "_nestpipe_dynamic_slots"
 _COMPANION_ATTR = "_nestpipe_dynamic_companion"

@@ -24,7 +24,7 @@ whole-table form (`whole_state`, `whole_rows`) and re-hashes the same way.
 """
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable
+from tf_nestpipe.tf_private import trackable_base as trackable
 
 from tf_nestpipe.ops.dynamic_table import STAT_NAMES, DynamicTableState, dynamic_owner
 

@@ -15,6 +15,7 @@ from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import sharded_lookup
 from tf_nestpipe.sharding.row_shard import creating_row_shard, mark_replicated_table
 from tf_nestpipe.sharding.tables import FusedTables
+from tf_nestpipe import tf_private
 
 COMBINERS = (None, "sum", "mean")
 
@@ -90,7 +91,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         self._ps_row_order = None
         if isinstance(current, tf.distribute.ParameterServerStrategy):
             self._ps_row_order = partitioners.row_order(
-                current.extended._variable_partitioner)  # pylint: disable=protected-access
+                tf_private.variable_partitioner(current.extended))
 
     def build(self, input_shape):
         if self._ps_row_order is not None:

@@ -10,7 +10,7 @@ hint: the padded size its keys all-to-all uses, agreed by every worker without a
 gradient exchanges put on the wire (`NestPipeStrategy(wire_dtype=...)`) and counts their bytes.
 """
 import tensorflow as tf
-from tensorflow.python.ops import resource_variable_ops
+from tf_nestpipe.tf_private import resource_variable_ops
 
 from tf_nestpipe.collectives.communication import (MAX_BUCKET, capacity_bucket, capacity_of_bucket,
                                                    static_capacity_bucket)

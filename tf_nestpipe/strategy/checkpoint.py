@@ -22,8 +22,7 @@ import re
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.checkpoint import graph_view
-from tensorflow.python.trackable import trackable_utils
+from tf_nestpipe.tf_private import graph_view, trackable_utils
 
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.strategy.nestpipe_strategy import row_shard_layout

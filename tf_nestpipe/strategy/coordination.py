@@ -10,9 +10,9 @@ itself, exactly as the strategy would (the same leader and jobs), with a longer 
 `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` (default 30). A worker that really stops answering is still
 named by the service's verdict, after that long (tests/test_dead_peer.py: within 60 s).
 """
-from tensorflow.python.distribute import multi_worker_util
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
+from tf_nestpipe.tf_private import eager_context as context
+from tf_nestpipe.tf_private import framework_ops as ops
+from tf_nestpipe.tf_private import multi_worker_util
 
 from tf_nestpipe.strategy.env_settings import seconds_from_env
 

@@ -23,16 +23,15 @@ import re
 
 import numpy as np
 import tensorflow as tf
-from tensorflow.python.distribute import ps_values
-from tensorflow.python.distribute.coordinator import cluster_coordinator as _coordinator_lib
-from tensorflow.python.eager import context
-from tensorflow.python.framework import ops
-from tensorflow.python.saved_model import save_context
+from tf_nestpipe.tf_private import eager_context as context
+from tf_nestpipe.tf_private import framework_ops as ops
+from tf_nestpipe.tf_private import ps_values, save_context
 
 from tf_nestpipe.sharding import partitioners
 from tf_nestpipe.strategy.ps_watch import UnreachablePsError, call_watching_ps, refusing_ps
 from tf_nestpipe.sharding.fetch import RowFetcher, installed
 from tf_nestpipe.tracing import user_function
+from tf_nestpipe import tf_private
 
 
 class _LocalVariable(ps_values.PerWorkerVariable):
@@ -79,13 +78,13 @@ def worker_local_variables(strategy):
     def per_worker(next_creator, **kwargs):
         return _LocalVariable(strategy, next_creator, **kwargs)
 
-    original = extended._create_per_worker_variable  # pylint: disable=protected-access
-    extended._create_per_worker_variable = per_worker  # pylint: disable=protected-access
+    original = tf_private.per_worker_variable_creator(extended)
+    tf_private.set_per_worker_variable_creator(extended, per_worker)
     try:
         with strategy.scope(), tf.variable_creator_scope(create):
             yield
     finally:
-        extended._create_per_worker_variable = original  # pylint: disable=protected-access
+        tf_private.set_per_worker_variable_creator(extended, original)
 
 
 class LocalSGD:
@@ -219,7 +218,7 @@ class _ParameterGroup:
 def _groups(model):
     """The model's trainable parameters as groups of ps shards, in variable order."""
     mod_tables = set()
-    for layer in model._flatten_layers():  # pylint: disable=protected-access
+    for layer in tf_private.flatten_layers(model):
         if getattr(layer, "_ps_row_order", None) == partitioners.ROW_ORDER_MOD:
             mod_tables.update(id(v) for v in layer._table_shards())  # pylint: disable=protected-access
     groups, current, current_name = [], [], None
@@ -248,10 +247,10 @@ def explain_ps_failure(error, ps_addresses=None):
     message; when it names none (TensorFlow's `PSUnavailableError` from the coordination
     service carries the worker's message only), each of `ps_addresses` is probed and the ones
     that refuse connections are named."""
-    if not _coordinator_lib._is_ps_failure(error):  # pylint: disable=protected-access
+    if not tf_private.is_ps_failure(error):
         return None
     message = str(getattr(error, "original_exception", None) or error)
-    tasks = set(_coordinator_lib._extract_failed_ps_instances(message))  # pylint: disable=protected-access
+    tasks = set(tf_private.failed_ps_tasks(message))
     tasks.update(int(t) for t in re.findall(r"/job:ps/task:(\d+)", message))
     if tasks:
         named = ", ".join("/job:ps/task:%d" % t for t in sorted(tasks))

@@ -10,7 +10,7 @@ model (its worker copy is made by `tf_keras.models.clone_model`), compiled with 
 import tensorflow as tf
 import tf_keras
 
-from tf_nestpipe.strategy import keras_private
+from tf_nestpipe import tf_private
 from tf_nestpipe.strategy.downpour import DownpourTrainer
 
 
@@ -32,7 +32,7 @@ def _loss_fn(model):
 
 def _local_copy(model):
     """A function building the worker's copy of `model` (same architecture, own variables)."""
-    if not (isinstance(model, tf_keras.Sequential) or keras_private.is_graph_network(model)):
+    if not (isinstance(model, tf_keras.Sequential) or tf_private.is_graph_network(model)):
         raise ValueError("fit with a DOWNPOUR tnp.ParameterServerStrategy copies the model to "
                          "every worker with tf_keras.models.clone_model: use a Sequential or "
                          "functional model, or tnp.DownpourTrainer(model_fn=...)")
@@ -40,7 +40,7 @@ def _local_copy(model):
     def model_fn():
         copy = tf_keras.models.clone_model(model)
         if not copy.built:
-            copy.build(keras_private.build_input_shape(model))
+            copy.build(tf_private.build_input_shape(model))
         return copy
 
     return model_fn
@@ -50,7 +50,7 @@ def downpour_train_function(model):
     """The `train_function` of `model.fit` under a DOWNPOUR strategy: schedules one window per
     call on the model's cluster coordinator and returns its RemoteValue {"loss": ...}."""
     strategy = model.distribute_strategy
-    coordinator = keras_private.cluster_coordinator(model)
+    coordinator = tf_private.keras_cluster_coordinator(model)
     if coordinator is None:
         raise ValueError("fit with a DOWNPOUR tnp.ParameterServerStrategy runs through a "
                          "ClusterCoordinator; pass the data as a "

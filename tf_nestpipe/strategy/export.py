@@ -20,7 +20,7 @@ import tensorflow as tf
 from tf_nestpipe.sharding import fetch
 from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
 from tf_nestpipe.sharding.embedding import ShardedEmbedding
-from tf_nestpipe.strategy import keras_private
+from tf_nestpipe import tf_private
 
 
 class _FullTableFetcher(fetch.RowFetcher):
@@ -64,19 +64,19 @@ def serving_trace():
 def _fetcher_in_save_context():
     """TensorFlow's save context (tf.saved_model.save traces the model itself): no collective
     may be traced, so lookups read the layer's own (whole-table) variable."""
-    return _OWN_TABLES if keras_private.in_saved_model_trace() else None
+    return _OWN_TABLES if tf_private.in_saved_model_trace() else None
 
 
 fetch.set_fallback(_fetcher_in_save_context)
 
 
 def _sharded_layers(model):
-    return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+    return [layer for layer in tf_private.flatten_layers(model)
             if isinstance(layer, ShardedEmbedding)]
 
 
 def _dynamic_layers(model):
-    return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+    return [layer for layer in tf_private.flatten_layers(model)
             if isinstance(layer, DynamicEmbedding)]
 
 
@@ -136,9 +136,9 @@ def infer_input_signature(model):
     dict back into the structure the model is called with. Refused with the fix when the model
     has no known inputs."""
     structure = None
-    if keras_private.is_graph_network(model) and model.inputs:
+    if tf_private.is_graph_network(model) and model.inputs:
         structure = tf.nest.map_structure(lambda t: t.type_spec,
-                                          keras_private.nested_inputs(model))
+                                          tf_private.nested_inputs(model))
     else:
         spec = model.save_spec(dynamic_batch=True) if hasattr(model, "save_spec") else None
         if spec is not None:

@@ -3,6 +3,7 @@ import tf_keras
 
 from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+from tf_nestpipe import tf_private
 
 
 class BackupAndRestore(tf_keras.callbacks.BackupAndRestore):
@@ -29,7 +30,7 @@ class DynamicTableStats(tf_keras.callbacks.Callback):
         self.history = []
 
     def _tables(self):
-        return [layer for layer in self.model._flatten_layers()  # pylint: disable=protected-access
+        return [layer for layer in tf_private.flatten_layers(self.model)
                 if isinstance(layer, DynamicEmbedding)]
 
     def _report(self, when, logs):

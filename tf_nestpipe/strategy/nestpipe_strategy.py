@@ -13,13 +13,13 @@ import contextlib
 import sys
 
 import tensorflow as tf
-from tensorflow.python.distribute import collective_all_reduce_strategy as _cars
-from tensorflow.python.distribute import distribute_lib, distribute_utils
-from tensorflow.python.distribute import reduce_util as _reduce_util
-from tensorflow.python.distribute import values as _dist_values
-from tensorflow.python.distribute.cluster_resolver import cluster_resolver as _cluster_resolver_lib
-from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
-from tensorflow.python.trackable import base as _trackable_base
+from tf_nestpipe.tf_private import cluster_resolver_lib as _cluster_resolver_lib
+from tf_nestpipe.tf_private import collective_all_reduce_strategy as _cars
+from tf_nestpipe.tf_private import distribute_lib, distribute_utils
+from tf_nestpipe.tf_private import distribute_values as _dist_values
+from tf_nestpipe.tf_private import reduce_util as _reduce_util
+from tf_nestpipe.tf_private import tfconfig_cluster_resolver
+from tf_nestpipe.tf_private import trackable_base as _trackable_base
 
 from tf_nestpipe.data.autoshard import check_auto_shard
 from tf_nestpipe.launch import allocator, cluster_check
@@ -43,6 +43,7 @@ from tf_nestpipe.collectives.communication import (CommunicationImplementation, 
 from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
 from tf_nestpipe.collectives.sockets import SocketCollectives, log_fallback
 from tf_nestpipe.collectives.wire import parse_wire_dtype
+from tf_nestpipe import tf_private
 
 COLLECTIVES = ("auto", "sockets", "tf", "horovod")
 
@@ -752,7 +753,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     @property
     def cluster_resolver(self):
         """The cluster resolver this strategy was built from."""
-        return self.extended._cluster_resolver  # pylint: disable=protected-access
+        return tf_private.cluster_resolver(self.extended)
 
     @property
     def num_workers(self):

@@ -2,12 +2,13 @@
 workers run scheduled functions, variables live on ps tasks) with tf_nestpipe's tables, custom
 ops and DOWNPOUR update windows."""
 import tensorflow as tf
-from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver
+from tf_nestpipe.tf_private import tfconfig_cluster_resolver
 
 from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.launch.tf_config import parse_tf_config
 from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
+from tf_nestpipe import tf_private
 
 _checked_ps_clusters = set()
 
@@ -72,7 +73,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def variable_partitioner(self):
         """The partitioner variables created in the scope are sharded with (or None)."""
-        return self.extended._variable_partitioner  # pylint: disable=protected-access
+        return tf_private.variable_partitioner(self.extended)
 
     @property
     def ps_addresses(self):
@@ -82,9 +83,9 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     @property
     def num_ps(self):
         """Number of parameter-server tasks."""
-        return self.extended._num_ps  # pylint: disable=protected-access
+        return tf_private.num_ps(self.extended)
 
     @property
     def num_workers(self):
         """Number of worker tasks."""
-        return self.extended._num_workers  # pylint: disable=protected-access
+        return tf_private.num_workers(self.extended)

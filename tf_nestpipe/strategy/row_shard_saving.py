@@ -22,8 +22,8 @@ import contextlib
 import threading
 
 import tensorflow as tf
-from tensorflow.python.trackable import base as trackable
-from tensorflow.python.checkpoint import tensor_callable
+from tf_nestpipe.tf_private import tensor_callable
+from tf_nestpipe.tf_private import trackable_base as trackable
 
 from tf_nestpipe.sharding.dynamic_slots import dynamic_table_of, is_dynamic_table_variable
 from tf_nestpipe.sharding.dynamic_state import (ROW_KEYS, restored_rows, row_keys,

@@ -1,0 +1,139 @@
+"""The one module through which tf_nestpipe reaches TensorFlow's and tf_keras' private APIs
+(`tensorflow.python.*`, `tf_keras.src.*`, private attributes). When TensorFlow or tf_keras
+changes them, only this file changes; `tests/test_layering.py` checks that no other module of
+the package imports them.
+
+It imports nothing of tf_nestpipe, so every layer (ops, collectives, sharding, pipeline,
+strategy) may import it. The modules are re-exported under the names below; the functions wrap
+the private attributes the package reads."""
+# pylint: disable=unused-import
+from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
+from tensorflow.python.checkpoint import graph_view  # noqa: F401
+from tensorflow.python.checkpoint import tensor_callable  # noqa: F401
+from tensorflow.python.distribute import collective_all_reduce_strategy  # noqa: F401
+from tensorflow.python.distribute import distribute_lib  # noqa: F401
+from tensorflow.python.distribute import distribute_utils  # noqa: F401
+from tensorflow.python.distribute import input_ops  # noqa: F401
+from tensorflow.python.distribute import multi_worker_util  # noqa: F401
+from tensorflow.python.distribute import ps_values  # noqa: F401
+from tensorflow.python.distribute import reduce_util  # noqa: F401
+from tensorflow.python.distribute import values as distribute_values  # noqa: F401
+from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cluster_resolver_lib  # noqa: F401
+from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver  # noqa: F401
+from tensorflow.python.distribute.coordinator import cluster_coordinator as cluster_coordinator_lib  # noqa: F401
+from tensorflow.python.eager import context as eager_context  # noqa: F401
+from tensorflow.python.framework import ops as framework_ops  # noqa: F401
+from tensorflow.python.ops import collective_ops  # noqa: F401
+from tensorflow.python.ops import resource_variable_ops  # noqa: F401
+from tensorflow.python.saved_model import save_context  # noqa: F401
+from tensorflow.python.trackable import base as trackable_base  # noqa: F401
+from tensorflow.python.trackable import trackable_utils  # noqa: F401
+from tf_keras.src.engine import training as keras_training  # noqa: F401  (Model, reduce_per_replica)
+from tf_keras.src.layers.core import embedding as keras_embedding  # noqa: F401  (Embedding)
+from tf_keras.src.saving import saving_api as keras_saving_api  # noqa: F401  (save_model, load_model)
+
+
+# --- tf.function ----------------------------------------------------------------------------------
+def call_concrete_flat(concrete, flat_inputs):
+    """Runs a `ConcreteFunction` on its inputs already flattened (composites expanded), without
+    the argument matching of a call; returns its structured outputs."""
+    return concrete._call_flat(flat_inputs, concrete.captured_inputs)  # pylint: disable=protected-access
+
+
+# --- tf_keras models ------------------------------------------------------------------------------
+def in_saved_model_trace():
+    """True while `tf.saved_model.save` (or tf_keras' SavedModel save) traces functions."""
+    return save_context.in_save_context()
+
+
+def is_graph_network(model):
+    """True for a functional or Sequential-with-inputs model (its inputs are known)."""
+    return bool(getattr(model, "_is_graph_network", False))
+
+
+def nested_inputs(model):
+    """A graph network's inputs in the structure it is called with (dict, list or tensor)."""
+    return model._nested_inputs  # pylint: disable=protected-access
+
+
+def keras_cluster_coordinator(model):
+    """The `ClusterCoordinator` tf_keras made for a model under a parameter-server strategy."""
+    return model._cluster_coordinator  # pylint: disable=protected-access
+
+
+def build_input_shape(model):
+    """The input shape a model was built with (`model.build(shape)`)."""
+    return model._build_input_shape  # pylint: disable=protected-access
+
+
+def flatten_layers(model):
+    """Every layer of a tf_keras model or layer, nested ones included (itself first)."""
+    return model._flatten_layers()  # pylint: disable=protected-access
+
+
+def steps_per_execution(model):
+    """The compiled model's `steps_per_execution` variable (None before compile)."""
+    return model._steps_per_execution  # pylint: disable=protected-access
+
+
+def train_counter(model):
+    """The compiled model's step counter (`model._train_counter`), incremented by each step."""
+    return model._train_counter  # pylint: disable=protected-access
+
+
+def minimum_control_deps(outputs):
+    """The outputs a train step's counter increment must wait for (tf_keras' own rule)."""
+    return keras_training._minimum_control_deps(outputs)  # pylint: disable=protected-access
+
+
+def validate_target_and_loss(model, y, loss):
+    """tf_keras' check that a compiled model got targets for its loss (the error of `fit`)."""
+    model._validate_target_and_loss(y, loss)  # pylint: disable=protected-access
+
+
+# --- tf.data --------------------------------------------------------------------------------------
+def serialized_dataset_graph(dataset, external_state_policy):
+    """A dataset's graph as a serialized `GraphDef` (a scalar string tensor)."""
+    return dataset._as_serialized_graph(  # pylint: disable=protected-access
+        external_state_policy=external_state_policy)
+
+
+# --- tf.distribute strategies ---------------------------------------------------------------------
+def variable_partitioner(extended):
+    """A parameter-server strategy's variable partitioner (its `extended`'s)."""
+    return extended._variable_partitioner  # pylint: disable=protected-access
+
+
+def num_ps(extended):
+    """The number of ps tasks of a parameter-server strategy's `extended`."""
+    return extended._num_ps  # pylint: disable=protected-access
+
+
+def num_workers(extended):
+    """The number of worker tasks of a parameter-server strategy's `extended`."""
+    return extended._num_workers  # pylint: disable=protected-access
+
+
+def cluster_resolver(extended):
+    """The cluster resolver a multi-worker strategy's `extended` was built with."""
+    return extended._cluster_resolver  # pylint: disable=protected-access
+
+
+def per_worker_variable_creator(extended):
+    """The function a parameter-server strategy's `extended` creates per-worker variables with."""
+    return extended._create_per_worker_variable  # pylint: disable=protected-access
+
+
+def set_per_worker_variable_creator(extended, creator):
+    """Replaces the function `extended` creates per-worker variables with."""
+    extended._create_per_worker_variable = creator  # pylint: disable=protected-access
+
+
+def is_ps_failure(error):
+    """Whether `ClusterCoordinator` takes `error` for a parameter-server failure."""
+    return cluster_coordinator_lib._is_ps_failure(error)  # pylint: disable=protected-access
+
+
+def failed_ps_tasks(message):
+    """The ps task indices `ClusterCoordinator` reads from a failure's message."""
+    return cluster_coordinator_lib._extract_failed_ps_instances(message)  # pylint: disable=protected-access
