@@ -548,6 +548,9 @@ def summarize_rounds(row, args, out, results):
             out[key] = first[key]
     if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
         out["auto_choice"] = " / ".join(r.get("auto_choice", "?") for r in results)
+    probes = [r["auto_timings_ms"] for r in results if r.get("auto_timings_ms")]
+    if probes:  # every round's probe: the modes timed in the same processes
+        out["auto_timings_ms_rounds"] = probes
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
@@ -720,6 +723,57 @@ def run_steal_text(env):
     return "" if share is None else ", CPU steal %.0f%% over the run" % (100 * share)
 
 
+# Loopback: a pipelined mode may cost at most this much more than none (issue 14).
+LOOPBACK_PIPELINE_TARGET = 1.05
+
+
+def same_process_ratios(timings_rounds):
+    """{candidate: median over rounds of its ms/step / none's ms/step in the same round} from
+    auto's probe timings of each round ({candidate: ms}); {} without none's timing."""
+    ratios = {}
+    for timings in timings_rounds:
+        if not timings.get("none"):
+            continue
+        for name, ms in timings.items():
+            ratios.setdefault(name, []).append(ms / timings["none"])
+    return {name: statistics.median(values) for name, values in ratios.items()}
+
+
+def same_process_lines(rows):
+    """The report's table of every auto row's probe: each mode's ms/step and its ratio to none,
+    timed interleaved in the same processes (no process-to-process spread)."""
+    probed = [r for r in rows if r.get("auto_timings_ms_rounds")]
+    if not probed:
+        return []
+    lines = ["", "## Same-process comparison (auto's probe)", "",
+             "Each auto row's probe runs every mode in the same worker processes, interleaved "
+             "over its probe rounds, on the same batches (the slowest worker's median ms/step of "
+             "each mode per launch). Separate rows also differ by the spread between processes "
+             "doing the same work; these ratios do not. Loopback target: every pipelined mode "
+             "<= %.2fx none." % LOOPBACK_PIPELINE_TARGET, "",
+             "| row | network | mode | ms/step per launch | vs none (median over launches) |",
+             "|---|---|---|---|---|"]
+    for r in probed:
+        ratios = same_process_ratios(r["auto_timings_ms_rounds"])
+        names = list(r["auto_timings_ms_rounds"][0])
+        for name in names:
+            ms = " / ".join(_num(t.get(name), "%.1f") for t in r["auto_timings_ms_rounds"])
+            ratio = ratios.get(name)
+            if ratio is None:
+                cell = "-"
+            elif name == "none":
+                cell = "1.00x"
+            elif r["network"] == "loopback":
+                cell = "%.2fx (%s, target <= %.2fx)" % (
+                    ratio, "met" if ratio <= LOOPBACK_PIPELINE_TARGET else "missed",
+                    LOOPBACK_PIPELINE_TARGET)
+            else:
+                cell = "%.2fx" % ratio
+            lines.append("| %s | %s | %s | %s | %s |" % (row_label(r), r["network"], name, ms,
+                                                         cell))
+    return lines
+
+
 def markdown(rows, args, env, seconds):
     """The Markdown report: setup, the table of every row, the targets and the failures."""
     singles = {(r["model"], r["data"]): r["ms_median"] for r in rows if r["system"] == "single"}
@@ -778,6 +832,7 @@ def markdown(rows, args, env, seconds):
             r["details"].replace("|", "/")))
     lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
               + ". nestpipe P/C: pipeline P, collectives C."]
+    lines += same_process_lines(rows)
     target_rows = [r for r in rows if targets_apply(r)]
     if target_rows:
         lines += ["", "## Targets (ours on %d workers)" % TARGET_WORKERS, "",
@@ -811,7 +866,8 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "ops_per_step",
               "vs_none", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms", "auto_probe_steps", "placement",
+              "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_probe_steps",
+              "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker",
               "table_bytes_per_process", "baselines_not_fitting"]
 

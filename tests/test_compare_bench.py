@@ -121,6 +121,35 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     assert "| 0.90x | - | 6 (1), auto chose dbp |" in text  # no compute-only row: "-"
 
 
+def test_auto_rows_report_every_mode_against_none_timed_in_the_same_processes():
+    """The probe's timings of each launch (round) give same-process ratios to none: the median
+    over launches of each launch's ratio, judged against the loopback target only on loopback."""
+    auto = _row("nestpipe", 8.0, pipeline="auto")
+    results = [{"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "none",
+                "auto_timings_ms": {"none": 10.0, "dbp": 10.2, "fwp(M=2)": 11.0}},
+               {"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "none",
+                "auto_timings_ms": {"none": 5.0, "dbp": 5.0, "fwp(M=2)": 6.0}},
+               {"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "dbp",
+                "auto_timings_ms": {"none": 8.0, "dbp": 8.8, "fwp(M=2)": 8.0}}]
+    args = argparse.Namespace(global_batch=512, steps=10, profile_steps=0)
+    compare.summarize_rounds(auto, args, auto, results)
+    assert len(auto["auto_timings_ms_rounds"]) == 3
+    ratios = compare.same_process_ratios(auto["auto_timings_ms_rounds"])
+    # Per launch: dbp 1.02, 1.00, 1.10 -> 1.02; fwp 1.10, 1.20, 1.00 -> 1.10.
+    assert ratios["none"] == 1.0
+    assert ratios["dbp"] == pytest.approx(1.02) and ratios["fwp(M=2)"] == pytest.approx(1.10)
+    text = "\n".join(compare.same_process_lines([_row("nestpipe", 9.0, pipeline="none"), auto]))
+    assert "## Same-process comparison (auto's probe)" in text
+    assert "| dbp | 10.2 / 5.0 / 8.8 | 1.02x (met, target <= 1.05x) |" in text
+    assert "| fwp(M=2) | 11.0 / 6.0 / 8.0 | 1.10x (missed, target <= 1.05x) |" in text
+    # Off loopback there is no such target; rows without a probe give no section.
+    auto["network"] = "0.2ms:1gbit"
+    assert "| fwp(M=2) | 11.0 / 6.0 / 8.0 | 1.10x |" in "\n".join(
+        compare.same_process_lines([auto]))
+    assert compare.same_process_lines([_row("nestpipe", 9.0, pipeline="none")]) == []
+    assert "auto_timings_ms_rounds" in compare.json_rows([auto])[0]
+
+
 def test_rows_are_compared_with_the_compute_only_bound_of_their_cluster_size():
     """compute_only (W processes each on its share, no communication) is one row per model,
     data and W whatever the network; every other row of that size is divided by it."""
