@@ -21,22 +21,25 @@ FORBIDDEN = {
 }
 
 
-def imported_packages(path):
-    """The tf_nestpipe subpackages a module imports (at any depth of the file)."""
+def imported_names(path):
+    """Every module name a module imports, at any depth of the file (`from m import x` gives
+    `m` and `m.x`)."""
     with open(path) as f:
         tree = ast.parse(f.read(), path)
-    found = set()
+    names = set()
     for node in ast.walk(tree):
-        names = []
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module] + ["%s.%s" % (node.module, a.name) for a in node.names]
-        for name in names:
-            parts = name.split(".")
-            if parts[0] == "tf_nestpipe" and len(parts) > 1:
-                found.add(parts[1])
-    return found
+            names.add(node.module)
+            names.update("%s.%s" % (node.module, a.name) for a in node.names)
+    return names
+
+
+def imported_packages(path):
+    """The tf_nestpipe subpackages a module imports (at any depth of the file)."""
+    return {name.split(".")[1] for name in imported_names(path)
+            if name.startswith("tf_nestpipe.")}
 
 
 def violations(package):
@@ -59,17 +62,7 @@ PRIVATE_TF_MODULE = os.path.join("tf_nestpipe", "tf_private.py")
 
 def private_tf_imports(path):
     """The private TensorFlow / tf_keras modules (`PRIVATE_TF`) a module imports, at any depth."""
-    with open(path) as f:
-        tree = ast.parse(f.read(), path)
-    found = set()
-    for node in ast.walk(tree):
-        names = []
-        if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module:
-            names = [node.module]
-        found.update(n for n in names if n.startswith(PRIVATE_TF))
-    return found
+    return {name for name in imported_names(path) if name.startswith(PRIVATE_TF)}
 
 
 def test_only_tf_private_imports_private_tensorflow_apis():
@@ -88,6 +81,7 @@ def test_the_private_api_check_sees_a_private_import(tmp_path):
     module.write_text("import tensorflow as tf\nfrom tensorflow.python.ops import array_ops\n"
                       "def f():\n    import tf_keras.src.engine.training\n")
     assert private_tf_imports(str(module)) == {"tensorflow.python.ops",
+                                               "tensorflow.python.ops.array_ops",
                                                "tf_keras.src.engine.training"}
 
 
