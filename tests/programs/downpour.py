@@ -4,10 +4,10 @@
 usage: downpour.py OUT_DIR [--ps-failure]
   exact: one window (T=3, local SGD, global SGD with learning rate 1) must leave the ps holding
   pulled - sum of the three local-step gradients, computed here by a plain model on the same
-  three batches. train_T<T>_<opt>: 90 local steps of each setting; the loss of the ps values on a fixed
-  1024 samples must fall, and the
-  local Adagrad accumulators must live on the workers. fit_T3: tf_keras fit over a T=3
-  DOWNPOUR strategy (each fit step one window); its loss must fall.
+  three batches. train_T<T>_<opt>: 90 local steps of each setting; the loss of the ps values on
+  a fixed 1024 samples must fall, and the local Adagrad accumulators must live on the workers.
+  fit_T3: tf_keras fit over a T=3 DOWNPOUR strategy (each fit step one window); its loss must
+  fall.
 """
 import json
 import os
@@ -51,12 +51,18 @@ def loss_fn(labels, logits):
     return tf.reduce_mean(tf.nn.sigmoid_cross_entropy_with_logits(labels, logits))
 
 
-def eval_loss(values):
-    """The loss of a plain model holding VALUES on a fixed 1024 samples of the data: a measure of
-    training that does not depend on which worker ran which window (the per-window losses do)."""
+def model_holding(values):
+    """A plain (one-process) model whose trainable variables hold `values`."""
     model = make_model()
     for variable, value in zip(model.trainable_variables, values):
         variable.assign(value)
+    return model
+
+
+def eval_loss(values):
+    """The loss of a plain model holding VALUES on a fixed 1024 samples of the data: a measure of
+    training that does not depend on which worker ran which window (the per-window losses do)."""
+    model = model_holding(values)
     losses = [float(loss_fn(labels, model(features))) for features, labels in
               dataset_fn().take(64)]
     return float(np.mean(losses))
@@ -74,9 +80,7 @@ def exact_window(out):
     coordinator.join()
     after = trainer.global_values()
     # Reference: a plain model from the pulled values, three SGD(0.5) steps, summed gradients.
-    reference = make_model()
-    for variable, value in zip(reference.trainable_variables, before):
-        variable.assign(value)
+    reference = model_holding(before)
     total = [np.zeros_like(v) for v in before]
     for features, labels in dataset_fn().take(3):
         with tf.GradientTape() as tape:
