@@ -360,6 +360,8 @@ def run_fit(args, data):
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}
         options["placement"] = args.placement  # table placement (issue 15)
+        if args.skip_buffer_sync:  # a diagnostic: what the look-ahead modes' sync costs
+            options["unsafe_skip_buffer_sync"] = True
         if args.memory_budget_bytes:  # per worker, tables + optimizer slots (issue 15)
             options["memory_budget_bytes"] = args.memory_budget_bytes
         strategy = tnp.NestPipeStrategy(**options)
@@ -648,6 +650,10 @@ def main():
                         help="print `MEMORY {json}`: whether --system's tables + Adagrad slots "
                              "fit --memory-budget-bytes per process on this many workers "
                              "(bench/compare_memory.py; computed, nothing trained), and exit")
+    parser.add_argument("--skip-buffer-sync", action="store_true",
+                        help="nestpipe, a diagnostic: NestPipeStrategy(unsafe_skip_buffer_sync="
+                             "True), the look-ahead pipelines without their buffer sync (training "
+                             "is NOT exact: it reads rows a step stale); prices the sync")
     parser.add_argument("--eval-batches", type=int, default=0,
                         help="dlrm: held-out global batches for the AUC after training")
     args = parser.parse_args()

@@ -150,6 +150,30 @@ def test_auto_rows_report_every_mode_against_none_timed_in_the_same_processes():
     assert "auto_timings_ms_rounds" in compare.json_rows([auto])[0]
 
 
+def test_a_run_without_the_buffer_sync_is_labelled_a_diagnostic_and_judges_nothing():
+    """--skip-buffer-sync (pricing dbp's and nested's sync: inexact training) reaches ours'
+    workers only, and its report says so first and judges no target; without it (the positive
+    control) the same rows are judged."""
+    env = {"load": 0.5, "horovod": False, "horovod_version": None,
+           "horovod_text": "no Horovod rows"}
+    auto = dict(_row("nestpipe", 8.0, pipeline="auto"), auto_timings_ms_rounds=[
+        {"none": 10.0, "dbp": 9.0}, {"none": 8.0, "dbp": 7.6}])
+    rows = [_row("nestpipe", 9.0, pipeline="none"), auto, _row("mwms", 100.0)]
+    compare.add_ratios(rows)
+    diagnostic = compare.parse_args(["--steps", "10", "--skip-buffer-sync"])
+    assert "--skip-buffer-sync" in compare.worker_argv(rows[1], diagnostic)
+    assert "--skip-buffer-sync" not in compare.worker_argv(rows[2], diagnostic)
+    assert "--skip-buffer-sync" not in compare.worker_argv(rows[1], compare.parse_args([]))
+    text = compare.markdown(rows, diagnostic, env, 1.0)
+    assert text.index(compare.SKIPPED_SYNC_TEXT) < text.index("Cluster:")
+    assert "| dbp | 9.0 / 7.6 | 0.93x |" in text
+    assert "target" not in text.split("## Same-process")[1]
+    assert "(met" not in text and "## Targets" not in text
+    judged = compare.markdown(rows, compare.parse_args(["--steps", "10"]), env, 1.0)
+    assert compare.SKIPPED_SYNC_TEXT not in judged and "## Targets" in judged
+    assert "| dbp | 9.0 / 7.6 | 0.93x (met, target <= 1.05x) |" in judged
+
+
 def test_rows_are_compared_with_the_compute_only_bound_of_their_cluster_size():
     """compute_only (W processes each on its share, no communication) is one row per model,
     data and W whatever the network; every other row of that size is divided by it."""
