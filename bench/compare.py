@@ -788,12 +788,13 @@ def same_process_lines(rows, judged=True):
 def markdown(rows, args, env, seconds):
     """The Markdown report: setup, the table of every row, the targets and the failures."""
     singles = {(r["model"], r["data"]): r["ms_median"] for r in rows if r["system"] == "single"}
+    judged = not args.skip_buffer_sync  # a diagnostic run judges no target
     lines = [
         "# Side-by-side: NestPipeStrategy vs MWMS vs ParameterServerStrategy vs Horovod", "",
         "Command: `%s` (%s, %.0f s in all)." % (
             " ".join(["python bench/compare.py"] + sys.argv[1:]),
             datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), seconds), "",
-    ] + ([SKIPPED_SYNC_TEXT, ""] if args.skip_buffer_sync else []) + [
+    ] + ([] if judged else [SKIPPED_SYNC_TEXT, ""]) + [
         "Cluster: every task of every row on this one machine (%d CPU cores shared by all tasks "
         "and with other jobs; load average %.2f at the start%s), Python %s, TensorFlow 2.21 CPU, "
         "tf_keras, %s. Loopback: tasks on 127.0.0.1. `DELAYms:RATE`: every task in its own "
@@ -828,7 +829,7 @@ def markdown(rows, args, env, seconds):
         "| collectives/step (exchanges) | notes |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        target = targets_apply(r) and not args.skip_buffer_sync
+        target = judged and targets_apply(r)
         cells = []
         cells.append(verdict(r.get("efficiency"), TARGETS["efficiency"]) if target
                      else _num(r.get("efficiency"), "%.2f"))
@@ -844,8 +845,8 @@ def markdown(rows, args, env, seconds):
             r["details"].replace("|", "/")))
     lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
               + ". nestpipe P/C: pipeline P, collectives C."]
-    lines += same_process_lines(rows, judged=not args.skip_buffer_sync)
-    target_rows = [r for r in rows if targets_apply(r) and not args.skip_buffer_sync]
+    lines += same_process_lines(rows, judged)
+    target_rows = [r for r in rows if judged and targets_apply(r)]
     if target_rows:
         lines += ["", "## Targets (ours on %d workers)" % TARGET_WORKERS, "",
                   "| row | model / data / network | E >= %g | >= %gx MWMS | >= %gx PSv2 | "
