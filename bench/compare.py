@@ -885,10 +885,16 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "table_bytes_per_process", "baselines_not_fitting"]
 
 
-def json_rows(rows):
-    """The rows as compare.json stores them: JSON_KEYS first, then the extra measurements."""
-    return [{k: r.get(k) for k in JSON_KEYS + EXTRA_KEYS if k in JSON_KEYS or k in r}
-            for r in rows]
+def json_rows(rows, skipped_buffer_sync=False):
+    """The rows as compare.json stores them: JSON_KEYS first, then the extra measurements; in a
+    --skip-buffer-sync run ours' rows also say `"skip_buffer_sync": true` (inexact training), so
+    that the JSON alone marks them a diagnostic."""
+    def stored(r):
+        out = {k: r.get(k) for k in JSON_KEYS + EXTRA_KEYS if k in JSON_KEYS or k in r}
+        if skipped_buffer_sync and r["system"] == "nestpipe":
+            out["skip_buffer_sync"] = True
+        return out
+    return [stored(r) for r in rows]
 
 
 def plot(rows, path):
@@ -1069,7 +1075,7 @@ def main(argv=None):
     add_ratios(done)
     seconds = time.perf_counter() - started
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
-        json.dump(json_rows(done), f, indent=1)
+        json.dump(json_rows(done, args.skip_buffer_sync), f, indent=1)
     try:
         plot(done, os.path.join(RESULTS, args.output + ".png"))
     except ImportError:
