@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -83,6 +84,16 @@ def run_command(argv, timeout=300, env=None, cwd=REPO):
                           timeout=timeout, env=full_env, cwd=cwd)
 
 
+def run_together(*calls):
+    """Runs independent commands at once, each call `(function, *args)` with `function` one of
+    `run_command` and `launch`; returns their CompletedProcess in call order. For a fixture whose
+    runs do not depend on each other: a launch's tasks leave cores idle while one traces and
+    the others wait in a collective, and a single-process run fills them."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        futures = [pool.submit(call[0], *call[1:]) for call in calls]
+        return [f.result() for f in futures]
+
+
 # The tests' multi-worker programs run unpinned: they mostly trace and compile, in one Python
 # thread per task, while the other tasks wait in a collective, and a task pinned to one core
 # cannot use the core its waiting peer leaves idle. Measured: 4 runs of wire_dtypes.py on 2
@@ -110,15 +121,15 @@ def exactness_results(tmp_path_factory):
     program = os.path.join(PROGRAMS, "exactness.py")
     runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] + PLACEMENT_RUNS[w] for w in (2, 3)}
     references = sorted(set(reference_of(r) for r in runs[2] + runs[3]))
-    ref = run_command([sys.executable, program, str(out / "ref"), str(EXACTNESS_STEPS)]
-                      + references)
-    assert ref.returncode == 0, ref.stdout[-4000:]
-    prefixes = {1: str(out / "ref")}
-    for workers, worker_runs in runs.items():
-        result = launch(workers, [program, str(out / ("w%d" % workers)), str(EXACTNESS_STEPS)]
-                        + worker_runs, timeout=2400)  # a hang guard: ~25 min loaded
+    prefixes = {w: str(out / ("w%d" % w)) for w in (2, 3)}
+    prefixes[1] = str(out / "ref")
+    # The reference and both clusters at once (all three are independent).
+    results = run_together(
+        (run_command, [sys.executable, program, prefixes[1], str(EXACTNESS_STEPS)] + references),
+        *[(launch, w, [program, prefixes[w], str(EXACTNESS_STEPS)] + runs[w],
+           2400) for w in (2, 3)])  # a hang guard: ~25 min loaded
+    for result in results:
         assert result.returncode == 0, result.stdout[-6000:]
-        prefixes[workers] = str(out / ("w%d" % workers))
     return prefixes
 
 
@@ -147,9 +158,9 @@ def readme_runs(tmp_path_factory):
     worker + 1 ps cluster ("ps"). Returns each run's CompletedProcess."""
     out = tmp_path_factory.mktemp("readme")
     runner = [os.path.join(PROGRAMS, "readme_examples.py"), os.path.join(REPO, "README.md")]
-    one = run_command([sys.executable] + runner + ["main", str(out / "one")], timeout=600)
-    two = launch(2, runner + ["main", str(out / "two")], timeout=900)
-    ps = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps", "1",
-                      "--chief", "--", sys.executable] + runner + ["ps", str(out / "ps")],
-                     timeout=600)
+    one, two, ps = run_together(  # independent: at once
+        (run_command, [sys.executable] + runner + ["main", str(out / "one")], 600),
+        (launch, 2, runner + ["main", str(out / "two")], 900),
+        (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "1", "--ps", "1",
+                       "--chief", "--", sys.executable] + runner + ["ps", str(out / "ps")], 600))
     return {"one": one, "two": two, "ps": ps}

@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import UNPINNED, PROGRAMS, launch, run_command
+from conftest import UNPINNED, PROGRAMS, launch, run_command, run_together
 from tf_nestpipe.sharding import ShardLayout
 from tf_nestpipe.strategy.checkpoint import _reshard_rows, latest_step
 
@@ -21,50 +21,57 @@ def checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoint")
     ckpt = str(out / "ckpt")
 
-    def run(workers, args):
-        result = (launch(workers, [PROGRAM] + args) if workers > 1 else
-                  run_command([sys.executable, PROGRAM] + args))
-        assert result.returncode == 0, result.stdout[-5000:]
-        return result.stdout
+    def call(workers, args):
+        return ((launch, workers, [PROGRAM] + args) if workers > 1 else
+                (run_command, [sys.executable, PROGRAM] + args))
 
-    # Uninterrupted on 2 workers (a checkpoint written at step 5 on the way).
-    run(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"])
-    run(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"])  # 2 -> 3
-    run(1, [str(out / "one"), ckpt, "10", "15", "--restore"])               # 3 -> 1
-    # Table placement (issue 15): row-wise on 3 -> table_a replicated on 2 (and its export);
-    # every table replicated on 2 -> row-wise on 2 (ShardedCheckpoint) and on 3 (tf format).
-    run(2, [str(out / "to_mixdp"), ckpt, "10", "15", "--restore", "--placement", "mixdp",
-            "--export", str(out / "saved_model_mixdp")])
-    run(2, [str(out / "dp"), str(out / "ckpt_dp"), "0", "10", "--placement", "data_parallel",
-            "--also-tf", "--save-at", "5"])
-    run(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"])
-    run(3, [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"])
-    # Table-wise tables (table_a whole on worker 0, table_b on worker 1): row-wise on 3 ->
-    # table-wise on 2 (and its export); table-wise on 2 -> replicated on 3 (ShardedCheckpoint).
-    run(2, [str(out / "to_tw"), ckpt, "10", "15", "--restore", "--placement", "table_wise",
-            "--export", str(out / "saved_model_tw")])
-    run(2, [str(out / "tw"), str(out / "ckpt_tw"), "0", "10", "--placement", "table_wise",
-            "--save-at", "5"])
-    run(3, [str(out / "tw_to_dp"), str(out / "ckpt_tw"), "5", "10", "--restore", "--placement",
-            "data_parallel"])
-    # The Dual-Buffer Pipeline: uninterrupted, and resumed from step 5 on 3 workers.
-    run(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp", "--save-at", "5"])
-    run(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore", "--dbp"])
-    # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes
-    # from the checkpoint of step 5.
-    restarted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
-                             "--restarts", "1", "--", sys.executable, PROGRAM,
-                             str(out / "restarted"), str(out / "ckpt_restart"), "0", "15",
-                             "--resume", "--die-at", "8", "--export", str(out / "saved_model"),
-                             "--save-at", "5", "10"], timeout=300)
-    assert restarted.returncode == 0, restarted.stdout[-5000:]
+    def restarting(args):  # through the launcher with one restart allowed
+        return (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
+                              UNPINNED, "--restarts", "1", "--", sys.executable, PROGRAM] + args,
+                300)
+
+    def stage(*calls):  # independent runs at once; each must succeed
+        results = run_together(*calls)
+        for result in results:
+            assert result.returncode == 0, result.stdout[-5000:]
+        return results
+
+    # Stage 1, from scratch: uninterrupted on 2 workers (a checkpoint written at step 5 on the
+    # way); every table replicated (ShardedCheckpoint and tf format); table-wise tables
+    # (table_a whole on worker 0, table_b on worker 1); the Dual-Buffer Pipeline.
+    stage(call(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"]),
+          call(2, [str(out / "dp"), str(out / "ckpt_dp"), "0", "10", "--placement",
+                   "data_parallel", "--also-tf", "--save-at", "5"]),
+          call(2, [str(out / "tw"), str(out / "ckpt_tw"), "0", "10", "--placement",
+                   "table_wise", "--save-at", "5"]),
+          call(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp",
+                   "--save-at", "5"]))
+    # Stage 2, resuming stage 1's step 5: 2 -> 3 workers; replicated -> row-wise on 2
+    # (ShardedCheckpoint) and on 3 (tf format); table-wise on 2 -> replicated on 3; DBP on 3.
+    stage(call(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"]),
+          call(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"]),
+          call(3, [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"]))
+    stage(call(3, [str(out / "tw_to_dp"), str(out / "ckpt_tw"), "5", "10", "--restore",
+                   "--placement", "data_parallel"]),
+          call(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore",
+                   "--dbp"]))
+    # Stage 3, resuming the 3-worker run's step 10: on 1 worker; table_a replicated on 2 (and
+    # its export); table-wise on 2 (and its export). Table placement is issue 15's.
+    stage(call(1, [str(out / "one"), ckpt, "10", "15", "--restore"]),
+          call(2, [str(out / "to_mixdp"), ckpt, "10", "15", "--restore", "--placement", "mixdp",
+                   "--export", str(out / "saved_model_mixdp")]),
+          call(2, [str(out / "to_tw"), ckpt, "10", "15", "--restore", "--placement",
+                   "table_wise", "--export", str(out / "saved_model_tw")]))
+    # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes from
+    # the checkpoint of step 5. And worker 1 gets SIGTERM in step 7: every worker saves step 7
+    # and exits; the restart resumes.
+    restarted, preempted = stage(
+        restarting([str(out / "restarted"), str(out / "ckpt_restart"), "0", "15", "--resume",
+                    "--die-at", "8", "--export", str(out / "saved_model"), "--save-at", "5",
+                    "10"]),
+        restarting([str(out / "preempted"), str(out / "ckpt_preempt"), "0", "15", "--resume",
+                    "--sigterm-at", "7"]))
     (out / "restarted.log").write_text(restarted.stdout)
-    # Worker 1 gets SIGTERM in step 7: every worker saves step 7 and exits; the restart resumes.
-    preempted = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
-                             "--restarts", "1", "--", sys.executable, PROGRAM,
-                             str(out / "preempted"), str(out / "ckpt_preempt"), "0", "15",
-                             "--resume", "--sigterm-at", "7"], timeout=300)
-    assert preempted.returncode == 0, preempted.stdout[-5000:]
     (out / "preempted.log").write_text(preempted.stdout)
     return out
 

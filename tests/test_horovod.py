@@ -12,7 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_nestpipe as tnp
-from conftest import UNPINNED, PROGRAMS, run_command
+from conftest import UNPINNED, PROGRAMS, run_command, run_together
 from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
@@ -36,16 +36,17 @@ def horovod_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("horovod")
     program = os.path.join(PROGRAMS, "horovod_exactness.py")
     reference_runs = sorted({spec.split("/")[1] for spec in LAUNCHER_RUNS + HOROVODRUN_RUNS})
-    ref = run_command([sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
-                       str(STEPS)] + reference_runs)
+    ref, surface_ref, launched = run_together(  # independent: at once
+        (run_command, [sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
+                       str(STEPS)] + reference_runs),
+        (run_command, [sys.executable, os.path.join(PROGRAMS, "horovod_surface.py"),
+                       str(out / "surface_ref")]),
+        (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
+                       "--horovod", "--", sys.executable, program, str(out / "launch"),
+                       str(STEPS)] + LAUNCHER_RUNS + ["--check-splits", "--surface",
+                                                      str(out / "surface")], 600))
     assert ref.returncode == 0, ref.stdout[-4000:]
-    surface_ref = run_command([sys.executable, os.path.join(PROGRAMS, "horovod_surface.py"),
-                               str(out / "surface_ref")])
     assert surface_ref.returncode == 0, surface_ref.stdout[-4000:]
-    launched = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
-                            "--horovod", "--", sys.executable, program, str(out / "launch"),
-                            str(STEPS)] + LAUNCHER_RUNS + ["--check-splits", "--surface",
-                                                           str(out / "surface")], timeout=600)
     assert launched.returncode == 0, launched.stdout[-6000:]
     horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
                                                             "horovodrun")

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import UNPINNED, PROGRAMS, launch, run_command
+from conftest import UNPINNED, PROGRAMS, launch, run_command, run_together
 
 PROGRAM = os.path.join(PROGRAMS, "keras_checkpoint.py")
 
@@ -16,17 +16,19 @@ PROGRAM = os.path.join(PROGRAMS, "keras_checkpoint.py")
 @pytest.fixture(scope="session")
 def keras_checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_checkpoint")
-    fit = launch(2, [PROGRAM, str(out), "fit"])
+    # "killed" (its own files) alongside "fit", then both loads of fit's files at once.
+    fit, killed = run_together(
+        (launch, 2, [PROGRAM, str(out), "fit"]),
+        (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
+                       "--restarts", "1", "--output", "all", "--", sys.executable, PROGRAM,
+                       str(out), "killed"], 300))
     assert fit.returncode == 0, fit.stdout[-5000:]
     assert "resumed run trained epochs [2, 3]" in fit.stdout
-    three = launch(3, [PROGRAM, str(out), "load"])
-    assert three.returncode == 0, three.stdout[-5000:]
-    one = run_command([sys.executable, PROGRAM, str(out), "load"])
-    assert one.returncode == 0, one.stdout[-5000:]
-    killed = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
-                          "--restarts", "1", "--output", "all", "--", sys.executable, PROGRAM,
-                          str(out), "killed"], timeout=300)
     assert killed.returncode == 0, killed.stdout[-5000:]
+    three, one = run_together((launch, 3, [PROGRAM, str(out), "load"]),
+                              (run_command, [sys.executable, PROGRAM, str(out), "load"]))
+    assert three.returncode == 0, three.stdout[-5000:]
+    assert one.returncode == 0, one.stdout[-5000:]
     (out / "killed.log").write_text(killed.stdout)
     return out
 

@@ -6,16 +6,17 @@ import time
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, launch, run_command
+from conftest import PROGRAMS, launch, run_command, run_together
 
 
 @pytest.fixture(scope="session")
 def tfrs_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tfrs")
     program = os.path.join(PROGRAMS, "tfrs_fit.py")
-    single = run_command([sys.executable, program, str(out / "single.npz")])
+    single, cluster = run_together(  # independent: at once
+        (run_command, [sys.executable, program, str(out / "single.npz")]),
+        (launch, 2, [program, str(out / "two.npz")]))
     assert single.returncode == 0, single.stdout[-4000:]
-    cluster = launch(2, [program, str(out / "two.npz")])
     assert cluster.returncode == 0, cluster.stdout[-6000:]
     return np.load(out / "single.npz"), np.load(out / "two.npz"), cluster.stdout
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, launch, load_run, run_command
+from conftest import PROGRAMS, launch, load_run, run_command, run_together
 
 STEPS = 20
 DIM = 4  # exactness.py's table dim: an int8 row is ceil((4 + 8) / 4) = 3 words, 12 bytes
@@ -35,11 +35,12 @@ def wire_results(tmp_path_factory):
     """The single-process references (exactness.py) and every RUN in one 2-worker launch."""
     out = tmp_path_factory.mktemp("wire")
     references = sorted({":".join(run.split(":")[:2]) for run in RUNS})
-    ref = run_command([sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
-                       str(STEPS)] + references)
+    ref, result = run_together(  # independent: at once
+        (run_command, [sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
+                       str(STEPS)] + references),
+        (launch, 2, [os.path.join(PROGRAMS, "wire_dtypes.py"), str(out / "w2"), str(STEPS)]
+         + RUNS, 900))
     assert ref.returncode == 0, ref.stdout[-4000:]
-    result = launch(2, [os.path.join(PROGRAMS, "wire_dtypes.py"), str(out / "w2"), str(STEPS)]
-                    + RUNS, timeout=900)
     assert result.returncode == 0, result.stdout[-6000:]
     return str(out / "ref"), str(out / "w2")
 
