@@ -114,9 +114,9 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
 @pytest.fixture(scope="session")
 def exactness_results(tmp_path_factory):
     """Trains the exactness model in one process without pipeline (the reference of every run)
-    and, in one launch per cluster size, every run of EXACTNESS_RUNS, PIPELINE_RUNS and
-    PLACEMENT_RUNS on 2 and 3
-    workers. Returns the file prefixes {1: reference, 2: ..., 3: ...} (see `load_run`)."""
+    and every run of EXACTNESS_RUNS, PIPELINE_RUNS and PLACEMENT_RUNS on 2 workers (in two
+    launches) and 3 (in one), all at once. Returns the file prefixes {1: reference, 2: ...,
+    3: ...} (see `load_run`)."""
     out = tmp_path_factory.mktemp("exactness")
     program = os.path.join(PROGRAMS, "exactness.py")
     runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] + PLACEMENT_RUNS[w] for w in (2, 3)}
