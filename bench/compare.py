@@ -266,8 +266,12 @@ def worker_argv(row, args):
             "--profile-steps", str(profile_steps(row, args)),
             "--placement", row.get("placement") or "auto",
             "--memory-budget-bytes", str(args.memory_budget_bytes or 0)] + (
-                ["--skip-buffer-sync"] if args.skip_buffer_sync and row["system"] == "nestpipe"
-                else [])
+                ["--skip-buffer-sync"] if skips_buffer_sync(row, args) else [])
+
+
+def skips_buffer_sync(row, args):
+    """True for the rows a --skip-buffer-sync run trains without the buffer sync: ours."""
+    return args.skip_buffer_sync and row["system"] == "nestpipe"
 
 
 def profile_steps(row, args):
@@ -885,13 +889,13 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "table_bytes_per_process", "baselines_not_fitting"]
 
 
-def json_rows(rows, skipped_buffer_sync=False):
-    """The rows as compare.json stores them: JSON_KEYS first, then the extra measurements; in a
-    --skip-buffer-sync run ours' rows also say `"skip_buffer_sync": true` (inexact training), so
-    that the JSON alone marks them a diagnostic."""
+def json_rows(rows, args=None):
+    """The rows as compare.json stores them: JSON_KEYS first, then the extra measurements; with
+    the run's `args`, the rows it trained without the buffer sync (`skips_buffer_sync`) also
+    say `"skip_buffer_sync": true` (inexact training), so that the JSON alone marks them."""
     def stored(r):
         out = {k: r.get(k) for k in JSON_KEYS + EXTRA_KEYS if k in JSON_KEYS or k in r}
-        if skipped_buffer_sync and r["system"] == "nestpipe":
+        if args is not None and skips_buffer_sync(r, args):
             out["skip_buffer_sync"] = True
         return out
     return [stored(r) for r in rows]
@@ -1075,7 +1079,7 @@ def main(argv=None):
     add_ratios(done)
     seconds = time.perf_counter() - started
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
-        json.dump(json_rows(done, args.skip_buffer_sync), f, indent=1)
+        json.dump(json_rows(done, args), f, indent=1)
     try:
         plot(done, os.path.join(RESULTS, args.output + ".png"))
     except ImportError:

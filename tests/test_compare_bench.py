@@ -173,9 +173,11 @@ def test_a_run_without_the_buffer_sync_is_labelled_a_diagnostic_and_judges_nothi
     assert compare.SKIPPED_SYNC_TEXT not in judged and "## Targets" in judged
     assert "| dbp | 9.0 / 7.6 | 0.93x (met, target <= 1.05x) |" in judged
     # The JSON marks ours' rows of the diagnostic run alone.
-    stored = compare.json_rows(rows, diagnostic.skip_buffer_sync)
+    stored = compare.json_rows(rows, diagnostic)
     assert [r.get("skip_buffer_sync") for r in stored] == [True, True, None]
     assert not any("skip_buffer_sync" in r for r in compare.json_rows(rows))
+    assert not any("skip_buffer_sync" in r
+                   for r in compare.json_rows(rows, compare.parse_args(["--steps", "10"])))
 
 
 def test_rows_are_compared_with_the_compute_only_bound_of_their_cluster_size():
