@@ -7,8 +7,10 @@ It imports nothing of tf_nestpipe, so every layer (ops, collectives, sharding, p
 strategy) may import it. The modules are re-exported under the names below; the functions wrap
 the private attributes the package reads."""
 # pylint: disable=unused-import
+import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
 from tensorflow.python.checkpoint import graph_view  # noqa: F401
+from tensorflow.python.data.ops import multi_device_iterator_ops  # noqa: F401
 from tensorflow.python.checkpoint import tensor_callable  # noqa: F401
 from tensorflow.python.distribute import collective_all_reduce_strategy  # noqa: F401
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
@@ -96,6 +98,30 @@ def serialized_dataset_graph(dataset, external_state_policy):
     """A dataset's graph as a serialized `GraphDef` (a scalar string tensor)."""
     return dataset._as_serialized_graph(  # pylint: disable=protected-access
         external_state_policy=external_state_policy)
+
+
+def device_datasets_without_autotune():
+    """From now on in this process, the per-device datasets of TensorFlow's multi-device
+    iterators (the prefetch every distributed dataset's iterator puts behind its source, one per
+    device) are built with tf.data autotuning off. Idempotent; elements are unchanged.
+
+    Such a dataset has nothing to tune (a fixed prefetch buffer), but autotuning gives its
+    iterator a model thread, and in a multi-worker cluster (MultiWorkerMirroredStrategy too,
+    TF 2.21) deleting the iterator is not seen by that thread: the deletion (the end of `fit`,
+    a custom loop dropping its iterator) blocks until the thread's next optimization round,
+    which backs off to as long as the iterator has lived (up to a minute)."""
+    create = multi_device_iterator_ops._create_device_dataset  # pylint: disable=protected-access
+    if getattr(create, "_nestpipe_without_autotune", False):
+        return
+
+    def create_without_autotune(*args, **kwargs):
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return create(*args, **kwargs).with_options(options)
+
+    create_without_autotune._nestpipe_without_autotune = True
+    create_without_autotune.__wrapped__ = create  # the stock function
+    multi_device_iterator_ops._create_device_dataset = create_without_autotune  # pylint: disable=protected-access
 
 
 # --- tf.distribute strategies ---------------------------------------------------------------------

@@ -67,9 +67,14 @@ def dataset_fn(batches):
         per = GLOBAL_BATCH // context.num_input_pipelines
         lo = context.input_pipeline_id * per
         local = [(ids[lo:lo + per], y[lo:lo + per]) for ids, y in batches]
-        return tf.data.Dataset.from_generator(
+        dataset = tf.data.Dataset.from_generator(
             lambda: iter(local), output_signature=(tf.TensorSpec([None, 2], tf.int64),
                                                    tf.TensorSpec([None], tf.float32)))
+        # Nothing to tune; an autotuned iterator's deletion can block for seconds in a
+        # cluster (TF 2.21, see tf_private.device_datasets_without_autotune).
+        options = tf.data.Options()
+        options.autotune.enabled = False
+        return dataset.with_options(options)
     return fn
 
 

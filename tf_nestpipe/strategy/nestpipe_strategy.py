@@ -13,6 +13,7 @@ import contextlib
 import sys
 
 import tensorflow as tf
+from tf_nestpipe import tf_private
 from tf_nestpipe.tf_private import cluster_resolver_lib as _cluster_resolver_lib
 from tf_nestpipe.tf_private import collective_all_reduce_strategy as _cars
 from tf_nestpipe.tf_private import distribute_lib, distribute_utils
@@ -89,6 +90,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
                  collective_timeout_seconds=0, collectives="auto", check_equal_shares=True):
+        # Deleting a distributed iterator must not wait on an idle autotuning thread.
+        tf_private.device_datasets_without_autotune()
         self._nestpipe_backend = collectives
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None

@@ -1,0 +1,73 @@
+"""How long deleting a distributed iterator takes on a 2-worker cluster, ours beside
+MultiWorkerMirroredStrategy (TF 2.21 can block there on tf.data's autotuning thread; README,
+"No stall when an iterator is deleted").
+
+usage: python bench/iterator_teardown.py [--runs N] [--seconds S] [--source-autotune on|off]
+Each run launches 2 workers that step through a distributed dataset for S seconds, delete the
+iterator and print how long the deletion took; the table gives every worker's time per run."""
+import argparse
+import os
+import re
+import subprocess
+import sys
+import time
+
+
+def worker(strategy_name, seconds, source_autotune):
+    """One task: iterate for `seconds`, delete the iterator, print the deletion's seconds."""
+    os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
+    import tensorflow as tf
+
+    if strategy_name == "mwms":
+        strategy = tf.distribute.MultiWorkerMirroredStrategy()
+    else:
+        import tf_nestpipe as tnp
+
+        strategy = tnp.NestPipeStrategy()
+
+    def dataset_fn(context):
+        del context
+        dataset = tf.data.Dataset.from_generator(
+            lambda: iter(range(10 ** 7)), output_signature=tf.TensorSpec([], tf.int64)).batch(4)
+        if source_autotune == "off":
+            options = tf.data.Options()
+            options.autotune.enabled = False
+            dataset = dataset.with_options(options)
+        return dataset
+
+    iterator = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    step = tf.function(lambda it: strategy.run(tf.reduce_sum, args=(next(it),)))
+    start = time.time()
+    while time.time() - start < seconds:
+        step(iterator)
+        time.sleep(0.05)
+    start = time.time()
+    del iterator
+    print("DELETE_SECONDS %.2f" % (time.time() - start), flush=True)
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=4)
+    parser.add_argument("--seconds", type=float, default=12.0)
+    parser.add_argument("--source-autotune", choices=("on", "off"), default="on")
+    parser.add_argument("--worker", choices=("mwms", "nestpipe"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        return worker(args.worker, args.seconds, args.source_autotune)
+    env = dict(os.environ, TF_NESTPIPE_LAUNCH_OUTPUT="all", TF_CPP_MIN_LOG_LEVEL="2")
+    print("| strategy | run | deletion, worker 0 / worker 1 (s) |\n|---|---|---|")
+    for run in range(args.runs):
+        for name in ("mwms", "nestpipe"):
+            out = subprocess.run(
+                [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--", sys.executable,
+                 os.path.abspath(__file__), "--worker", name, "--seconds", str(args.seconds),
+                 "--source-autotune", args.source_autotune],
+                env=env, capture_output=True, text=True, timeout=300).stdout
+            times = dict(re.findall(r"\[worker:(\d)\] DELETE_SECONDS ([0-9.]+)", out))
+            print("| %s | %d | %s / %s |" % (name, run, times.get("0", "-"), times.get("1", "-")),
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main()
