@@ -10,8 +10,8 @@ the private attributes the package reads."""
 import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
 from tensorflow.python.checkpoint import graph_view  # noqa: F401
-from tensorflow.python.data.ops import multi_device_iterator_ops  # noqa: F401
 from tensorflow.python.checkpoint import tensor_callable  # noqa: F401
+from tensorflow.python.data.ops import multi_device_iterator_ops  # noqa: F401
 from tensorflow.python.distribute import collective_all_reduce_strategy  # noqa: F401
 from tensorflow.python.distribute import distribute_lib  # noqa: F401
 from tensorflow.python.distribute import distribute_utils  # noqa: F401
@@ -107,9 +107,11 @@ def device_datasets_without_autotune():
 
     Such a dataset has nothing to tune (a fixed prefetch buffer), but autotuning gives its
     iterator a model thread, and in a multi-worker cluster (MultiWorkerMirroredStrategy too,
-    TF 2.21) deleting the iterator is not seen by that thread: the deletion (the end of `fit`,
-    a custom loop dropping its iterator) blocks until the thread's next optimization round,
-    which backs off to as long as the iterator has lived (up to a minute)."""
+    TF 2.21) that thread sometimes sleeps through the iterator's deletion: the deletion (the end
+    of `fit`, a custom loop dropping its iterator) then blocks until the thread's next
+    optimization round, which backs off to as long as the iterator has lived (up to a minute).
+    The source dataset's own iterator autotunes as its options say (README, "Fewer stalls when
+    an iterator is deleted")."""
     create = multi_device_iterator_ops._create_device_dataset  # pylint: disable=protected-access
     if getattr(create, "_nestpipe_without_autotune", False):
         return
