@@ -27,7 +27,6 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
-from exactness import without_autotuning  # noqa: E402
 
 DIM, GLOBAL_BATCH, STEPS, LR = 4, 12, 16, 0.1
 TABLE = dict(capacity_per_worker=10, admission=2, eviction="lru", ttl_steps=5)
@@ -68,7 +67,7 @@ def dataset_fn(batches):
         per = GLOBAL_BATCH // context.num_input_pipelines
         lo = context.input_pipeline_id * per
         local = [(ids[lo:lo + per], y[lo:lo + per]) for ids, y in batches]
-        return without_autotuning(tf.data.Dataset.from_generator(
+        return tnp.data.without_autotuning(tf.data.Dataset.from_generator(
             lambda: iter(local), output_signature=(tf.TensorSpec([None, 2], tf.int64),
                                                    tf.TensorSpec([None], tf.float32))))
     return fn

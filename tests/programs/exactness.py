@@ -139,19 +139,11 @@ def per_worker_dataset_fn(batches):
     def dataset_fn(context):
         local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
                  for b in batches]
-        return without_autotuning(
+        # Nothing to tune; an autotuned iterator's deletion can stall in a cluster.
+        return tnp.data.without_autotuning(
             tf.data.Dataset.from_generator(lambda: iter(local), output_signature=BATCH_SPEC))
 
     return dataset_fn
-
-
-def without_autotuning(dataset):
-    """`dataset` with tf.data autotuning off. These in-memory datasets have nothing to tune, and
-    in a cluster (TF 2.21) deleting an autotuned iterator can block until its idle autotuning
-    thread wakes, seconds later (see `tf_private.device_datasets_without_autotune`)."""
-    options = tf.data.Options()
-    options.autotune.enabled = False
-    return dataset.with_options(options)
 
 
 def new_loss_fn():

@@ -1,5 +1,6 @@
 """Input data for recommendation models: synthetic click logs, Criteo and MovieLens converters,
 TFRecord shards of a `Schema` and an efficient tf.data reader (`make_dataset`)."""
+from tf_nestpipe.data.autotune import without_autotuning
 from tf_nestpipe.data.criteo import (convert_criteo, criteo_schema, format_criteo_tsv,
                                      read_criteo_tsv, write_criteo_tsv)
 from tf_nestpipe.data.movielens import (cache_dir, convert_movielens, fetch_movielens,
@@ -38,6 +39,7 @@ __all__ = [
     "read_criteo_tsv",
     "schema_from_metadata",
     "split_files",
+    "without_autotuning",
     "write_criteo_tsv",
     "write_synthetic_tfrecords",
 ]
