@@ -13,9 +13,12 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   data_parallel, the other tables row_wise), tw (table_a table_wise in the exchange of the
   row-wise table_b, the collection data_parallel), alltw (every table table_wise, balanced over
   the workers), autoplace (placement="auto"), split (table_a looked up once per id column: two
-  lookups of one table per step, the same function as without)}, OPTIMIZER in {sgd, adagrad, adam} and MODE one of: loop (custom loop
-  through tnp.TrainPipeline: the fused exchange, with look-ahead under dbp / nested; 3
-  micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
+  lookups of one table per step, the same function as without), lazy (loop: the
+  TrainPipeline is not given the trainable variables, so the model's variables and the
+  optimizer's slots are created in its first traces, each traced twice)}, OPTIMIZER in
+  {sgd, adagrad, adam} and MODE one of: loop (custom loop through tnp.TrainPipeline, given
+  the trainable variables unless lazy: the fused exchange, with look-ahead under dbp /
+  nested; 3 micro-batches under fwp / nested), direct (custom loop calling strategy.run: each table its
   own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
   STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
@@ -175,9 +178,9 @@ def make_optimizer(name):
             "adam": lambda: tf_keras.optimizers.Adam(0.05)}[name]()
 
 
-def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False):
+def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False, lazy=False):
     """Trains a fresh TinyRanker (MixedRanker if `mixed`, SplitRanker if `split`) with `mode`
-    (custom loop or fit) and saves all parameters."""
+    (custom loop or fit) and saves all parameters. `lazy`: see the module docstring."""
     if mixed and split:
         raise ValueError("the 'mixed' and 'split' options name two different models; a run "
                          "takes one of them")
@@ -218,9 +221,10 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False)
     stats, auto_choice = None, None
     if mode == "loop":
         lookahead = 1 if strategy.pipeline in ("dbp", "nested") else 0
-        pipeline = tnp.TrainPipeline(strategy, step_fn, route_fn, optimizer=optimizer,
-                                     skip_buffer_sync=strategy.unsafe_skip_buffer_sync,
-                                     lookahead=lookahead)
+        pipeline = tnp.TrainPipeline(
+            strategy, step_fn, route_fn, optimizer=optimizer,
+            skip_buffer_sync=strategy.unsafe_skip_buffer_sync, lookahead=lookahead,
+            trainable_variables=None if lazy else lambda: model.trainable_variables)
         iterator = iter(strategy.distribute_datasets_from_function(local_dataset_fn))
         for _ in range(steps):
             pipeline.progress(iterator)
@@ -327,7 +331,7 @@ def main():
         strategy.placement = placement_of_run(options)
         train(strategy, batches, mode, opt_name,
               "%s.%s.npz" % (prefix, ".".join([mode, opt_name] + options)),
-              mixed="mixed" in options, split="split" in options)
+              mixed="mixed" in options, split="split" in options, lazy="lazy" in options)
 
 
 if __name__ == "__main__":
