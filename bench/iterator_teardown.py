@@ -3,9 +3,12 @@ MultiWorkerMirroredStrategy (TF 2.21 can block there on tf.data's autotuning thr
 "Fewer stalls when an iterator is deleted").
 
 usage: python bench/iterator_teardown.py [--runs N] [--seconds S] [--source-autotune on|off]
+                                         [--output NAME]
 Each run launches 2 workers that step through a distributed dataset for S seconds, delete the
-iterator and print how long the deletion took; the table gives every worker's time per run."""
+iterator and print how long the deletion took; the table gives every worker's time per run. It
+is printed as the runs finish and written, with the command, to bench/results/NAME.md."""
 import argparse
+import datetime
 import os
 import re
 import subprocess
@@ -51,12 +54,15 @@ def main():
     parser.add_argument("--runs", type=int, default=4)
     parser.add_argument("--seconds", type=float, default=12.0)
     parser.add_argument("--source-autotune", choices=("on", "off"), default="on")
+    parser.add_argument("--output", default="iterator_teardown",
+                        help="the table goes to bench/results/OUTPUT.md")
     parser.add_argument("--worker", choices=("mwms", "nestpipe"), help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         return worker(args.worker, args.seconds, args.source_autotune)
     env = dict(os.environ, TF_NESTPIPE_LAUNCH_OUTPUT="all", TF_CPP_MIN_LOG_LEVEL="2")
-    print("| strategy | run | deletion, worker 0 / worker 1 (s) |\n|---|---|---|")
+    lines = ["| strategy | run | deletion, worker 0 / worker 1 (s) |", "|---|---|---|"]
+    print("\n".join(lines), flush=True)
     for run in range(args.runs):
         for name in ("mwms", "nestpipe"):
             out = subprocess.run(
@@ -65,8 +71,19 @@ def main():
                  "--source-autotune", args.source_autotune],
                 env=env, capture_output=True, text=True, timeout=300).stdout
             times = dict(re.findall(r"\[worker:(\d)\] DELETE_SECONDS ([0-9.]+)", out))
-            print("| %s | %d | %s / %s |" % (name, run, times.get("0", "-"), times.get("1", "-")),
-                  flush=True)
+            lines.append("| %s | %d | %s / %s |" % (name, run, times.get("0", "-"),
+                                                     times.get("1", "-")))
+            print(lines[-1], flush=True)
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
+                        args.output + ".md")
+    with open(path, "w") as f:
+        f.write("# Deleting a distributed iterator, 2 workers, %g s of steps first (%s)\n\n"
+                "`python bench/iterator_teardown.py %s`\n\n%s\n\n"
+                "\"-\": that worker printed no time (MultiWorkerMirroredStrategy's worker 1 "
+                "sometimes fails at exit).\n"
+                % (args.seconds, datetime.date.today().isoformat(), " ".join(sys.argv[1:]),
+                   "\n".join(lines)))
+    print("written to", path)
 
 
 if __name__ == "__main__":
