@@ -69,7 +69,8 @@ def main():
                 [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--", sys.executable,
                  os.path.abspath(__file__), "--worker", name, "--seconds", str(args.seconds),
                  "--source-autotune", args.source_autotune],
-                env=env, capture_output=True, text=True, timeout=300).stdout
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                timeout=300).stdout
             times = dict(re.findall(r"\[worker:(\d)\] DELETE_SECONDS ([0-9.]+)", out))
             lines.append("| %s | %d | %s / %s |" % (name, run, times.get("0", "-"),
                                                      times.get("1", "-")))
