@@ -80,7 +80,7 @@ def main():
     with open(path, "w") as f:
         f.write("# Deleting a distributed iterator, 2 workers, %g s of steps first (%s)\n\n"
                 "`python bench/iterator_teardown.py %s`\n\n%s\n\n"
-                "\"-\": that worker printed no time (MultiWorkerMirroredStrategy's worker 1 "
+                "\"-\": that worker printed no time (a MultiWorkerMirroredStrategy worker "
                 "sometimes fails at exit).\n"
                 % (args.seconds, datetime.date.today().isoformat(), " ".join(sys.argv[1:]),
                    "\n".join(lines)))
