@@ -19,8 +19,9 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   {sgd, adagrad, adam} and MODE one of: loop (custom loop through tnp.TrainPipeline, given
   the trainable variables unless lazy: the fused exchange, with look-ahead under dbp /
   nested; 3 micro-batches under fwp / nested), direct (custom loop calling strategy.run:
-  each table its own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS), epochs (3 epochs of
-  STEPS // 3 steps over the repeated data: the pipeline carries across epoch boundaries), twice
+  each table its own exchange; a frozen window under fwp), fit (steps_per_epoch=STEPS),
+  epochs (3 epochs of STEPS // 3 steps over the repeated data: the pipeline carries across
+  epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
   dataset of one batch);
   each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER[.OPTION ...].npz.
