@@ -16,6 +16,8 @@ import subprocess
 import sys
 import time
 
+from runner import write_result
+
 
 PAUSE_SECONDS = 0.05
 
@@ -83,16 +85,13 @@ def main():
             print(lines[-1], flush=True)
             if len(times) < 2:
                 print(out[-3000:], flush=True)
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results",
-                        args.output + ".md")
-    with open(path, "w") as f:
-        f.write("# Deleting a distributed iterator, 2 workers, %g s of steps first (%s)\n\n"
-                "`python bench/iterator_teardown.py %s`\n\n%s\n\n"
-                "\"-\": that worker printed no time (its launch failed; the benchmark printed "
-                "the launch's output).\n"
-                % (args.seconds, datetime.date.today().isoformat(), " ".join(sys.argv[1:]),
-                   "\n".join(lines)))
-    print("written to", path)
+    write_result(args.output + ".md",
+                 "# Deleting a distributed iterator, 2 workers, %g s of steps first (%s)\n\n"
+                 "`python bench/iterator_teardown.py %s`\n\n%s\n\n"
+                 "\"-\": that worker printed no time (its launch failed; the benchmark printed "
+                 "the launch's output).\n"
+                 % (args.seconds, datetime.date.today().isoformat(), " ".join(sys.argv[1:]),
+                    "\n".join(lines)))
 
 
 if __name__ == "__main__":
