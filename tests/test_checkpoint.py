@@ -21,9 +21,10 @@ def checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoint")
     ckpt = str(out / "ckpt")
 
-    def call(workers, args):
-        return ((launch, workers, [PROGRAM] + args) if workers > 1 else
-                (run_command, [sys.executable, PROGRAM] + args))
+    def call(workers, *jobs):  # jobs run in turn in one launch (one start-up for all)
+        args = [PROGRAM] + [a for i, job in enumerate(jobs) for a in ["+"] * (i > 0) + job]
+        return ((launch, workers, args, 600) if workers > 1 else
+                (run_command, [sys.executable] + args, 600))
 
     def restarting(args):  # through the launcher with one restart allowed
         return (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
@@ -38,39 +39,40 @@ def checkpoint_runs(tmp_path_factory):
 
     # Stage 1, from scratch: uninterrupted on 2 workers (a checkpoint written at step 5 on the
     # way); every table replicated (ShardedCheckpoint and tf format); table-wise tables
-    # (table_a whole on worker 0, table_b on worker 1); the Dual-Buffer Pipeline.
-    stage(call(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"]),
-          call(2, [str(out / "dp"), str(out / "ckpt_dp"), "0", "10", "--placement",
-                   "data_parallel", "--also-tf", "--save-at", "5"]),
-          call(2, [str(out / "tw"), str(out / "ckpt_tw"), "0", "10", "--placement",
-                   "table_wise", "--save-at", "5"]),
-          call(2, [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp",
-                   "--save-at", "5"]))
-    # Stage 2, resuming stage 1's step 5: 2 -> 3 workers; replicated -> row-wise on 2
-    # (ShardedCheckpoint) and on 3 (tf format); table-wise on 2 -> replicated on 3; DBP on 3.
-    stage(call(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"]),
-          call(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"]),
-          call(3, [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"]))
-    stage(call(3, [str(out / "tw_to_dp"), str(out / "ckpt_tw"), "5", "10", "--restore",
-                   "--placement", "data_parallel"]),
-          call(3, [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore",
-                   "--dbp"]))
-    # Stage 3, resuming the 3-worker run's step 10: on 1 worker; table_a replicated on 2 (and
-    # its export); table-wise on 2 (and its export). Table placement is issue 15's.
-    stage(call(1, [str(out / "one"), ckpt, "10", "15", "--restore"]),
-          call(2, [str(out / "to_mixdp"), ckpt, "10", "15", "--restore", "--placement", "mixdp",
-                   "--export", str(out / "saved_model_mixdp")]),
-          call(2, [str(out / "to_tw"), ckpt, "10", "15", "--restore", "--placement",
-                   "table_wise", "--export", str(out / "saved_model_tw")]))
-    # Worker 1 is SIGKILLed after step 8; the launcher restarts the cluster, which resumes from
-    # the checkpoint of step 5. And worker 1 gets SIGTERM in step 7: every worker saves step 7
-    # and exits; the restart resumes.
-    restarted, preempted = stage(
+    # (table_a whole on worker 0, table_b on worker 1); the Dual-Buffer Pipeline. At the same
+    # time, restarts: worker 1 is SIGKILLed after step 8, the launcher restarts the cluster,
+    # which resumes from the checkpoint of step 5; and worker 1 gets SIGTERM in step 7: every
+    # worker saves step 7 and exits; the restart resumes.
+    _, restarted, preempted = stage(
+        call(2, [str(out / "full"), ckpt, "0", "15", "--snapshot-at", "10", "--save-at", "5"],
+             [str(out / "dp"), str(out / "ckpt_dp"), "0", "10", "--placement", "data_parallel",
+              "--also-tf", "--save-at", "5"],
+             [str(out / "tw"), str(out / "ckpt_tw"), "0", "10", "--placement", "table_wise",
+              "--save-at", "5"],
+             [str(out / "dbp_full"), str(out / "ckpt_dbp"), "0", "15", "--dbp", "--save-at",
+              "5"]),
         restarting([str(out / "restarted"), str(out / "ckpt_restart"), "0", "15", "--resume",
                     "--die-at", "8", "--export", str(out / "saved_model"), "--save-at", "5",
                     "10"]),
         restarting([str(out / "preempted"), str(out / "ckpt_preempt"), "0", "15", "--resume",
                     "--sigterm-at", "7"]))
+    # Stage 2, resuming stage 1's step 5 on 3 workers: row-wise (ShardedCheckpoint), replicated
+    # -> row-wise (tf format), table-wise -> replicated, DBP.
+    stage(call(3, [str(out / "three"), ckpt, "5", "10", "--restore", "--save-at", "10"],
+               [str(out / "dp_tf_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore-tf"],
+               [str(out / "tw_to_dp"), str(out / "ckpt_tw"), "5", "10", "--restore",
+                "--placement", "data_parallel"],
+               [str(out / "dbp_resumed"), str(out / "ckpt_dbp"), "5", "15", "--restore",
+                "--dbp"]))
+    # Stage 3, resuming the 3-worker run's step 10: on 1 worker; table_a replicated on 2 (and
+    # its export); table-wise on 2 (and its export); and stage 1's replicated step 5 row-wise
+    # on 2 (ShardedCheckpoint). Table placement is issue 15's.
+    stage(call(1, [str(out / "one"), ckpt, "10", "15", "--restore"]),
+          call(2, [str(out / "dp_to_rw"), str(out / "ckpt_dp"), "5", "10", "--restore"],
+               [str(out / "to_mixdp"), ckpt, "10", "15", "--restore", "--placement", "mixdp",
+                "--export", str(out / "saved_model_mixdp")],
+               [str(out / "to_tw"), ckpt, "10", "15", "--restore", "--placement",
+                "table_wise", "--export", str(out / "saved_model_tw")]))
     (out / "restarted.log").write_text(restarted.stdout)
     (out / "preempted.log").write_text(preempted.stdout)
     return out

@@ -1,14 +1,18 @@
 """Save / restore / reshard checkpoints of a NestPipe training run.
 
-usage: checkpoint.py OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--snapshot-at N]
-                     [--export DIR] [--die-at N] [--sigterm-at N] [--dbp] [--save-at N ...]
-  Trains the exactness model (Adagrad: its slots are checkpointed too) on global batches
-  FIRST..LAST-1, after restoring the latest checkpoint of CKPT_DIR if --restore (written by any
-  number of workers); saves a checkpoint after every step N given by --save-at; worker 0 writes
-  OUT_PREFIX.npz with every parameter and slot after the last step.
+usage: checkpoint.py JOB [+ JOB ...]
+  JOB = OUT_PREFIX CKPT_DIR FIRST LAST [--restore | --resume] [--snapshot-at N] [--export DIR]
+        [--die-at N] [--sigterm-at N] [--dbp] [--placement P] [--also-tf | --restore-tf]
+        [--save-at N ...]
+  Each job (in turn, in this process: one launch serves many) trains the exactness model
+  (Adagrad: its slots are checkpointed too) on global batches FIRST..LAST-1, after restoring the
+  latest checkpoint of CKPT_DIR if --restore (written by any number of workers); saves a
+  checkpoint after every step N given by --save-at; worker 0 writes OUT_PREFIX.npz with every
+  parameter and slot after the last step.
   --placement P places the tables (row_wise, data_parallel, table_wise: table_a whole on
-  worker 0, table_b on worker 1, or mixdp: table_a data_parallel, table_b row_wise); --also-tf saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N
-  next to every ShardedCheckpoint step, and --restore-tf restores the latest of those instead.
+  worker 0, table_b on worker 1, or mixdp: table_a data_parallel, table_b row_wise); --also-tf
+  saves a plain tf.train.Checkpoint (whole tables) in CKPT_DIR/tf-N next to every
+  ShardedCheckpoint step, and --restore-tf restores the latest of those instead.
 """
 import os
 import signal
@@ -25,13 +29,33 @@ import tf_nestpipe as tnp  # noqa: E402
 
 
 def main():
-    prefix, ckpt_dir, first, last = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-    save_at = [int(a) for a in sys.argv[sys.argv.index("--save-at") + 1:]] if "--save-at" in sys.argv else []
-    placement = sys.argv[sys.argv.index("--placement") + 1] if "--placement" in sys.argv else (
-        "row_wise")
+    """Runs each job of the command line (jobs separated by '+') in turn, in this process."""
+    jobs, job = [], []
+    for arg in sys.argv[1:]:
+        if arg == "+":
+            jobs.append(job)
+            job = []
+        else:
+            job.append(arg)
+    jobs.append(job)
+    strategy = tnp.NestPipeStrategy(placement=placement_of(jobs[0]))
+    for argv in jobs:
+        run_job(strategy, argv)
+
+
+def placement_of(argv):
+    """The table placement a job's --placement names (row_wise without)."""
+    placement = argv[argv.index("--placement") + 1] if "--placement" in argv else "row_wise"
     if placement == "mixdp":
         placement = {"table_a": "data_parallel", "table_b": "row_wise"}
-    strategy = tnp.NestPipeStrategy(placement=placement)
+    return placement
+
+
+def run_job(strategy, argv):
+    """One job: trains a fresh model as `argv` says (the module docstring's arguments)."""
+    prefix, ckpt_dir, first, last = argv[0], argv[1], int(argv[2]), int(argv[3])
+    save_at = [int(a) for a in argv[argv.index("--save-at") + 1:]] if "--save-at" in argv else []
+    strategy.placement = placement_of(argv)  # read when the model's layers are built
     rank, workers = strategy.worker_index, strategy.num_workers
     with strategy.scope():
         model = ex.TinyRanker()
@@ -43,18 +67,18 @@ def main():
     position = tnp.data.InputPosition()  # global batches trained on: part of the checkpoint
     checkpoint = tnp.ShardedCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
     tf_checkpoint = TFCheckpoint(strategy, model=model, optimizer=optimizer, input=position)
-    if "--restore" in sys.argv or "--restore-tf" in sys.argv:
-        step = (tf_checkpoint if "--restore-tf" in sys.argv else checkpoint).restore(ckpt_dir)
+    if "--restore" in argv or "--restore-tf" in argv:
+        step = (tf_checkpoint if "--restore-tf" in argv else checkpoint).restore(ckpt_dir)
         assert step == first, "restored step %d, expected %d" % (step, first)
         assert int(position.batches.numpy()) == first, int(position.batches.numpy())
         print("restored step", step, flush=True)
-    if "--resume" in sys.argv and tnp.strategy.checkpoint.latest_step(ckpt_dir) is not None:
+    if "--resume" in argv and tnp.strategy.checkpoint.latest_step(ckpt_dir) is not None:
         first = checkpoint.restore(ckpt_dir)
         print("restored step", first, flush=True)
-    die_at = int(sys.argv[sys.argv.index("--die-at") + 1]) if "--die-at" in sys.argv else None
+    die_at = int(argv[argv.index("--die-at") + 1]) if "--die-at" in argv else None
     marker = os.path.join(ckpt_dir, ".worker1_died")
-    sigterm_at = (int(sys.argv[sys.argv.index("--sigterm-at") + 1])
-                  if "--sigterm-at" in sys.argv else None)
+    sigterm_at = (int(argv[argv.index("--sigterm-at") + 1])
+                  if "--sigterm-at" in argv else None)
     preemption = tnp.PreemptionCheckpointHandler(strategy, checkpoint, ckpt_dir)
     loss_fn = ex.new_loss_fn()
     train_step = ex.synchronous_train_step(strategy, model, optimizer)
@@ -63,7 +87,7 @@ def main():
         train_step(features, labels)
         position.advance()
 
-    if "--dbp" in sys.argv:
+    if "--dbp" in argv:
         # The pipeline reads the same batches from its own iterator, which starts at the
         # restored input position (the batches of the steps before it are skipped).
         pipeline, iterator = dual_buffer_pipeline(strategy, model, optimizer, loss_fn, batches,
@@ -74,8 +98,8 @@ def main():
             pipeline.progress(iterator)
             position.advance()
 
-    snapshot = (int(sys.argv[sys.argv.index("--snapshot-at") + 1])
-                if "--snapshot-at" in sys.argv else None)
+    snapshot = (int(argv[argv.index("--snapshot-at") + 1])
+                if "--snapshot-at" in argv else None)
     for step in range(first, last):
         if step + 1 == sigterm_at and rank == 1 and not os.path.exists(marker):
             os.makedirs(ckpt_dir, exist_ok=True)
@@ -86,7 +110,7 @@ def main():
         preemption.step_end(step + 1)
         if step + 1 in save_at:
             checkpoint.save(ckpt_dir, step + 1)
-            if "--also-tf" in sys.argv:
+            if "--also-tf" in argv:
                 tf_checkpoint.save(ckpt_dir, step + 1)
             print("saved step", step + 1, flush=True)
         if step + 1 == die_at and rank == 1 and not os.path.exists(marker):
@@ -97,8 +121,8 @@ def main():
         if step + 1 == snapshot:
             write_parameters(strategy, model, optimizer, "%s.%d.npz" % (prefix, snapshot))
     write_parameters(strategy, model, optimizer, prefix + ".npz")
-    if "--export" in sys.argv:
-        export(strategy, model, sys.argv[sys.argv.index("--export") + 1], batches[0],
+    if "--export" in argv:
+        export(strategy, model, argv[argv.index("--export") + 1], batches[0],
                prefix + ".predictions.npz")
     print("done", first, last, flush=True)
 
