@@ -55,7 +55,7 @@ def test_dbp_matches_unpipelined_single_process(exactness_results, workers, run)
         # Hot keys: batches share keys, so rows prefetched for i+1 were updated at i and re-synced.
         assert int(got["stats/rows_synced"]) > 0
     if run.startswith("loop") or run.startswith("fit") or run.startswith("one"):
-        assert int(got["stats/drains"]) == 1  # the last batch was computed without a prefetch
+        assert int(got["stats/drains"]) == 1  # the last batch was computed by the drain
 
 
 @pytest.mark.parametrize("workers,run", _cases("fwp"), ids=["%dw-%s" % c for c in _cases("fwp")])

@@ -8,7 +8,9 @@ usage: unequal_shares.py OUT_DIR CASE...   (on 2 workers)
   uneven (global batches of 4 then 3: shares 2+2, then 2+1), even (4 then 2: 2+2, 1+1),
   static (4 and 4, drop_remainder=True; TensorFlow still relaxes a finite dataset's batch
   dimension on several workers), repeated (static, repeated: static shapes), loop (uneven,
-  eager strategy.run of a training step), evaluate (uneven, model.evaluate: not refused).
+  eager strategy.run of a training step), evaluate (uneven, model.evaluate: not refused),
+  middle (4, 3, then 4: the refused batch is not the last one, so a look-ahead pipeline's
+  refused step is one that also prefetches and reads the iterator).
 """
 import json
 import os
@@ -25,7 +27,7 @@ from tf_nestpipe.strategy import equal_shares  # noqa: E402
 
 SHARES = {"uneven": [[2, 2], [2, 1]], "even": [[2, 2], [1, 1]], "static": [[2, 2], [2, 2]],
           "repeated": [[2, 2], [2, 2]], "loop": [[2, 2], [2, 1]],
-          "evaluate": [[2, 2], [2, 1]]}  # per step, per worker
+          "evaluate": [[2, 2], [2, 1]], "middle": [[2, 2], [2, 1], [2, 2]]}  # per step, worker
 
 
 class Tiny(tf_keras.Model):
@@ -101,7 +103,7 @@ def run(strategy, case):
             model.evaluate(data, steps=2, verbose=0, callbacks=[
                 tf_keras.callbacks.LambdaCallback(on_test_batch_end=lambda b, l: steps.append(b))])
         else:
-            model.fit(data, epochs=1, steps_per_epoch=2, verbose=0, callbacks=[
+            model.fit(data, epochs=1, steps_per_epoch=len(SHARES[kind]), verbose=0, callbacks=[
                 tf_keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, l: steps.append(b))])
     except (ValueError, tf.errors.OpError) as e:
         error = str(e)[:3000]

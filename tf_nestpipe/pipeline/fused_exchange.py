@@ -157,7 +157,7 @@ def _with_rounds(buffers, group, keys, patched):
 def sync_pending(exchange, pending, tag="nestpipe/sync"):
     """`pending` (a `PendingSync`) applied in exchanges of their own (one per group): the
     buffers patched with their fresh rows, and the rows this worker received (int64). For a
-    step with no keys exchange to ride on (the pipeline's last batch)."""
+    group with no keys exchange of the next batch to ride on."""
     buffers, received = dict(pending.buffers), tf.constant(0, tf.int64)
     for group in sorted(pending.plans):
         keys, rounds, plans = _planned_rounds(buffers, pending.plans, group)

@@ -14,7 +14,10 @@ compute pass reads them. `lookahead=1` is the Dual-Buffer Pipeline; step i, trac
     swap: batch i+1's buffers and their plans become the next step's (pending sync)
 
 The first call primes the pipeline (routes batch 0, nothing to sync); when the iterator runs dry
-the last batch is computed without a prefetch (drain), its sync in an exchange of its own. Every row read at step i+1 equals the row a
+the last batch is computed by the same step function once more (the drain): its sync rides on the
+keys exchanges of a prefetch of the last batch again, whose rows are then dropped, so the drain
+costs one exchange's worth of discarded rows instead of a step function of its own to trace
+(about a third of a pipelined run's tracing). Every row read at step i+1 equals the row a
 non-pipelined run reads at step i+1. `lookahead=0` routes and retrieves each batch in its own
 step, before its compute (no sync needed): the synchronous step, and with micro-batches in a
 frozen window the Frozen-Window Pipeline (micro-batch j+1's exchange overlaps j's compute).
@@ -33,7 +36,7 @@ from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
                                                  lookup_counts, prefetch_lookups, rows_requested,
-                                                 shares_of, sync_pending)
+                                                 shares_of)
 from tf_nestpipe.pipeline.state_store import TensorStore
 from tf_nestpipe.sharding.fetch import installed
 from tf_nestpipe.tracing import IteratorStep, user_function
@@ -125,6 +128,7 @@ class TrainPipeline:
         # {(group, round key): lookups} of the model's route pass (the same for every batch),
         # learnt where a step's route pass is traced and read by the compute passes.
         self._lookup_counts = {}
+        self._step_gate = []  # the pipelined step's equal-shares check, while it is traced
         self._primed = False
         self._has_upcoming = False
         self._iterator_ref = None
@@ -133,7 +137,6 @@ class TrainPipeline:
         # The steps called once per batch skip tf.function's argument matching (IteratorStep).
         self._step = IteratorStep(tf.function(self._pipelined_step))
         self._step_held = tf.function(lambda: self._pipelined_step(None))
-        self._drain = tf.function(self._drain_step)
         self._synchronous = IteratorStep(tf.function(self._synchronous_step))
 
     # --- traced pieces -----------------------------------------------------------------------
@@ -201,12 +204,20 @@ class TrainPipeline:
         optional = iterator.get_next_as_optional()
         return optional.has_value(), optional
 
-    def _store_if_present(self, store, has_value, optional):
+    def _store_if_present(self, store, has_value, optional, otherwise=None):
+        """Stores the Optional's value if it has one (else `otherwise`, if given); returns
+        `has_value`."""
         def keep():
             with tf.control_dependencies(store.assign(self._local(optional.get_value()))):
                 return tf.constant(True)
 
-        return tf.cond(has_value, keep, lambda: tf.constant(False))
+        def absent():
+            if otherwise is None:
+                return tf.constant(False)
+            with tf.control_dependencies(store.assign(otherwise)):
+                return tf.constant(False)
+
+        return tf.cond(has_value, keep, absent)
 
     def _prime_buffers(self, batch):
         buffers, _, dynamic_ids, _ = self._prefetch(batch)
@@ -235,7 +246,10 @@ class TrainPipeline:
         with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)
                                      + self._pending.assign(pending)
                                      + self._dynamic.assign(dynamic_ids)):
-            return self._store_if_present(self._upcoming, has_upcoming, optional)
+            # Without one, the upcoming store holds the batch itself, as it holds the last batch
+            # after a pipelined step: the drain prefetches it again (see `_advance`).
+            return self._store_if_present(self._upcoming, has_upcoming, optional,
+                                          otherwise=batch)
 
     def _pipelined_step(self, iterator=None):
         """Computes the current batch while prefetching the upcoming one; with an `iterator`,
@@ -243,13 +257,25 @@ class TrainPipeline:
         batch, next_batch, states, pending, dynamic_ids = (
             self._current.read(), self._upcoming.read(), self._states.read(),
             self._pending.read(), self._dynamic.read())
-        # The batch after next is requested as an Optional: it never fails, overlaps this step,
-        # and tells the driver whether to pipeline or drain on the next call.
-        if iterator is not None:
-            has_upcoming, optional = self._next_local(iterator)
-        outputs, next_states, plans, next_dynamic, received, sent, requested = (
-            self._strategy.run(self._replica_step,
-                               args=(batch, next_batch, states, pending, dynamic_ids)))
+        # The current batch's share sizes are known (its keys exchange carried them a step ago):
+        # a refused batch (unequal shares) fails the step on every worker before any collective
+        # of the step starts (the iterator's too), none left half-done with peers waiting on it.
+        # The replica step is built in another thread (control dependencies are per thread):
+        # it reads the check from `_step_gate`.
+        check = getattr(self._strategy.extended, "check_known_shares", lambda sizes: None)(
+            shares_of(states))
+        self._step_gate = [] if check is None else [check]
+        try:
+            with tf.control_dependencies(self._step_gate):
+                # The batch after next is requested as an Optional: it never fails, overlaps
+                # this step, and tells the driver whether to pipeline or drain on the next call.
+                if iterator is not None:
+                    has_upcoming, optional = self._next_local(iterator)
+                outputs, next_states, plans, next_dynamic, received, sent, requested = (
+                    self._strategy.run(self._replica_step,
+                                       args=(batch, next_batch, states, pending, dynamic_ids)))
+        finally:
+            self._step_gate = []
         next_states, plans, next_dynamic, received, sent, requested = self._local(
             (next_states, plans, next_dynamic, received, sent, requested))
         with tf.control_dependencies(self._current.assign(next_batch)
@@ -269,9 +295,10 @@ class TrainPipeline:
         fresh rows (the sync planned one step earlier, read after that step's update) riding
         on the keys exchanges; compute batch i from its patched buffers. Batch i+1's sync is
         left pending: its rows are fresh only after this step's update."""
-        next_states, plans, next_dynamic, (states, received) = self._prefetch(
-            next_batch, current=states, pending=pending)
-        outputs = self._compute_pass(batch, states, dynamic_ids)
+        with tf.control_dependencies(self._step_gate):  # see `_pipelined_step`
+            next_states, plans, next_dynamic, (states, received) = self._prefetch(
+                next_batch, current=states, pending=pending)
+            outputs = self._compute_pass(batch, states, dynamic_ids)
         sent = tf.constant(0, tf.int64)
         for group_plans in plans.values():
             sent += tf.add_n([tf.cast(plan["rows_sent"], tf.int64)
@@ -280,18 +307,6 @@ class TrainPipeline:
                   for group, group_plans in plans.items()}
         return (outputs, next_states, stored, next_dynamic, received, sent,
                 rows_requested(next_states))
-
-    def _drain_replica(self, batch, states, pending, dynamic_ids):
-        """The last batch: its pending sync in exchanges of its own (no keys exchange follows),
-        then its compute."""
-        states, received = sync_pending(self._exchange, PendingSync(states, pending))
-        return self._compute_pass(batch, states, dynamic_ids), received
-
-    def _drain_step(self):
-        outputs, received = self._strategy.run(
-            self._drain_replica, args=(self._current.read(), self._states.read(),
-                                       self._pending.read(), self._dynamic.read()))
-        return self._reduce(outputs), self._local(received)
 
     # --- variables ahead of the first trace ---------------------------------------------------
     def _create_variables(self, iterator):
@@ -357,16 +372,21 @@ class TrainPipeline:
     def _advance(self, iterator):
         """One step of a primed pipeline: pipelined (reading `iterator` unless None) while a
         batch is upcoming, else the drain."""
+        # The drain (no batch upcoming) is the same step: the upcoming store still holds the
+        # last batch (the current one), whose prefetch is dropped with its stats.
+        outputs, has_upcoming, received, sent, requested = (
+            self._step(iterator) if iterator is not None else self._step_held())
+        self.stats.rows_synced += int(received)
         if self._has_upcoming:
-            outputs, has_upcoming, received, sent, requested = (
-                self._step(iterator) if iterator is not None else self._step_held())
             self._has_upcoming = bool(has_upcoming)
-            self.stats.rows_synced += int(received)
             self.stats.rows_planned += int(sent)
             self._count_requested(requested)
         else:
-            outputs, received = self._drain()
-            self.stats.rows_synced += int(received)
+            if bool(has_upcoming):  # the batch now upcoming would follow a second copy of the last
+                raise RuntimeError(
+                    "the iterator gave an element after it had reported its end; TrainPipeline "
+                    "needs an iterator that stays at its end (a tf.data or tf.distribute one); "
+                    "give progress() a new iterator to train on more data")
             self.reset()
             self.stats.drains += 1
         self.stats.steps += 1

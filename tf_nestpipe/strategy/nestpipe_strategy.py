@@ -249,6 +249,17 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             return None
         return equal_shares.leading_size(batch)
 
+    def check_known_shares(self, sizes):
+        """The equal-shares check of a step whose every share size `sizes` (`[W]`, from the
+        keys exchange; None: not known) is known before the step starts (a look-ahead
+        pipeline's current batch): an op that fails with the check's message, or None when
+        there is nothing to check. The pipeline runs every collective of the step after it, so
+        that a refused step fails on every worker before any of them starts an exchange (a
+        half-done exchange would leave its peers waiting)."""
+        if sizes is None or self._num_workers == 1 or not self._nestpipe_check_shares:
+            return None
+        return equal_shares.check_shares(sizes)
+
     @contextlib.contextmanager
     def shares_known(self, sizes):
         """Within this context the step's equal-shares check uses `sizes` (every worker's
