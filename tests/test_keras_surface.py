@@ -15,7 +15,7 @@ import tensorflow as tf
 import tf_keras
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, launch, run_command
+from conftest import PROGRAMS, launch, run_command, run_together
 from tf_nestpipe.pipeline import keras_outputs
 from tf_nestpipe.strategy.keras_checks import ReplicatedEmbeddingWarning
 
@@ -29,9 +29,10 @@ def surface(tmp_path_factory):
     ref.mkdir()
     two.mkdir()
     program = os.path.join(PROGRAMS, "keras_surface.py")
-    single = run_command([sys.executable, program, str(ref)])
+    # At once: the cluster reads the one-process run's .h5 once it is written (w0.h5.done).
+    single, cluster = run_together((run_command, [sys.executable, program, str(ref)], 600),
+                                   (launch, 2, [program, str(two), str(ref)], 600))
     assert single.returncode == 0, single.stdout[-4000:]
-    cluster = launch(2, [program, str(two), str(ref)], timeout=400)
     assert cluster.returncode == 0, cluster.stdout[-6000:]
     # A fresh process without tf_nestpipe on its path loads the 2-worker run's files.
     env = {"PYTHONPATH": ""}

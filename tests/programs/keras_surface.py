@@ -22,7 +22,8 @@ Writes OUT_DIR/rank<r>.npz on every worker r, holding:
   tf_keras.models.load_model(<the .keras>) (whole tables, dense weights, predictions; and for
   the .keras the tables' Adagrad slots, keras_own/slot/*, against trained/slot/*);
 - h5_ref/*: with REFERENCE_DIR, a fresh model after load_weights of the reference's .h5
-  (written by another worker count);
+  (written by another worker count; the run waits for REFERENCE_DIR/w0.h5.done, which every
+  run writes once its saves are done, so that the reference can run at the same time);
 - wrong_size_error: the error loading an .h5 of a table of another size;
 - tfrs_metric_reads/{packs,riding,packed,fresh}: the packed reads the TFRS fit and evaluate traced
   (TFRS's own train_step reads `m.result()` for every metric);
@@ -44,6 +45,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import time
 import warnings
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
@@ -284,6 +286,16 @@ def metric_reads(strategy, model):
     return results
 
 
+def wait_for(path, seconds=300):
+    """Waits until `path` exists (written by the reference run, started at the same time)."""
+    deadline = time.monotonic() + seconds
+    while not os.path.exists(path):
+        if time.monotonic() > deadline:
+            raise TimeoutError("%s did not appear within %d s: the reference run failed or is "
+                               "not running" % (path, seconds))
+        time.sleep(0.2)
+
+
 def main():
     out = sys.argv[1]
     reference = sys.argv[2] if len(sys.argv) > 2 else None
@@ -326,6 +338,8 @@ def main():
         shutil.rmtree(os.path.join(out, "scratch%d" % rank))
     tnp.export_saved_model(model, os.path.join(out, "export"))
     results["files"] = np.array(sorted(os.listdir(out)))
+    if rank == 0:  # the saves are complete: a run given this one as its reference may read them
+        open(os.path.join(out, "w0.h5.done"), "w").close()
 
     tf_keras.utils.set_random_seed(2)
     with strategy.scope():
@@ -341,6 +355,7 @@ def main():
     if reference is not None:
         with strategy.scope():
             other = ranker(seed=20)
+        wait_for(os.path.join(reference, "w0.h5.done"))
         other.load_weights(os.path.join(reference, "w0.h5"))
         results.update(state(other, "h5_ref/"))
     with strategy.scope():
