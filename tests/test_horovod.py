@@ -36,7 +36,10 @@ def horovod_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("horovod")
     program = os.path.join(PROGRAMS, "horovod_exactness.py")
     reference_runs = sorted({spec.split("/")[1] for spec in LAUNCHER_RUNS + HOROVODRUN_RUNS})
-    ref, surface_ref, launched = run_together(  # independent: at once
+    horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
+                                                            "horovodrun")
+    assert "TF_CONFIG" not in os.environ  # under horovodrun the cluster is Horovod's alone
+    ref, surface_ref, launched, hvdrun = run_together(  # independent: at once
         (run_command, [sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
                        str(STEPS)] + reference_runs),
         (run_command, [sys.executable, os.path.join(PROGRAMS, "horovod_surface.py"),
@@ -44,17 +47,14 @@ def horovod_results(tmp_path_factory):
         (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
                        "--horovod", "--", sys.executable, program, str(out / "launch"),
                        str(STEPS)] + LAUNCHER_RUNS + ["--check-splits", "--surface",
-                                                      str(out / "surface")], 600))
+                                                      str(out / "surface")], 600),
+        (run_command, [horovodrun, "--gloo", "-np", "2", "-H", "localhost:2",
+                       "--network-interface", "lo", sys.executable, program,
+                       str(out / "horovodrun"), str(STEPS)] + HOROVODRUN_RUNS, 600,
+         {"TF_CPP_MIN_LOG_LEVEL": "2"}))
     assert ref.returncode == 0, ref.stdout[-4000:]
     assert surface_ref.returncode == 0, surface_ref.stdout[-4000:]
     assert launched.returncode == 0, launched.stdout[-6000:]
-    horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
-                                                            "horovodrun")
-    assert "TF_CONFIG" not in os.environ  # under horovodrun the cluster is Horovod's alone
-    hvdrun = run_command([horovodrun, "--gloo", "-np", "2", "-H", "localhost:2",
-                          "--network-interface", "lo", sys.executable, program,
-                          str(out / "horovodrun"), str(STEPS)] + HOROVODRUN_RUNS,
-                         timeout=600, env={"TF_CPP_MIN_LOG_LEVEL": "2"})
     assert hvdrun.returncode == 0, hvdrun.stdout[-6000:]
     return {"ref": str(out / "ref"), "launch": str(out / "launch"),
             "horovodrun": str(out / "horovodrun"), "launch_log": launched.stdout,
