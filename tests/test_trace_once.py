@@ -1,6 +1,8 @@
 """TrainPipeline's `trainable_variables`: the variables the first step would create (the model's
 and the optimizer's slots) exist before the step functions are traced, so each is traced once
-(a tf.function whose first trace creates variables is traced twice), with the same results."""
+(a tf.function whose first trace creates variables is traced twice), with the same results; the
+drain is the pipelined step once more (no function of its own), and an iterator that gives an
+element after its end is refused."""
 import numpy as np
 import pytest
 import tensorflow as tf
@@ -91,3 +93,25 @@ def test_trainable_variables_must_be_a_callable():
     strategy = tnp.NestPipeStrategy()
     with pytest.raises(TypeError, match="lambda: model.trainable_variables"):
         tnp.TrainPipeline(strategy, lambda b: None, lambda b: None, trainable_variables=[])
+
+
+def test_a_drain_whose_iterator_gives_another_element_is_refused():
+    """The drain runs the pipelined step once more: an iterator that gives an element after it
+    reported its end would make the last batch train twice, so the pipeline refuses it."""
+    strategy = tnp.NestPipeStrategy()
+    pipeline = tnp.TrainPipeline(strategy, lambda batch: None, lambda batch: None)
+    iterator = object()
+    pipeline._primed, pipeline._has_upcoming = True, False
+    no_more, more = tf.constant(False), tf.constant(True)
+    # The drain's step reports whether the iterator gave an element (the step is faked: the
+    # guard reads only what the step returns).
+    pipeline._step = lambda it: (None, more, tf.constant(0, tf.int64), tf.constant(0, tf.int64),
+                                 tf.constant([0], tf.int64))
+    with pytest.raises(RuntimeError, match="gave an element after it had reported its end"):
+        pipeline._advance(iterator)
+    # Positive control: an iterator that stays at its end drains.
+    pipeline._has_upcoming = False
+    pipeline._step = lambda it: (None, no_more, tf.constant(0, tf.int64),
+                                 tf.constant(0, tf.int64), tf.constant([0], tf.int64))
+    pipeline._advance(iterator)
+    assert pipeline.stats.drains == 1 and not pipeline._primed
