@@ -242,11 +242,12 @@ kill_task_soon("ps", 0, 0.0).join()
 start = time.time()
 phase = "schedule"
 try:
-    while time.time() - start < 60:
+    while time.time() - start < 10:
         trainer.schedule(iterator)
         time.sleep(0.01)
     # TensorFlow's coordinator may treat the failed closures as a transient connectivity
-    # failure (seen in loaded full-suite runs) and leave the error to join.
+    # failure (seen in loaded full-suite runs) and leave the error to join. Measured: schedule
+    # raised after 0.1 s or not at all (1 and 2 of 3 runs); 60 s here cost a suite run 71 s.
     phase = "join"
     trainer.join()
     print("NO ERROR FROM SCHEDULE OR JOIN", flush=True)
