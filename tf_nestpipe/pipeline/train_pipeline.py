@@ -166,11 +166,13 @@ class TrainPipeline:
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
         return buffers, plans, recorder.dynamic_ids, synced
 
-    def _compute_pass(self, batch, buffers, dynamic_ids=None):
+    def _compute_pass(self, batch, buffers, dynamic_ids=None, shares_check=None):
+        """`step_fn(batch)` reading `buffers`; `shares_check`: the step's equal-shares check,
+        if it made one already (the aggregation then uses it instead of another)."""
         reader = BufferReader(self._exchange, buffers, self._lookup_counts, dynamic_ids)
         shares_known = getattr(self._strategy.extended, "shares_known",
-                               lambda sizes: contextlib.nullcontext())
-        with installed(reader), shares_known(shares_of(buffers)):
+                               lambda sizes, check=None: contextlib.nullcontext())
+        with installed(reader), shares_known(shares_of(buffers), shares_check):
             outputs = user_function(self._step_fn)(batch)
         if reader.untaken():
             raise ValueError("the training step did not look up the prefetched tables %s as "
@@ -298,7 +300,8 @@ class TrainPipeline:
         with tf.control_dependencies(self._step_gate):  # see `_pipelined_step`
             next_states, plans, next_dynamic, (states, received) = self._prefetch(
                 next_batch, current=states, pending=pending)
-            outputs = self._compute_pass(batch, states, dynamic_ids)
+            outputs = self._compute_pass(batch, states, dynamic_ids,
+                                         self._step_gate[0] if self._step_gate else None)
         sent = tf.constant(0, tf.int64)
         for group_plans in plans.values():
             sent += tf.add_n([tf.cast(plan["rows_sent"], tf.int64)

@@ -96,6 +96,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
         self._nestpipe_known_shares = None  # every share size, from the keys exchange
+        self._nestpipe_known_check = None  # their check, where the step made it first
         # Packed metric-state reads within a step (metric_reads_within_step).
         self._summed_reads = SummedReads(self._sum_over_workers)
         if collectives == "horovod":
@@ -238,6 +239,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         if size is None or not any(getattr(d, "trainable", False) for _, d in pairs):
             return None
         self._nestpipe_share_size = None  # once per step
+        if self._nestpipe_known_check is not None:  # the step checked them already
+            return self._nestpipe_known_check
         if self._nestpipe_known_shares is not None:
             return equal_shares.check_shares(self._nestpipe_known_shares)
         return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
@@ -261,15 +264,16 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return equal_shares.check_shares(sizes)
 
     @contextlib.contextmanager
-    def shares_known(self, sizes):
+    def shares_known(self, sizes, check=None):
         """Within this context the step's equal-shares check uses `sizes` (every worker's
-        share size, `[W]`, from the keys exchange; None: not known) instead of an all-gather."""
-        previous = self._nestpipe_known_shares
-        self._nestpipe_known_shares = sizes
+        share size, `[W]`, from the keys exchange; None: not known) instead of an all-gather;
+        `check` (from `check_known_shares`, if the step made it already) is used as it is."""
+        previous = self._nestpipe_known_shares, self._nestpipe_known_check
+        self._nestpipe_known_shares, self._nestpipe_known_check = sizes, check
         try:
             yield
         finally:
-            self._nestpipe_known_shares = previous
+            self._nestpipe_known_shares, self._nestpipe_known_check = previous
     # --- end of equal shares -----------------------------------------------------------------
 
     # --- one replica per worker -----------------------------------------------------------
