@@ -1,8 +1,11 @@
 """Shared fixtures: multi-process runs are launched once per session and shared across tests."""
 import os
+import shutil
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
+import tempfile
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -78,12 +81,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.cluster)
 
 
+_LIVE = set()  # the Popen of every command running now (killed if the session ends first)
+
+
 def run_command(argv, timeout=300, env=None, cwd=REPO):
-    """Runs argv, returns CompletedProcess with merged stdout/stderr text."""
+    """Runs argv, returns CompletedProcess with merged stdout/stderr text (as `subprocess.run`:
+    past `timeout` the process is killed and `subprocess.TimeoutExpired` raised)."""
     full_env = dict(os.environ)
     full_env.update(env or {})
-    return subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          timeout=timeout, env=full_env, cwd=cwd)
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                          env=full_env, cwd=cwd) as process:
+        _LIVE.add(process)
+        try:
+            output, _ = process.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.communicate()
+            raise
+        finally:
+            _LIVE.discard(process)
+    return subprocess.CompletedProcess(argv, process.returncode, output)
 
 
 def run_together(*calls):
@@ -113,18 +130,16 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
     return run_command(argv, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="session")
-def exactness_results(tmp_path_factory):
+def exactness_runs(out):
     """Trains the exactness model in one process without pipeline (the reference of every run)
     and every run of EXACTNESS_RUNS, PIPELINE_RUNS and PLACEMENT_RUNS on 2 workers (in two
-    launches) and 3 (in one), all at once. Returns the file prefixes {1: reference, 2: ...,
-    3: ...} (see `load_run`)."""
-    out = tmp_path_factory.mktemp("exactness")
+    launches) and 3 (in one), all at once, saving under the folder `out`. Returns the file
+    prefixes {1: reference, 2: ..., 3: ...} (see `load_run`)."""
     program = os.path.join(PROGRAMS, "exactness.py")
     runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] + PLACEMENT_RUNS[w] for w in (2, 3)}
     references = sorted(set(reference_of(r) for r in runs[2] + runs[3]))
-    prefixes = {w: str(out / ("w%d" % w)) for w in (2, 3)}
-    prefixes[1] = str(out / "ref")
+    prefixes = {w: os.path.join(out, "w%d" % w) for w in (2, 3)}
+    prefixes[1] = os.path.join(out, "ref")
     # The reference and the clusters at once (all independent); the 2-worker runs in two
     # launches (every other run each), the 3-worker runs in one.
     launches = [(2, runs[2][0::2]), (2, runs[2][1::2]), (3, runs[3])]
@@ -135,6 +150,66 @@ def exactness_results(tmp_path_factory):
     for result in results:
         assert result.returncode == 0, result.stdout[-6000:]
     return prefixes
+
+
+# Session fixtures whose runs start in a background thread as soon as the tests are collected
+# (when a collected test uses them), so that they run beside the tests that come before their
+# first user instead of in turn: the suite leaves ~40% of 2 cores idle while one process runs
+# (an in-process test, a launch tracing in one task while the others wait). Fixture name ->
+# function(folder) returning the fixture's value.
+BACKGROUND_FIXTURES = {"exactness_results": exactness_runs}
+_BACKGROUND = {}  # fixture name -> (Future of its value, its folder)
+
+
+def pytest_collection_finish(session):
+    """Starts the background fixtures the collected tests use (not under --collect-only)."""
+    if session.config.option.collectonly:
+        return
+    used = set()
+    for item in session.items:
+        used.update(getattr(item, "fixturenames", ()))
+    for name in sorted(used & set(BACKGROUND_FIXTURES)):
+        folder = tempfile.mkdtemp(prefix="nestpipe-%s-" % name)
+        _BACKGROUND[name] = (_in_background(BACKGROUND_FIXTURES[name], folder), folder)
+
+
+def _in_background(function, *args):
+    """`function(*args)` in a daemon thread; returns the Future of its result."""
+    future = Future()
+
+    def run():
+        try:
+            future.set_result(function(*args))
+        except BaseException as e:  # noqa: B902 - handed to the fixture that waits for it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="background fixture", daemon=True).start()
+    return future
+
+
+def pytest_sessionfinish(session):
+    """Kills what still runs (a background fixture nobody waited for, after a failure or an
+    interrupt) and removes the background fixtures' folders."""
+    del session
+    for process in list(_LIVE):
+        process.kill()
+    for _, folder in _BACKGROUND.values():
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def background_value(name, tmp_path_factory):
+    """The value of background fixture `name`: its background run's (waited for), or, when it
+    was not started at collection, its run now in a folder of `tmp_path_factory`."""
+    if name in _BACKGROUND:
+        return _BACKGROUND[name][0].result()
+    return BACKGROUND_FIXTURES[name](str(tmp_path_factory.mktemp(name)))
+
+
+@pytest.fixture(scope="session")
+def exactness_results(tmp_path_factory):
+    """The exactness runs' file prefixes (`exactness_runs`), started in the background at
+    collection."""
+    return background_value("exactness_results", tmp_path_factory)
 
 
 def load_run(prefix, run):
