@@ -1,5 +1,6 @@
 """Shared fixtures: multi-process runs are launched once per session and shared across tests."""
 import os
+import pathlib
 import shutil
 import subprocess
 import sys
@@ -87,7 +88,7 @@ _LIVE = set()  # the Popen of every command running now (killed if the session e
 def run_command(argv, timeout=300, env=None, cwd=REPO):
     """Runs argv, returns CompletedProcess with merged stdout/stderr text (as `subprocess.run`:
     past `timeout` the process is killed and `subprocess.TimeoutExpired` raised)."""
-    full_env = dict(os.environ)
+    full_env = dict(session_environ())
     full_env.update(env or {})
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                           env=full_env, cwd=cwd) as process:
@@ -108,7 +109,8 @@ def run_together(*calls):
     `run_command` and `launch`; returns their CompletedProcess in call order. For a fixture whose
     runs do not depend on each other: a launch's tasks leave cores idle while one traces and
     the others wait in a collective, and a single-process run fills them."""
-    with ThreadPoolExecutor(len(calls)) as pool:
+    with ThreadPoolExecutor(len(calls),
+                            thread_name_prefix=threading.current_thread().name) as pool:
         futures = [pool.submit(call[0], *call[1:]) for call in calls]
         return [f.result() for f in futures]
 
@@ -130,16 +132,133 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
     return run_command(argv, timeout=timeout, env=env)
 
 
-def exactness_runs(out):
+# Session fixtures run by a background lane: a thread that, as soon as the tests are collected,
+# runs every such fixture a collected test uses, one after the other, beside the tests: first
+# LANE_LEADS (the largest, used mid-suite), then the others from the last declared
+# (`background_fixture`; test modules are imported in file order) to the first, so that the
+# lane works at the far end of the suite while the tests work through its start. A test that
+# needs one waits for it if the lane has started it, and otherwise runs it itself (the lane
+# then skips it). The suite left ~35% of 2 cores idle while one process ran (an in-process
+# test, a launch tracing in one task while the others wait); the lane fills them. Fixture name
+# -> function(tmp_path_factory).
+BACKGROUND_FIXTURES = {}
+LANE_LEADS = ("exactness_results",)
+BACKGROUND_THREAD = "background fixture lane"
+_CLAIMS = {}  # fixture name -> Future of its value, once the lane or a test started it
+_CLAIMS_LOCK = threading.Lock()
+_SESSION_ENV = {}  # os.environ when the tests were collected: the lane's commands run in it
+_FOLDERS = []  # the lane's temporary folders, removed when the session ends
+
+
+def background_fixture(function):
+    """Declares the session fixture `function.__name__` (`function(tmp_path_factory)` returns
+    its value), run by the background lane when a collected test uses it."""
+    name = function.__name__
+    BACKGROUND_FIXTURES[name] = function
+
+    def fixture(tmp_path_factory):
+        return _background_value(name, tmp_path_factory)
+
+    fixture.__doc__ = function.__doc__
+    return pytest.fixture(scope="session", name=name)(fixture)
+
+
+def _claim(name):
+    """A new Future for fixture `name` if nobody started it yet, else None."""
+    with _CLAIMS_LOCK:
+        if name in _CLAIMS:
+            return None
+        _CLAIMS[name] = Future()
+        return _CLAIMS[name]
+
+
+def _resolve(future, function, *args):
+    """Sets `future` to `function(*args)`'s value or exception (a skip included)."""
+    try:
+        future.set_result(function(*args))
+    except BaseException as e:  # noqa: B902 - re-raised in the test that waits for it
+        future.set_exception(e)
+
+
+def _background_value(name, tmp_path_factory):
+    """Fixture `name`'s value: the run the lane started (waited for), or a run now."""
+    future = _claim(name)
+    if future is not None:
+        _resolve(future, BACKGROUND_FIXTURES[name], tmp_path_factory)
+    return _CLAIMS[name].result()
+
+
+class _LaneFolders:
+    """`tmp_path_factory.mktemp` for the lane: new folders under one temporary folder."""
+
+    def __init__(self):
+        self.root = tempfile.mkdtemp(prefix="nestpipe-background-")
+
+    def mktemp(self, basename):
+        """A new empty folder whose name starts with `basename`."""
+        return pathlib.Path(tempfile.mkdtemp(prefix=basename + "-", dir=self.root))
+
+
+def pytest_collection_finish(session):
+    """Starts the background lane over the background fixtures the collected tests use (not
+    under --collect-only)."""
+    if session.config.option.collectonly:
+        return
+    used = set()
+    for item in session.items:
+        used.update(getattr(item, "fixturenames", ()))
+    order = list(LANE_LEADS) + [n for n in reversed(BACKGROUND_FIXTURES) if n not in LANE_LEADS]
+    names = [name for name in order if name in used]
+    if not names:
+        return
+    _SESSION_ENV.update(os.environ)
+    folders = _LaneFolders()
+    _FOLDERS.append(folders.root)
+
+    def lane():
+        for name in names:
+            future = _claim(name)
+            if future is not None:
+                _resolve(future, BACKGROUND_FIXTURES[name], folders)
+
+    threading.Thread(target=lane, name=BACKGROUND_THREAD, daemon=True).start()
+
+
+def _in_lane():
+    """Whether this thread works for the background lane (the lane, or a `run_together` pool
+    the lane started)."""
+    return threading.current_thread().name.startswith(BACKGROUND_THREAD)
+
+
+def session_environ():
+    """The environment commands start from: the session's at collection in the lane (a test's
+    monkeypatched variable, e.g. TF_CONFIG, must not leak into a background run), else the
+    current one."""
+    return _SESSION_ENV if _in_lane() else os.environ
+
+
+def pytest_sessionfinish(session):
+    """Kills what still runs (a background fixture nobody waited for, after a failure or an
+    interrupt) and removes the lane's folders."""
+    del session
+    for process in list(_LIVE):
+        process.kill()
+    for folder in _FOLDERS:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+@background_fixture
+def exactness_results(tmp_path_factory):
     """Trains the exactness model in one process without pipeline (the reference of every run)
     and every run of EXACTNESS_RUNS, PIPELINE_RUNS and PLACEMENT_RUNS on 2 workers (in two
-    launches) and 3 (in one), all at once, saving under the folder `out`. Returns the file
-    prefixes {1: reference, 2: ..., 3: ...} (see `load_run`)."""
+    launches) and 3 (in one), all at once. Returns the file prefixes {1: reference, 2: ...,
+    3: ...} (see `load_run`)."""
+    out = tmp_path_factory.mktemp("exactness")
     program = os.path.join(PROGRAMS, "exactness.py")
     runs = {w: EXACTNESS_RUNS[w] + PIPELINE_RUNS[w] + PLACEMENT_RUNS[w] for w in (2, 3)}
     references = sorted(set(reference_of(r) for r in runs[2] + runs[3]))
-    prefixes = {w: os.path.join(out, "w%d" % w) for w in (2, 3)}
-    prefixes[1] = os.path.join(out, "ref")
+    prefixes = {w: str(out / ("w%d" % w)) for w in (2, 3)}
+    prefixes[1] = str(out / "ref")
     # The reference and the clusters at once (all independent); the 2-worker runs in two
     # launches (every other run each), the 3-worker runs in one.
     launches = [(2, runs[2][0::2]), (2, runs[2][1::2]), (3, runs[3])]
@@ -150,66 +269,6 @@ def exactness_runs(out):
     for result in results:
         assert result.returncode == 0, result.stdout[-6000:]
     return prefixes
-
-
-# Session fixtures whose runs start in a background thread as soon as the tests are collected
-# (when a collected test uses them), so that they run beside the tests that come before their
-# first user instead of in turn: the suite leaves ~40% of 2 cores idle while one process runs
-# (an in-process test, a launch tracing in one task while the others wait). Fixture name ->
-# function(folder) returning the fixture's value.
-BACKGROUND_FIXTURES = {"exactness_results": exactness_runs}
-_BACKGROUND = {}  # fixture name -> (Future of its value, its folder)
-
-
-def pytest_collection_finish(session):
-    """Starts the background fixtures the collected tests use (not under --collect-only)."""
-    if session.config.option.collectonly:
-        return
-    used = set()
-    for item in session.items:
-        used.update(getattr(item, "fixturenames", ()))
-    for name in sorted(used & set(BACKGROUND_FIXTURES)):
-        folder = tempfile.mkdtemp(prefix="nestpipe-%s-" % name)
-        _BACKGROUND[name] = (_in_background(BACKGROUND_FIXTURES[name], folder), folder)
-
-
-def _in_background(function, *args):
-    """`function(*args)` in a daemon thread; returns the Future of its result."""
-    future = Future()
-
-    def run():
-        try:
-            future.set_result(function(*args))
-        except BaseException as e:  # noqa: B902 - handed to the fixture that waits for it
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="background fixture", daemon=True).start()
-    return future
-
-
-def pytest_sessionfinish(session):
-    """Kills what still runs (a background fixture nobody waited for, after a failure or an
-    interrupt) and removes the background fixtures' folders."""
-    del session
-    for process in list(_LIVE):
-        process.kill()
-    for _, folder in _BACKGROUND.values():
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def background_value(name, tmp_path_factory):
-    """The value of background fixture `name`: its background run's (waited for), or, when it
-    was not started at collection, its run now in a folder of `tmp_path_factory`."""
-    if name in _BACKGROUND:
-        return _BACKGROUND[name][0].result()
-    return BACKGROUND_FIXTURES[name](str(tmp_path_factory.mktemp(name)))
-
-
-@pytest.fixture(scope="session")
-def exactness_results(tmp_path_factory):
-    """The exactness runs' file prefixes (`exactness_runs`), started in the background at
-    collection."""
-    return background_value("exactness_results", tmp_path_factory)
 
 
 def load_run(prefix, run):
@@ -230,7 +289,7 @@ def fetch_movielens_or_skip(name):
         raise
 
 
-@pytest.fixture(scope="session")
+@background_fixture
 def readme_runs(tmp_path_factory):
     """The README's python examples (`tests/programs/readme_examples.py`): the main session on
     one local worker ("one") and on 2 workers ("two"), the parameter-server block on a chief + 1
