@@ -133,16 +133,15 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
 
 
 # Session fixtures run by a background lane: a thread that, as soon as the tests are collected,
-# runs every such fixture a collected test uses, one after the other, beside the tests: first
-# LANE_LEADS (the largest, used mid-suite), then the others from the last declared
-# (`background_fixture`; test modules are imported in file order) to the first, so that the
-# lane works at the far end of the suite while the tests work through its start. A test that
-# needs one waits for it if the lane has started it, and otherwise runs it itself (the lane
-# then skips it). The suite left ~35% of 2 cores idle while one process ran (an in-process
-# test, a launch tracing in one task while the others wait); the lane fills them. Fixture name
-# -> function(tmp_path_factory).
+# runs every such fixture a collected test uses (`background_fixture`), one after the other,
+# beside the tests before their first user. A test that needs one waits for it if the lane has
+# started it, and otherwise runs it itself (the lane then skips it). Only the exactness runs
+# (~300 s, 8 processes; their users come mid-suite) are worth it: the suite in a fresh clone
+# took 19:43 with every fixture in turn and 18:48 with them in the lane (1921 -> 1865 CPU-s).
+# With every cluster fixture in the lane (the others from the suite's end backwards) it took
+# 18:56 and 2133 CPU-s: the 2 cores were already the bound, and oversubscribed they did more
+# work. Fixture name -> function(tmp_path_factory).
 BACKGROUND_FIXTURES = {}
-LANE_LEADS = ("exactness_results",)
 BACKGROUND_THREAD = "background fixture lane"
 _CLAIMS = {}  # fixture name -> Future of its value, once the lane or a test started it
 _CLAIMS_LOCK = threading.Lock()
@@ -207,8 +206,7 @@ def pytest_collection_finish(session):
     used = set()
     for item in session.items:
         used.update(getattr(item, "fixturenames", ()))
-    order = list(LANE_LEADS) + [n for n in reversed(BACKGROUND_FIXTURES) if n not in LANE_LEADS]
-    names = [name for name in order if name in used]
+    names = [name for name in BACKGROUND_FIXTURES if name in used]
     if not names:
         return
     _SESSION_ENV.update(os.environ)
@@ -289,7 +287,7 @@ def fetch_movielens_or_skip(name):
         raise
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def readme_runs(tmp_path_factory):
     """The README's python examples (`tests/programs/readme_examples.py`): the main session on
     one local worker ("one") and on 2 workers ("two"), the parameter-server block on a chief + 1

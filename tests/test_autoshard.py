@@ -8,7 +8,7 @@ import os
 import pytest
 import tensorflow as tf
 
-from conftest import PROGRAMS, background_fixture, launch
+from conftest import PROGRAMS, launch
 
 FILE_SIZES = [5, 6, 7, 8]  # records per file; ids are consecutive: file 0 holds 0..4, ...
 FILE_IDS = []
@@ -21,7 +21,7 @@ CASES = ["HINT_MISSING", "ONE_FILE:FILE", "ONE_FILE:AUTO", "FILE", "DATA", "AUTO
          "FROM_FUNCTION", "FIT:FILE", "FIT:DATA"]
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def autoshard_results(tmp_path_factory):
     data = tmp_path_factory.mktemp("autoshard_data")
     for index, ids in enumerate(FILE_IDS):

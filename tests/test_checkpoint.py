@@ -9,15 +9,14 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (PROGRAMS, UNPINNED, background_fixture, launch, run_command,
-                      run_together)
+from conftest import UNPINNED, PROGRAMS, launch, run_command, run_together
 from tf_nestpipe.sharding import ShardLayout
 from tf_nestpipe.strategy.checkpoint import _reshard_rows, latest_step
 
 PROGRAM = os.path.join(PROGRAMS, "checkpoint.py")
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("checkpoint")
     ckpt = str(out / "ckpt")

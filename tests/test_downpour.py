@@ -11,10 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, background_fixture, run_command
+from conftest import PROGRAMS, run_command
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def downpour_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("downpour")
     result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--ps",

@@ -12,8 +12,7 @@ import pytest
 import tensorflow as tf
 
 import tf_nestpipe as tnp
-from conftest import (PROGRAMS, UNPINNED, background_fixture, run_command, run_together,
-                      session_environ)
+from conftest import UNPINNED, PROGRAMS, run_command, run_together
 from tf_nestpipe.collectives import horovod_collectives
 
 STEPS = 12
@@ -29,7 +28,7 @@ def _require_horovod():
                         reason="Horovod is not installed (scripts/install_horovod.sh)")
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def horovod_results(tmp_path_factory):
     """One single-process reference run, one 2-worker launch through our launcher and one
     through horovodrun; returns their output prefixes and the launches' logs."""
@@ -39,7 +38,7 @@ def horovod_results(tmp_path_factory):
     reference_runs = sorted({spec.split("/")[1] for spec in LAUNCHER_RUNS + HOROVODRUN_RUNS})
     horovodrun = shutil.which("horovodrun") or os.path.join(os.path.dirname(sys.executable),
                                                             "horovodrun")
-    assert "TF_CONFIG" not in session_environ()  # under horovodrun: Horovod's cluster alone
+    assert "TF_CONFIG" not in os.environ  # under horovodrun the cluster is Horovod's alone
     ref, surface_ref, launched, hvdrun = run_together(  # independent: at once
         (run_command, [sys.executable, os.path.join(PROGRAMS, "exactness.py"), str(out / "ref"),
                        str(STEPS)] + reference_runs),

@@ -8,13 +8,12 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import (PROGRAMS, UNPINNED, background_fixture, launch, run_command,
-                      run_together)
+from conftest import UNPINNED, PROGRAMS, launch, run_command, run_together
 
 PROGRAM = os.path.join(PROGRAMS, "keras_checkpoint.py")
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def keras_checkpoint_runs(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_checkpoint")
     # "killed" (its own files) alongside "fit", then both loads of fit's files at once.

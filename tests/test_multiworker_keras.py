@@ -6,10 +6,10 @@ import time
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, background_fixture, launch, run_command, run_together
+from conftest import PROGRAMS, launch, run_command, run_together
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def tfrs_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("tfrs")
     program = os.path.join(PROGRAMS, "tfrs_fit.py")

@@ -10,10 +10,10 @@ import pytest
 import tensorflow as tf
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, background_fixture, run_command
+from conftest import PROGRAMS, run_command
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def ps_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("ps_mode")
     result = run_command([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--ps",

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from conftest import PROGRAMS, background_fixture, launch, run_command
+from conftest import PROGRAMS, launch, run_command
 
 PROGRAM = os.path.join(PROGRAMS, "restore_sizes.py")
 REFUSED = {"whole_into_200": "the checkpoint holds a table of 100 rows, this model's table has "
@@ -21,7 +21,7 @@ REFUSED = {"whole_into_200": "the checkpoint holds a table of 100 rows, this mod
            "deferred_into_200": "holds a table of 100 rows, this model's table has 200 rows"}
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def restore_results(tmp_path_factory):
     """Saves a 100-row table on 2 workers and tries every restore on 2 workers and on 1."""
     out = tmp_path_factory.mktemp("restore_sizes")

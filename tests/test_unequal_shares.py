@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from conftest import PROGRAMS, background_fixture, launch
+from conftest import PROGRAMS, launch
 
 CASES = ["uneven", "even", "static", "repeated", "loop", "evaluate", "uneven:dbp",
          "uneven:fwp", "uneven:nested", "middle:dbp", "middle:nested"]
 
 
-@background_fixture
+@pytest.fixture(scope="session")
 def share_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("unequal_shares")
     result = launch(2, [os.path.join(PROGRAMS, "unequal_shares.py"), str(out)] + CASES,
