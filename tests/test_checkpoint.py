@@ -29,7 +29,7 @@ def checkpoint_runs(tmp_path_factory):
     def restarting(args):  # through the launcher with one restart allowed
         return (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
                               UNPINNED, "--restarts", "1", "--", sys.executable, PROGRAM] + args,
-                300)
+                600)  # a hang guard: ~100 s beside the background lane's exactness runs
 
     def stage(*calls):  # independent runs at once; each must succeed
         results = run_together(*calls)
