@@ -11,8 +11,9 @@ row source (`FusedTables`: one table or a group fused in one id space).
 - sync: after the update, the owner sends just those rows, fresh (`sync_payload`); the
   requester copies them into its prefetch buffer (`patch_buffers`). The payload rides on the
   next step's keys all-to-all (`sync_rider`: it is read at the start of the next step, after
-  the update, and patched in before that step's compute) or, when no exchange follows (the
-  last batch), travels in an exchange of its own (`apply_sync`).
+  the update, and patched in before that step's compute; the drain's step prefetches the last
+  batch again for it) or, for a group the next batch's keys exchanges do not carry, travels in
+  an exchange of its own (`apply_sync`).
 - `lookup_from_buffer`: the compute stage reads a buffer; its gradient goes back to the owners by
   the reverse all-to-all, as in the synchronous lookup.
 
