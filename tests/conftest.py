@@ -6,10 +6,14 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import forkserver  # noqa: E402 pylint: disable=wrong-import-position
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -85,13 +89,88 @@ def pytest_collection_modifyitems(config, items):
 _LIVE = set()  # the Popen of every command running now (killed if the session ends first)
 
 
+# The fork server (tests/forkserver.py): the Python processes `run_command` starts (the tests'
+# programs, the launcher and its tasks) are forked from a server that imported TensorFlow,
+# tf_keras and tf_nestpipe once, instead of each importing them (~4 of a training program's ~7
+# CPU-s on 2 cores; the suite starts ~110 of them). A command the server cannot run as a fresh
+# process would runs the interpreter itself. NESTPIPE_TEST_FORKSERVER=off: every process fresh.
+FORKSERVER_PRELOAD = ("tensorflow", "tf_keras", "tf_nestpipe")
+_FORKSERVER = {}  # "process", "folder", "socket", "shim" while the server runs
+
+
+def _start_forkserver():
+    """Starts the fork server (with the environment of the session now) and points this
+    session's commands at it; they run fresh processes until it listens."""
+    folder = tempfile.mkdtemp(prefix="nestpipe-forkserver-")
+    address = os.path.join(folder, "socket")
+    env = dict(os.environ, **{forkserver.SOCKET_ENV: address})
+    from tf_nestpipe.launch.listen import SHIM  # pylint: disable=import-outside-toplevel
+    if os.path.exists(SHIM):  # the launcher's tasks preload the bind interposer
+        env["LD_PRELOAD"] = ":".join(filter(None, [SHIM, env.get("LD_PRELOAD")]))
+    log = open(os.path.join(folder, "server.log"), "w")
+    process = subprocess.Popen(
+        [sys.executable, os.path.join(REPO, "tests", "forkserver.py"), address]
+        + list(FORKSERVER_PRELOAD), env=env, cwd=REPO, stdin=subprocess.DEVNULL, stdout=log,
+        stderr=subprocess.STDOUT, start_new_session=True)
+    log.close()
+    os.environ[forkserver.SOCKET_ENV] = address
+    _FORKSERVER.update(process=process, folder=folder, socket=address,
+                       shim=forkserver.python_shim(folder, sys.executable,
+                                                   os.path.join(REPO, "tests")))
+
+
+def _stop_forkserver():
+    """Kills the fork server (its children die with it) and removes its folder."""
+    if _FORKSERVER:
+        _FORKSERVER["process"].kill()
+        _FORKSERVER["process"].wait()
+        shutil.rmtree(_FORKSERVER["folder"], ignore_errors=True)
+        os.environ.pop(forkserver.SOCKET_ENV, None)
+        _FORKSERVER.clear()
+
+
+def pytest_configure(config):
+    """Starts the fork server (not under --collect-only, nor with
+    NESTPIPE_TEST_FORKSERVER=off); it imports while the tests are collected."""
+    if config.option.collectonly or os.environ.get(forkserver.SOCKET_ENV) == "off":
+        return
+    _start_forkserver()
+
+
+def _await_forkserver(timeout=120):
+    """Waits until the fork server listens (it imports while the tests are collected); if it
+    died, its log is shown and every process starts fresh."""
+    if not _FORKSERVER:
+        return
+    deadline = time.time() + timeout
+    while not os.path.exists(_FORKSERVER["socket"]) and time.time() < deadline:
+        if _FORKSERVER["process"].poll() is not None:
+            break
+        time.sleep(0.05)
+    if not os.path.exists(_FORKSERVER["socket"]):
+        with open(os.path.join(_FORKSERVER["folder"], "server.log")) as log:
+            sys.stderr.write("the test fork server did not start; every process starts "
+                             "fresh:\n%s\n" % log.read()[-4000:])
+        _stop_forkserver()
+
+
+def through_forkserver(argv):
+    """`argv` with the interpreter (`sys.executable` as the command, or after a launcher's
+    `--`) replaced by the fork server's client, if the server runs."""
+    if not _FORKSERVER:
+        return list(argv)
+    return [_FORKSERVER["shim"] if arg == sys.executable and (i == 0 or argv[i - 1] == "--")
+            else arg for i, arg in enumerate(argv)]
+
+
 def run_command(argv, timeout=300, env=None, cwd=REPO):
     """Runs argv, returns CompletedProcess with merged stdout/stderr text (as `subprocess.run`:
     past `timeout` the process is killed and `subprocess.TimeoutExpired` raised)."""
     full_env = dict(session_environ())
     full_env.update(env or {})
-    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                          env=full_env, cwd=cwd) as process:
+    with subprocess.Popen(through_forkserver(argv), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True, env=full_env,
+                          cwd=cwd) as process:
         _LIVE.add(process)
         try:
             output, _ = process.communicate(timeout=timeout)
@@ -204,6 +283,7 @@ def pytest_collection_finish(session):
     under --collect-only)."""
     if session.config.option.collectonly:
         return
+    _await_forkserver()
     used = set()
     for item in session.items:
         used.update(getattr(item, "fixturenames", ()))
@@ -242,6 +322,7 @@ def pytest_sessionfinish(session):
     del session
     for process in list(_LIVE):
         process.kill()
+    _stop_forkserver()
     for folder in _FOLDERS:
         shutil.rmtree(folder, ignore_errors=True)
 
