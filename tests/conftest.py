@@ -163,12 +163,14 @@ def through_forkserver(argv):
             else arg for i, arg in enumerate(argv)]
 
 
-def run_command(argv, timeout=300, env=None, cwd=REPO):
+def run_command(argv, timeout=300, env=None, cwd=REPO, fresh=False):
     """Runs argv, returns CompletedProcess with merged stdout/stderr text (as `subprocess.run`:
-    past `timeout` the process is killed and `subprocess.TimeoutExpired` raised)."""
+    past `timeout` the process is killed and `subprocess.TimeoutExpired` raised). Its Python
+    processes come from the fork server unless `fresh` (a process that must not have imported
+    tf_nestpipe, e.g. one that serves an export without the plugin)."""
     full_env = dict(session_environ())
     full_env.update(env or {})
-    with subprocess.Popen(through_forkserver(argv), stdout=subprocess.PIPE,
+    with subprocess.Popen(argv if fresh else through_forkserver(argv), stdout=subprocess.PIPE,
                           stderr=subprocess.STDOUT, text=True, env=full_env,
                           cwd=cwd) as process:
         _LIVE.add(process)

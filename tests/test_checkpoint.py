@@ -128,7 +128,7 @@ print("max_diff", float(np.abs(out - data["predictions"]).max()), "rows", out.sh
 ])
 def test_exported_saved_model_serves_without_the_plugin(checkpoint_runs, export, predictions):
     result = run_command([sys.executable, "-c", SERVE, str(checkpoint_runs / export),
-                          str(checkpoint_runs / (predictions + ".predictions.npz"))])
+                          str(checkpoint_runs / (predictions + ".predictions.npz"))], fresh=True)
     assert result.returncode == 0, result.stdout[-3000:]
     line = [l for l in result.stdout.splitlines() if l.startswith("max_diff")][0]
     assert float(line.split()[1]) < 1e-5 and line.endswith("rows 24")

@@ -133,7 +133,8 @@ def test_export_serves_without_tf_nestpipe(dynamic_results, tmp_path):
     trained model's predictions; unknown ids embed to the zero row (prediction = bias)."""
     prefix, _ = dynamic_results
     result = run_command([sys.executable, os.path.join(PROGRAMS, "load_dynamic_export.py"),
-                          prefix + ".export", prefix + ".predictions.npz"], cwd=str(tmp_path))
+                          prefix + ".export", prefix + ".predictions.npz"], cwd=str(tmp_path),
+                         fresh=True)
     assert result.returncode == 0, result.stdout[-3000:]
     found = re.search(r"max_diff (\S+)", result.stdout)
     assert found and float(found.group(1)) <= 1e-6, result.stdout[-500:]

@@ -37,7 +37,7 @@ def surface(tmp_path_factory):
     # A fresh process without tf_nestpipe on its path loads the 2-worker run's files.
     env = {"PYTHONPATH": ""}
     loader = run_command([sys.executable, os.path.join(PROGRAMS, "load_saved.py"), str(two),
-                          str(out / "loaded.npz")], env=env, cwd=str(out))
+                          str(out / "loaded.npz")], env=env, cwd=str(out), fresh=True)
     assert loader.returncode == 0, loader.stdout[-4000:]
     return {"ref": np.load(ref / "rank0.npz"), 0: np.load(two / "rank0.npz"),
             1: np.load(two / "rank1.npz"), "loaded": np.load(out / "loaded.npz")}
