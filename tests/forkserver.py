@@ -338,6 +338,7 @@ def serve(address, preload):
     listener.bind(address + ".tmp")
     listener.listen(64)
     os.rename(address + ".tmp", address)  # clients connect only once the server listens
+    parent = os.getppid()  # the test session: the server ends with it
     children = {}  # child pid -> its client's connection
     waiting = {}  # a client connection -> its child's pid
     # A child's exit wakes the loop: SIGCHLD writes a byte to this pipe.
@@ -347,6 +348,8 @@ def serve(address, preload):
     signal.signal(signal.SIGCHLD, lambda signum, frame: None)
     while True:
         readable, _, _ = select.select([listener, wakeup_read] + list(waiting), [], [], 1.0)
+        if os.getppid() != parent:  # the session died without stopping it; children follow
+            os._exit(0)
         for ready in readable:
             if ready == wakeup_read:
                 os.read(wakeup_read, 4096)
@@ -375,7 +378,8 @@ def serve(address, preload):
                     signal.set_wakeup_fd(-1)
                     for fd in (wakeup_read, wakeup_write):
                         os.close(fd)
-                    return _become(request, listener, list(waiting) + [connection])
+                    return _become(request, listener,
+                                   set(children.values()) | set(waiting) | {connection})
                 for fd in fds:
                     os.close(fd)
                 _send_quietly(connection, {"pid": pid})

@@ -171,3 +171,25 @@ def test_what_the_server_cannot_run_as_fresh_runs_the_interpreter(server):
     log = server["log"].read_text()
     assert "exec TF_CPP_MIN_LOG_LEVEL differs from the server's" in log
     assert "exec options: -B" in log and "exec server unreachable" in log
+
+
+def test_the_server_ends_with_the_session_that_started_it(tmp_path):
+    """A session killed without stopping its server (SIGKILL) leaves no server behind."""
+    starter = ("import subprocess, sys\n"
+               "server = subprocess.Popen([sys.executable, %r, %r, 'json'],\n"
+               "                          stdin=subprocess.DEVNULL, start_new_session=True)\n"
+               "print(server.pid, flush=True)\n"
+               "sys.stdin.read()\n" % (FORKSERVER, str(tmp_path / "socket")))
+    session = subprocess.Popen([sys.executable, "-c", starter], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+    server = int(session.stdout.readline())
+    deadline = time.time() + 30
+    while not (tmp_path / "socket").exists() and time.time() < deadline:
+        time.sleep(0.05)
+    assert _alive(server)  # positive control: it serves while its session lives
+    session.kill()
+    session.wait()
+    deadline = time.time() + 10
+    while _alive(server) and time.time() < deadline:
+        time.sleep(0.05)
+    assert not _alive(server)
