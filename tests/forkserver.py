@@ -192,12 +192,7 @@ def client_main(real_python, args):
     for signum in _FORWARDED_SIGNALS:
         if signum not in ignored:
             signal.signal(signum, forward)
-    while True:
-        try:
-            reply, _ = _receive(sock)
-            break
-        except InterruptedError:
-            continue
+    reply, _ = _receive(sock)  # a forwarded signal's handler runs; the read resumes (PEP 475)
     if reply is None:  # the server died: its children die with it
         os._exit(128 + signal.SIGKILL)
     status = reply["status"]

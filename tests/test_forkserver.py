@@ -131,10 +131,15 @@ def test_a_killed_client_takes_its_child_with_it(server):
     child = int(process.stdout.readline())
     process.kill()
     process.wait()
-    deadline = time.time() + 10
-    while _alive(child) and time.time() < deadline:
+    assert _ends_within(child, 10)
+
+
+def _ends_within(pid, seconds):
+    """Whether process `pid` is gone (or a zombie) within `seconds`."""
+    deadline = time.time() + seconds
+    while _alive(pid) and time.time() < deadline:
         time.sleep(0.05)
-    assert not _alive(child)
+    return not _alive(pid)
 
 
 def _alive(pid):
@@ -189,7 +194,4 @@ def test_the_server_ends_with_the_session_that_started_it(tmp_path):
     assert _alive(server)  # positive control: it serves while its session lives
     session.kill()
     session.wait()
-    deadline = time.time() + 10
-    while _alive(server) and time.time() < deadline:
-        time.sleep(0.05)
-    assert not _alive(server)
+    assert _ends_within(server, 10)
