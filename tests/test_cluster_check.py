@@ -190,9 +190,8 @@ def test_strategies_given_different_clusters_fail_fast_on_every_task():
         assert "ClusterMismatchError" in output and "cluster.worker: worker:0 (the leader) lists 3" \
             in output, output[-3000:]
         assert "started" not in output
-    # Within the 20 s start-up timeout and some slack on a loaded machine (they took 44 s as
-    # fresh processes beside the suite's other runs); a hang would run into the 90 s above.
-    assert took < 40, took
+    # Forked, they took ~4 s; as fresh processes beside the forked suite's denser runs, 44 s.
+    assert took < 30, took
 
 
 def test_a_leader_that_gives_no_verdict_in_time_is_reported(monkeypatch):
