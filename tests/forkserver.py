@@ -470,7 +470,8 @@ def _exit(code):
     object, which in a forked child copies the server's pages (measured: a forked `-c pass`
     took ~0.25 s wall with it, 0.06 s without; a fresh `python -c pass` 0.07 s). What a program
     can observe still happens: non-daemon threads are joined, atexit functions run, every open
-    Python file and the C library's streams are flushed. `code` None: killed by SIGINT (KeyboardInterrupt)."""
+    Python file and the C library's streams are flushed. `code` None: killed by SIGINT
+    (KeyboardInterrupt)."""
     import atexit  # pylint: disable=import-outside-toplevel
     import ctypes  # pylint: disable=import-outside-toplevel
     import io  # pylint: disable=import-outside-toplevel
