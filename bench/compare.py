@@ -542,7 +542,7 @@ def summarize_rounds(row, args, out, results):
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
     first = results[0]
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s",
-                "ops_per_step"):
+                "ops_per_step", "cpu_ms_per_step", "cpu_busy"):
         if key in first:
             out[key] = median(key)
     steals = [r["steal"] for r in results if r.get("steal") is not None]
@@ -557,6 +557,9 @@ def summarize_rounds(row, args, out, results):
     probes = [r["auto_timings_ms"] for r in results if r.get("auto_timings_ms")]
     if probes:  # every round's probe: the modes timed in the same processes
         out["auto_timings_ms_rounds"] = probes
+        cpu = [r.get("auto_cpu") for r in results if r.get("auto_timings_ms")]
+        if all(cpu):  # rank 0's process CPU per mode, same launches
+            out["auto_cpu_rounds"] = cpu
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
@@ -574,6 +577,9 @@ def summarize_rounds(row, args, out, results):
         extras.append("one join for all steps: %.0f samples/s" % out["async_samples_per_s"])
     if out.get("placements"):
         extras.append(plan_text(out))
+    if out.get("cpu_ms_per_step") is not None:
+        extras.append("rank 0's process CPU %.1f ms/step (%.2f cores busy)"
+                      % (out["cpu_ms_per_step"], out["cpu_busy"]))
     out["details"] = "; ".join(extras)
     out["note"] = "; ".join([out["note"]] + extras)
     return out
@@ -766,8 +772,9 @@ def same_process_lines(rows, judged=True):
              "doing the same work; these ratios do not." + (
                  " Loopback target: every pipelined mode <= %.2fx none." % LOOPBACK_PIPELINE_TARGET
                  if judged else ""), "",
-             "| row | network | mode | ms/step per launch | vs none (median over launches) |",
-             "|---|---|---|---|---|"]
+             "| row | network | mode | ms/step per launch | vs none (median over launches) "
+             "| rank 0's process CPU ms/step per launch (cores busy) |",
+             "|---|---|---|---|---|---|"]
     for r in probed:
         ratios = same_process_ratios(r["auto_timings_ms_rounds"])
         names = list(r["auto_timings_ms_rounds"][0])
@@ -784,9 +791,18 @@ def same_process_lines(rows, judged=True):
                     LOOPBACK_PIPELINE_TARGET)
             else:
                 cell = "%.2fx" % ratio
-            lines.append("| %s | %s | %s | %s | %s |" % (row_label(r), r["network"], name, ms,
-                                                         cell))
+            lines.append("| %s | %s | %s | %s | %s | %s |" % (
+                row_label(r), r["network"], name, ms, cell, cpu_cell(r, name)))
     return lines
+
+
+def cpu_cell(row, name):
+    """An auto row's process CPU per step of mode `name` on rank 0 in each launch's probe, with
+    the cores it kept busy ("-" for reports without it)."""
+    rounds = row.get("auto_cpu_rounds")
+    if not rounds or any(name not in r for r in rounds):
+        return "-"
+    return " / ".join("%.1f (%.2f)" % (r[name][0], r[name][1]) for r in rounds)
 
 
 def markdown(rows, args, env, seconds):
@@ -881,9 +897,10 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
              "exposure", "note"]
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
-              "ops_per_step",
+              "ops_per_step", "cpu_ms_per_step", "cpu_busy",
               "vs_none", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
-              "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_probe_steps",
+              "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
+              "auto_probe_steps",
               "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker",
               "table_bytes_per_process", "baselines_not_fitting"]

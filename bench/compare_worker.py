@@ -1,6 +1,8 @@
 """One row of the side-by-side benchmark (bench/compare.py): trains one model on one data set with
 one distribution system for `--warmup + --steps` steps and prints, on rank 0, `RESULT {json}`
-with the median / p90 / mean wall time of the steps after warm-up (and, with `--profile-steps`,
+with the median / p90 / mean wall time of the steps after warm-up, rank 0's process CPU time
+per step over them and the cores it kept busy (`cpu_ms_per_step`, `cpu_busy`; under
+pipeline="auto" also `auto_cpu`, the same per mode of its probe) (and, with `--profile-steps`,
 a later `PROFILE {json}`: the timing is printed first, so a profiling pass that aborts the process
 does not take the timing with it).
 
@@ -379,10 +381,10 @@ def run_fit(args, data):
         dataset = data.dataset_fn(_context(workers, rank))  # its share: global batch / W
     else:
         dataset = strategy.distribute_datasets_from_function(data.dataset_fn)
-    timer = dlrm.StepTimer()
+    timer, cpu_timer = dlrm.StepTimer(), CpuTimer()
     exchange = strategy.extended.embedding_exchange if kind == "sharded" else None
     before = exchange.wire_stats() if exchange is not None else None
-    callbacks = [timer]
+    callbacks = [timer, cpu_timer]
     if kind == "sharded" and args.pipeline == "auto":
         # auto's probe is not the mode it chose: warm-up and timing start after the choice.
         settled = AutoSettled(args.warmup + args.steps)
@@ -399,6 +401,7 @@ def run_fit(args, data):
         raise RuntimeError("pipeline='auto' made no choice within %d steps"
                            % AUTO_PROBE_STEPS_LIMIT)
     result = summarize(timer.times[probe:], args.warmup)
+    result.update(cpu_timer.cpu_per_step(probe + args.warmup))
     result.update(pipeline_facts(model))
     if kind == "sharded":
         result.update(placement_facts(strategy))
@@ -423,6 +426,29 @@ def run_fit(args, data):
 
 
 AUTO_PROBE_STEPS_LIMIT = 1000  # steps an auto row may take to choose before it is an error
+
+
+class CpuTimer(tf_keras.callbacks.Callback):
+    """This process's CPU time (every thread: TensorFlow's pools, the socket mesh's, Keras's
+    loop) and wall time at the end of every training step, to tell a step's CPU work from its
+    waiting (`cpu_per_step`)."""
+
+    def on_train_begin(self, logs=None):
+        self.marks = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.marks.append((time.perf_counter(), time.process_time()))
+
+    def cpu_per_step(self, first):
+        """From the end of step `first - 1` to the last step: `{"cpu_ms_per_step": this
+        process's CPU ms per step, "cpu_busy": CPU time / wall time}` (1.0: one core busy all
+        the time), or {} if there are no such steps."""
+        if first < 1 or len(self.marks) <= first:
+            return {}
+        (wall_start, cpu_start), (wall_end, cpu_end) = self.marks[first - 1], self.marks[-1]
+        steps = len(self.marks) - first
+        return {"cpu_ms_per_step": (cpu_end - cpu_start) / steps * 1e3,
+                "cpu_busy": (cpu_end - cpu_start) / max(wall_end - wall_start, 1e-9)}
 
 
 class AutoSettled(tf_keras.callbacks.Callback):
@@ -455,6 +481,8 @@ def pipeline_facts(model):
     if getattr(pipeline, "choice", None) is not None:
         facts["auto_choice"] = str(pipeline.choice)
         facts["auto_timings_ms"] = pipeline.timings_ms
+        if getattr(pipeline, "cpu", None):  # this worker's process CPU per probed mode
+            facts["auto_cpu"] = {name: list(use) for name, use in pipeline.cpu.items()}
     return facts
 
 

@@ -148,6 +148,29 @@ def test_auto_rows_report_every_mode_against_none_timed_in_the_same_processes():
         compare.same_process_lines([auto]))
     assert compare.same_process_lines([_row("nestpipe", 9.0, pipeline="none")]) == []
     assert "auto_timings_ms_rounds" in compare.json_rows([auto])[0]
+    # Without the probe's CPU (older workers) the CPU column says so.
+    assert "auto_cpu_rounds" not in auto and "| 1.02x (met, target <= 1.05x) | - |" in text
+
+
+def test_auto_rows_report_the_probes_process_cpu_per_mode_and_launch():
+    auto = _row("nestpipe", 8.0, pipeline="auto")
+    results = [{"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "none",
+                "auto_timings_ms": {"none": 10.0, "dbp": 10.2},
+                "auto_cpu": {"none": [9.5, 0.95], "dbp": [10.1, 0.99]}},
+               {"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "none",
+                "auto_timings_ms": {"none": 5.0, "dbp": 5.0},
+                "auto_cpu": {"none": [4.0, 0.8], "dbp": [4.6, 0.92]}}]
+    args = argparse.Namespace(global_batch=512, steps=10, profile_steps=0)
+    compare.summarize_rounds(auto, args, auto, results)
+    assert auto["auto_cpu_rounds"] == [results[0]["auto_cpu"], results[1]["auto_cpu"]]
+    text = "\n".join(compare.same_process_lines([auto]))
+    assert "| none | 10.0 / 5.0 | 1.00x | 9.5 (0.95) / 4.0 (0.80) |" in text
+    assert "| dbp | 10.2 / 5.0 | 1.01x (met, target <= 1.05x) | 10.1 (0.99) / 4.6 (0.92) |" in text
+    assert "auto_cpu_rounds" in compare.json_rows([auto])[0]
+    # One launch without it: no column values (they would not line up with the timings).
+    del results[1]["auto_cpu"]
+    compare.summarize_rounds(auto := _row("nestpipe", 8.0, pipeline="auto"), args, auto, results)
+    assert "auto_cpu_rounds" not in auto
 
 
 def test_a_run_without_the_buffer_sync_is_labelled_a_diagnostic_and_judges_nothing():

@@ -282,6 +282,32 @@ def test_auto_trains_every_batch_once_in_order_and_keeps_the_agreed_fastest():
     assert auto.stats == "ahead"
 
 
+def test_auto_reports_each_candidates_process_cpu_per_step():
+    """The probe times each candidate's process CPU as well as its wall time: a candidate that
+    computes through its step keeps a core busy, one that waits (sleeps) does not."""
+    import time
+
+    class Computing(_FakePipeline):
+        def progress(self, iterator):
+            end = time.perf_counter() + 0.02
+            while time.perf_counter() < end:
+                pass
+            return super().progress(iterator)
+
+    trained, logged = [], []
+    candidates = [("waits", _FakePipeline("waits", trained, seconds=0.02)),
+                  ("computes", Computing("computes", trained))]
+    auto = AutoPipeline(candidates, lambda times: times, warmup_steps=0, timed_steps=3,
+                        log=logged.append, rounds=1)
+    iterator = iter(range(20))
+    for _ in range(7):
+        auto.progress(iterator)
+    assert auto.choice is not None and set(auto.cpu) == {"waits", "computes"}
+    assert auto.cpu["computes"].cores_busy > 0.6 and auto.cpu["computes"].ms_per_step > 12
+    assert auto.cpu["waits"].cores_busy < 0.3 and auto.cpu["waits"].ms_per_step < 6
+    assert "process CPU ms/step (cores busy) waits " in logged[0]
+
+
 def test_auto_takes_the_slowest_workers_view():
     trained = []
     candidates = [("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))]

@@ -14,6 +14,11 @@ its timed steps; the workers agree by an all-gather of their medians (the max ov
 decides, as a synchronous step waits for the slowest). The first candidate is the baseline
 (none): another is chosen only if it is faster by more than `margin` (a fraction), so timing
 noise does not trade the baseline for an equal mode.
+
+The log also gives this worker's process CPU time per timed step of each candidate (every
+thread: TensorFlow's pools, the exchange's) and the cores it kept busy (CPU time / wall time):
+a worker whose baseline already keeps its cores busy all step has little waiting for a pipeline
+to hide, and a pipeline's own work then shows in its step time one for one.
 """
 import statistics
 import sys
@@ -62,9 +67,11 @@ class AutoPipeline:
         self._index = 0  # candidate being probed in this round
         self._steps = 0  # steps the current candidate ran in this round
         self._times = {name: [] for name, _ in self._candidates}
+        self._cpu_times = {name: [] for name, _ in self._candidates}  # process CPU seconds
         self._held = None  # a look-ahead pipeline whose held batches are trained first
         self.choice = None  # the chosen candidate's name, once agreed
         self.timings_ms = None  # {str(name): agreed median ms/step}
+        self.cpu = None  # {str(name): CpuUse of this worker's timed steps}
 
     @property
     def probe_steps_bound(self):
@@ -97,14 +104,16 @@ class AutoPipeline:
         if self.choice is not None:
             return self.pipeline.progress(iterator)
         name, pipeline = self._candidates[self._index]
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         outputs = pipeline.progress(iterator)
         tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, outputs)
         elapsed = time.perf_counter() - start
+        cpu = time.process_time() - cpu_start
         self._steps += 1
         untimed = self._warmup if self._round == 0 else self._settle
         if self._steps > untimed:
             self._times[name].append(elapsed)
+            self._cpu_times[name].append(cpu)
         if self._steps == untimed + self._timed:
             self._next_candidate(pipeline)
         return outputs
@@ -125,15 +134,34 @@ class AutoPipeline:
         local = [statistics.median(self._times[name]) for name in names]
         agreed = self._agree(local)
         self.timings_ms = {str(name): 1e3 * t for name, t in zip(names, agreed)}
+        self.cpu = {str(name): CpuUse.of(self._cpu_times[name], self._times[name])
+                    for name in names}
         best = min(range(len(names)), key=lambda i: agreed[i])
         if agreed[best] > agreed[0] * (1 - self._margin):
             best = 0  # not clearly faster than the baseline
         self.choice = names[best]
         self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d rounds of %d "
                   "timed steps (slowest worker) %s; another mode than %r needs to be %.0f%% "
-                  "faster" % (str(self.choice), self._rounds, self._timed, ", ".join(
+                  "faster; this worker's process CPU ms/step (cores busy) %s"
+                  % (str(self.choice), self._rounds, self._timed, ", ".join(
                       "%s %.1f" % (name, ms) for name, ms in self.timings_ms.items()),
-                      str(names[0]), 100 * self._margin))
+                      str(names[0]), 100 * self._margin, ", ".join(
+                          "%s %.1f (%.2f)" % (name, use.ms_per_step, use.cores_busy)
+                          for name, use in self.cpu.items())))
+
+
+class CpuUse(NamedTuple):
+    """A candidate's process CPU time over its timed steps on one worker: the median CPU ms per
+    step and the cores it kept busy (all its CPU time / all its wall time)."""
+
+    ms_per_step: float
+    cores_busy: float
+
+    @classmethod
+    def of(cls, cpu_seconds, wall_seconds):
+        """From the per-step CPU and wall seconds of the same steps."""
+        return cls(1e3 * statistics.median(cpu_seconds),
+                   sum(cpu_seconds) / max(sum(wall_seconds), 1e-9))
 
 
 def auto_candidates(micro_batch_choices, micro_batching=True):
