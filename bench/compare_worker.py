@@ -430,23 +430,27 @@ AUTO_PROBE_STEPS_LIMIT = 1000  # steps an auto row may take to choose before it 
 
 class CpuTimer(tf_keras.callbacks.Callback):
     """This process's CPU time (every thread: TensorFlow's pools, the socket mesh's, Keras's
-    loop) and wall time at the end of every training step, to tell a step's CPU work from its
-    waiting (`cpu_per_step`)."""
+    loop) and wall time when training starts and after every step, to tell a step's CPU work
+    from its waiting (`cpu_per_step`)."""
 
     def on_train_begin(self, logs=None):
-        self.marks = []
+        self.marks = [self._mark()]  # marks[i]: before step i (after step i - 1)
 
     def on_train_batch_end(self, batch, logs=None):
-        self.marks.append((time.perf_counter(), time.process_time()))
+        self.marks.append(self._mark())
+
+    @staticmethod
+    def _mark():
+        return time.perf_counter(), time.process_time()
 
     def cpu_per_step(self, first):
-        """From the end of step `first - 1` to the last step: `{"cpu_ms_per_step": this
-        process's CPU ms per step, "cpu_busy": CPU time / wall time}` (1.0: one core busy all
-        the time), or {} if there are no such steps."""
-        if first < 1 or len(self.marks) <= first:
+        """Over steps `first` to the last: `{"cpu_ms_per_step": this process's CPU ms per step,
+        "cpu_busy": CPU time / wall time}` (1.0: one core busy all the time), or {} if there
+        are no such steps."""
+        steps = len(self.marks) - 1 - first
+        if steps < 1:
             return {}
-        (wall_start, cpu_start), (wall_end, cpu_end) = self.marks[first - 1], self.marks[-1]
-        steps = len(self.marks) - first
+        (wall_start, cpu_start), (wall_end, cpu_end) = self.marks[first], self.marks[-1]
         return {"cpu_ms_per_step": (cpu_end - cpu_start) / steps * 1e3,
                 "cpu_busy": (cpu_end - cpu_start) / max(wall_end - wall_start, 1e-9)}
 
