@@ -47,7 +47,9 @@ def _assert_params_equal(ref, got):
 def test_dbp_matches_unpipelined_single_process(exactness_results, workers, run):
     got = load_run(exactness_results[workers], run)
     _assert_params_equal(_ref(exactness_results, run), got)
-    steps = {"one": 1, "epochs": (STEPS // 3) * 3}.get(run.split(":")[0], STEPS)
+    # "resize": STEPS // 2 batches, then STEPS // 2 more cut in halves.
+    steps = {"one": 1, "epochs": (STEPS // 3) * 3, "resize": (STEPS // 2) * 3}.get(
+        run.split(":")[0], STEPS)
     assert int(got["stats/steps"]) == steps  # "twice": one pipeline, re-primed by the 2nd fit
     # One fused prefetch per table group and round (a round per lookup of one table).
     assert int(got["stats/exchanges"]) == _groups(run) * _rounds(run)

@@ -102,16 +102,75 @@ def test_a_drain_whose_iterator_gives_another_element_is_refused():
     pipeline = tnp.TrainPipeline(strategy, lambda batch: None, lambda batch: None)
     iterator = object()
     pipeline._primed, pipeline._has_upcoming = True, False
-    no_more, more = tf.constant(False), tf.constant(True)
     # The drain's step reports whether the iterator gave an element (the step is faked: the
     # guard reads only what the step returns).
-    pipeline._step = lambda it: (None, more, tf.constant(0, tf.int64), tf.constant(0, tf.int64),
-                                 tf.constant([0], tf.int64))
+    # (outputs, [has_upcoming, rows received, rows sent, rows requested per round...])
+    pipeline._step = lambda it: (None, tf.constant([1, 0, 0, 0], tf.int64))
     with pytest.raises(RuntimeError, match="gave an element after it had reported its end"):
         pipeline._advance(iterator)
     # Positive control: an iterator that stays at its end drains.
     pipeline._has_upcoming = False
-    pipeline._step = lambda it: (None, no_more, tf.constant(0, tf.int64),
-                                 tf.constant(0, tf.int64), tf.constant([0], tf.int64))
+    pipeline._step = lambda it: (None, tf.constant([0, 0, 0, 0], tf.int64))
     pipeline._advance(iterator)
     assert pipeline.stats.drains == 1 and not pipeline._primed
+
+
+def _train_two_sizes(lookahead, rebuild=True, held=None):
+    """Trains a fresh model through a TrainPipeline on batches of BATCH rows, then (a new
+    iterator, as a new fit call makes) on batches of BATCH // 2 rows, both from repeated
+    datasets of static shapes; each phase ends by training the batches the look-ahead holds
+    (`progress_held`, as `auto` does when it switches pipelines; without look-ahead, `held`
+    gives how many more batches to train instead). Returns (its weights, the number of held
+    batches trained per phase). `rebuild=False` keeps the step functions traced for the first
+    size (what the pipeline must not do)."""
+    strategy = tnp.NestPipeStrategy()
+    with strategy.scope():
+        model = Ranker()
+        optimizer = tf_keras.optimizers.SGD(0.1)
+
+    def step_fn(batch):
+        ids, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids) - labels))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
+                                 optimizer=optimizer, lookahead=lookahead,
+                                 trainable_variables=lambda: model.trainable_variables)
+    if not rebuild:
+        pipeline._build_pipelined_steps = lambda: None
+    rng = np.random.default_rng(1)
+    trained_held = []
+    for phase, size in enumerate((BATCH, BATCH // 2)):
+        ids = rng.integers(0, VOCAB, size=(6, size, 2)).astype(np.int64)
+        labels = rng.normal(size=(6, size, 1)).astype(np.float32)
+        dataset = tf.data.Dataset.from_tensor_slices((ids, labels)).repeat()
+        iterator = iter(strategy.experimental_distribute_dataset(dataset))
+        assert iterator.element_spec[0].shape == [size, 2]  # static, as the test needs
+        for _ in range(3):
+            pipeline.progress(iterator)
+        if lookahead:
+            trained_held.append(0)
+            while pipeline.progress_held(iterator) is not None:
+                trained_held[-1] += 1
+        else:
+            for _ in range(held[phase]):
+                pipeline.progress(iterator)
+    return [v.numpy() for v in model.weights], trained_held
+
+
+def test_a_new_batch_size_retraces_the_steps_that_read_the_prefetch_state():
+    """The prefetch state keeps the batches' static shapes; a batch of another size (a new fit
+    call) relaxes them, and the steps that read them are traced again (also the held step,
+    which takes no iterator whose new type would retrace it), so DBP still trains as the
+    synchronous pipeline does."""
+    got, held = _train_two_sizes(lookahead=1)
+    assert held[0] >= 1 and held[1] >= 1
+    want, _ = _train_two_sizes(lookahead=0, held=held)
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(g, w, rtol=0, atol=1e-6)
+    # Positive control: the held step traced for the first size refuses the second's batches.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="does not match the expected shape"):
+        _train_two_sizes(lookahead=1, rebuild=False)

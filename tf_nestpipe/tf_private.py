@@ -42,6 +42,21 @@ def call_concrete_flat(concrete, flat_inputs):
     return concrete._call_flat(flat_inputs, concrete.captured_inputs)  # pylint: disable=protected-access
 
 
+def single_replica_spec(spec):
+    """`spec` (an element spec of a distributed iterator) with every `PerReplicaSpec` of one
+    replica replaced by that replica's spec."""
+    def unwrap(leaf):
+        if isinstance(leaf, distribute_values.PerReplicaSpec):
+            value_specs = leaf._value_specs  # pylint: disable=protected-access
+            if len(value_specs) != 1:
+                raise ValueError("expected one replica per worker, got a spec of %d"
+                                 % len(value_specs))
+            return value_specs[0]
+        return leaf
+
+    return tf.nest.map_structure(unwrap, spec)
+
+
 # --- tf_keras models ------------------------------------------------------------------------------
 def in_saved_model_trace():
     """True while `tf.saved_model.save` (or tf_keras' SavedModel save) traces functions."""

@@ -23,7 +23,9 @@ usage: exactness.py OUT_PREFIX STEPS RUN [RUN ...] [--invalid-id]
   epochs (3 epochs of STEPS // 3 steps over the repeated data: the pipeline carries across
   epoch boundaries), twice
   (two fit calls of STEPS // 2 steps, each with a new iterator over the same data), one (fit on a
-  dataset of one batch);
+  dataset of one batch), resize (two fit calls on repeated datasets of static shapes: STEPS // 2
+  batches, then the next STEPS // 2 batches each cut in two halves, a batch size the first fit's
+  step functions were not traced for);
   each run trains a fresh model and writes OUT_PREFIX.MODE.OPTIMIZER[.OPTION ...].npz.
 """
 import contextlib
@@ -60,7 +62,7 @@ def make_batches(steps, seed=0):
 def local_slice(batch, rank, workers):
     """This worker's contiguous share of a global batch (ragged bag included)."""
     ids, lengths, bag, dense, label = batch
-    per = GLOBAL_BATCH // workers
+    per = len(ids) // workers
     lo, hi = rank * per, (rank + 1) * per
     starts = np.concatenate([[0], np.cumsum(lengths)])
     bag_local = bag[starts[lo]:starts[hi]]
@@ -138,14 +140,35 @@ BATCH_SPEC = ({"ids": tf.TensorSpec([None, 2], tf.int64),
               tf.TensorSpec([None, 1], tf.float32))
 
 
-def per_worker_dataset_fn(batches):
-    """A dataset_fn whose pipeline on each worker yields its own slice of every global batch."""
+def static_batch_spec(local_batch):
+    """BATCH_SPEC with the batch dimension fixed at `local_batch` (a dataset of static shapes,
+    as `drop_remainder=True` gives)."""
+    return ({"ids": tf.TensorSpec([local_batch, 2], tf.int64),
+             "bag": tf.RaggedTensorSpec([local_batch, None], tf.int64, ragged_rank=1,
+                                        row_splits_dtype=tf.int64),
+             "dense": tf.TensorSpec([local_batch, NUM_DENSE], tf.float32)},
+            tf.TensorSpec([local_batch, 1], tf.float32))
+
+
+def halves(batch):
+    """A global batch cut into its first and second half (ragged bag included)."""
+    ids, lengths, bag, dense, label = batch
+    half = len(ids) // 2
+    cut = int(np.sum(lengths[:half]))
+    return [(ids[:half], lengths[:half], bag[:cut], dense[:half], label[:half]),
+            (ids[half:], lengths[half:], bag[cut:], dense[half:], label[half:])]
+
+
+def per_worker_dataset_fn(batches, static=False):
+    """A dataset_fn whose pipeline on each worker yields its own slice of every global batch
+    (`static`: with the slices' batch dimension in the dataset's spec)."""
     def dataset_fn(context):
         local = [local_slice(b, context.input_pipeline_id, context.num_input_pipelines)
                  for b in batches]
+        spec = static_batch_spec(len(local[0][1])) if static else BATCH_SPEC
         # Nothing to tune; an autotuned iterator's deletion can stall in a cluster.
         return tnp.data.without_autotuning(
-            tf.data.Dataset.from_generator(lambda: iter(local), output_signature=BATCH_SPEC))
+            tf.data.Dataset.from_generator(lambda: iter(local), output_signature=spec))
 
     return dataset_fn
 
@@ -256,6 +279,15 @@ def train(strategy, batches, mode, opt_name, out_path, mixed=False, split=False,
         elif mode == "twice":
             model.fit(dataset, epochs=1, steps_per_epoch=steps // 2, verbose=0)
             history = model.fit(dataset, epochs=1, steps_per_epoch=steps // 2, verbose=0)
+        elif mode == "resize":
+            first = batches[:steps // 2]
+            second = [half for b in batches[steps // 2:steps // 2 * 2] for half in halves(b)]
+            # Repeated: an infinite iterator gives the pipeline its static shapes.
+            for part in (first, second):
+                part_fn = per_worker_dataset_fn(part, static=True)
+                history = model.fit(strategy.distribute_datasets_from_function(
+                    lambda context, fn=part_fn: fn(context).repeat()),
+                    epochs=1, steps_per_epoch=len(part), verbose=0)
         else:
             history = model.fit(dataset, epochs=1, steps_per_epoch=len(batches), verbose=0)
         print("fit history", {k: [round(x, 5) for x in v] for k, v in history.history.items()},

@@ -1,55 +1,109 @@
-"""Keeps a nested structure of tensors (a batch, the prefetch buffers) in worker-local variables
-whose shapes may change on every assignment, so a pipelined step takes no tensor arguments:
-calling a `tf.function` with only an iterator is much cheaper than binding dozens of tensors."""
+"""Keeps a nested structure of tensors (a batch, the prefetch buffers) between steps in one
+worker-local variable, so a pipelined step takes no tensor arguments: calling a `tf.function`
+with only an iterator is much cheaper than binding dozens of tensors."""
 import tensorflow as tf
 from tf_nestpipe.tf_private import resource_variable_ops
 
+# How a store's spec treats the static dimensions of what it is given (`TensorStore`).
+KEEP_SHAPES = "keep"  # as traced, relaxed only when a value does not fit
+VARY_FIRST_DIM = "first"  # dimension 0 of every tensor may vary
+VARY_ALL_DIMS = "all"  # every dimension may vary
+_POLICIES = (KEEP_SHAPES, VARY_FIRST_DIM, VARY_ALL_DIMS)
+
 
 class TensorStore:
-    """Variables for every component tensor of a structure (ragged tensors are split into their
-    components). The structure is fixed by the first `assign`; dimension 0 may vary (every
-    dimension with `vary_all_dims`)."""
+    """One variable holding every component tensor of a structure (ragged tensors are split into
+    their components) as one `Optional` value: storing is two ops and reading two, whatever the
+    structure's size, and a stored tensor is referenced, never copied.
 
-    def __init__(self, device, name, vary_all_dims=False):
+    The store keeps the structure's `TypeSpec`: what a `read` returns has its static shapes
+    (a batch of a fixed size reads back with that size, so the step that computes it keeps its
+    shapes static, as it would reading the batch from the iterator). `shapes` sets which
+    dimensions may vary from the start (`VARY_FIRST_DIM`, `VARY_ALL_DIMS`; tensors only);
+    with `KEEP_SHAPES` they are the first value's. A later value that does not fit the spec (a
+    batch of another size, from a new `fit`) relaxes it to the most specific spec both fit and
+    increments `version`: a function that reads the store must then be traced again, as its
+    trace read the narrower spec (`TrainPipeline` rebuilds its step functions). The structure
+    and the dtypes are fixed by the first value."""
+
+    def __init__(self, device, name, shapes=KEEP_SHAPES):
+        if shapes not in _POLICIES:
+            raise ValueError("shapes must be one of %s, got %r" % (_POLICIES, shapes))
         self._device = device
         self._name = name
-        self._vary_all_dims = vary_all_dims
-        self._structure = None
-        self._variables = None
+        self._shapes = shapes
+        self._spec = None  # the structure's TypeSpecs
+        self._variable = None
+        self.version = 0  # incremented whenever the spec is relaxed
 
     @property
     def initialized(self):
         """Whether a structure has been stored."""
-        return self._variables is not None
+        return self._spec is not None
 
-    def _shape(self, t):
-        if not t.shape.rank:
-            return tf.TensorShape([])
-        if self._vary_all_dims:
-            return tf.TensorShape([None] * t.shape.rank)
-        return tf.TensorShape([None] + t.shape[1:].as_list())
+    def _spec_of(self, value):
+        def leaf_spec(leaf):
+            spec = tf.type_spec_from_value(leaf)
+            if self._shapes == KEEP_SHAPES or not isinstance(spec, tf.TensorSpec):
+                return spec
+            rank = spec.shape.rank
+            if not rank:
+                return spec
+            if self._shapes == VARY_ALL_DIMS:
+                return tf.TensorSpec([None] * rank, spec.dtype)
+            return tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
 
-    def _create(self, flat):
-        with tf.init_scope(), tf.device(self._device):
-            self._variables = [
-                # Constructed directly (not tf.Variable) so no strategy creator intercepts it.
-                resource_variable_ops.ResourceVariable(
-                    tf.zeros([0 if d is None else d for d in self._shape(t).as_list()], t.dtype),
-                    shape=self._shape(t), trainable=False, name="%s_%d" % (self._name, i))
-                for i, t in enumerate(flat)]
+        return tf.nest.map_structure(leaf_spec, value)
 
-    def assign(self, value):
-        """Stores `value` (same structure as the first value ever stored); returns the ops."""
+    def _relaxed(self, stored, spec):
+        """`stored` (a structure of TypeSpecs), relaxed until `spec` fits it (itself if it
+        does)."""
+        try:
+            tf.nest.assert_same_structure(stored, spec)
+        except (ValueError, TypeError) as error:
+            raise ValueError("%s: the stored structure changed: %s" % (self._name, error)) from None
+        old, given = tf.nest.flatten(stored), tf.nest.flatten(spec)
+        if all(g.is_subtype_of(s) for s, g in zip(old, given)):
+            return stored
+        merged = []
+        for i, (s, g) in enumerate(zip(old, given)):
+            common = s.most_specific_common_supertype([g])
+            if common is None:
+                raise ValueError("%s: component %d is %s, was stored as %s"
+                                 % (self._name, i, g, s))
+            merged.append(common)
+        return tf.nest.pack_sequence_as(stored, merged)
+
+    def assign(self, value, admit=None):
+        """Stores `value` (the structure and dtypes of the first value ever stored); returns the
+        ops. `admit` (TypeSpecs of the same structure, e.g. an iterator's element spec when
+        `value` is a batch it gave with more static shapes) relaxes the spec to admit them too,
+        so a later value of that spec needs no new trace."""
+        spec = self._spec_of(value)
+        stored = spec if self._spec is None else self._relaxed(self._spec, spec)
+        if admit is not None:
+            stored = self._relaxed(stored, admit)
+        if self._spec is not None and stored is not self._spec:
+            self.version += 1
+        self._spec = stored
         flat = tf.nest.flatten(value, expand_composites=True)
-        if self._variables is None:
-            self._structure = value
-            self._create(flat)
-        if len(flat) != len(self._variables):
-            raise ValueError("%s: the stored structure changed (%d tensors, now %d)"
-                             % (self._name, len(self._variables), len(flat)))
-        return [v.assign(t, read_value=False) for v, t in zip(self._variables, flat)]
+        if not flat:
+            return []  # nothing to keep: `read` packs the empty structure
+        if self._variable is None:
+            with tf.init_scope(), tf.device(self._device):
+                # Constructed directly (not tf.Variable) so no strategy creator intercepts it.
+                self._variable = resource_variable_ops.ResourceVariable(
+                    tf.raw_ops.OptionalNone(), trainable=False, name=self._name)
+        return [self._variable.assign(tf.raw_ops.OptionalFromValue(components=flat),
+                                      read_value=False)]
 
     def read(self):
-        """The stored structure."""
-        flat = [v.read_value() for v in self._variables]
-        return tf.nest.pack_sequence_as(self._structure, flat, expand_composites=True)
+        """The stored structure, with the stored spec's static shapes."""
+        components = tf.nest.flatten(self._spec, expand_composites=True)
+        if self._variable is None:
+            return tf.nest.pack_sequence_as(self._spec, [], expand_composites=True)
+        flat = tf.raw_ops.OptionalGetValue(
+            optional=self._variable.read_value(),
+            output_types=[c.dtype for c in components],
+            output_shapes=[c.shape for c in components])
+        return tf.nest.pack_sequence_as(self._spec, flat, expand_composites=True)

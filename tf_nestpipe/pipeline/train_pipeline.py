@@ -32,12 +32,13 @@ import weakref
 import tensorflow as tf
 import tf_keras
 
+from tf_nestpipe import tf_private
 from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
                                                  lookup_counts, prefetch_lookups, rows_requested,
                                                  shares_of)
-from tf_nestpipe.pipeline.state_store import TensorStore
+from tf_nestpipe.pipeline.state_store import VARY_ALL_DIMS, VARY_FIRST_DIM, TensorStore
 from tf_nestpipe.sharding.fetch import installed
 from tf_nestpipe.tracing import IteratorStep, user_function
 
@@ -117,13 +118,14 @@ class TrainPipeline:
         self._collectives = self._exchange.collectives
         device = strategy.extended.worker_devices[0]
         # Between steps, in worker-local variables: the batch to compute next, the prefetch
-        # buffers holding its rows (with its routing), and the batch after it.
+        # buffers holding its rows (with its routing), and the batch after it. The batches keep
+        # their static shapes (as the iterator gives them); the buffers' sizes vary by batch.
         self._current = TensorStore(device, "nestpipe_current_batch")
-        self._states = TensorStore(device, "nestpipe_prefetch_buffers")
+        self._states = TensorStore(device, "nestpipe_prefetch_buffers", VARY_FIRST_DIM)
         # Their sync plans: the fresh rows they still need (applied at the next step's start).
-        self._pending = TensorStore(device, "nestpipe_pending_sync", vary_all_dims=True)
+        self._pending = TensorStore(device, "nestpipe_pending_sync", VARY_ALL_DIMS)
         # The ids its frozen window's dynamic-table lookups recorded (see BufferReader).
-        self._dynamic = TensorStore(device, "nestpipe_dynamic_ids")
+        self._dynamic = TensorStore(device, "nestpipe_dynamic_ids", VARY_FIRST_DIM)
         self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
         # {(group, round key): lookups} of the model's route pass (the same for every batch),
         # learnt where a step's route pass is traced and read by the compute passes.
@@ -133,11 +135,21 @@ class TrainPipeline:
         self._has_upcoming = False
         self._iterator_ref = None
         self.stats = PipelineStats()
-        self._prime = tf.function(self._prime_step)
+        self._prime = tf.function(self._prime_step)  # only writes the stores: never stale
+        self._build_pipelined_steps()
         # The steps called once per batch skip tf.function's argument matching (IteratorStep).
+        self._synchronous = IteratorStep(tf.function(self._synchronous_step))
+
+    def _stores_version(self):
+        return sum(store.version for store in (self._current, self._states, self._pending,
+                                               self._dynamic, self._upcoming))
+
+    def _build_pipelined_steps(self):
+        """(Re)creates the step functions that read the stores, to be traced with the stores'
+        present specs; a relaxed spec (`TensorStore.version`) makes them stale."""
+        self._steps_version = self._stores_version()
         self._step = IteratorStep(tf.function(self._pipelined_step))
         self._step_held = tf.function(lambda: self._pipelined_step(None))
-        self._synchronous = IteratorStep(tf.function(self._synchronous_step))
 
     # --- traced pieces -----------------------------------------------------------------------
     def _prefetch(self, batch, current=None, pending=None):
@@ -245,7 +257,11 @@ class TrainPipeline:
         states, pending, dynamic_ids = self._local(
             self._strategy.run(self._prime_buffers, args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
-        with tf.control_dependencies(self._current.assign(batch) + self._states.assign(states)
+        # The current store admits the upcoming batches' spec (the iterator's optional element
+        # may have a dimension `next` gives statically): the pipelined step moves them into it.
+        upcoming_spec = tf_private.single_replica_spec(optional.element_spec)
+        with tf.control_dependencies(self._current.assign(batch, admit=upcoming_spec)
+                                     + self._states.assign(states)
                                      + self._pending.assign(pending)
                                      + self._dynamic.assign(dynamic_ids)):
             # Without one, the upcoming store holds the batch itself, as it holds the last batch
@@ -290,7 +306,9 @@ class TrainPipeline:
                 has_upcoming = self._store_if_present(self._upcoming, has_upcoming, optional)
         outputs = self._reduce(outputs)
         self.stats.collectives = count_collectives(tf.compat.v1.get_default_graph())
-        return outputs, has_upcoming, received, sent, requested
+        # One tensor for the driver to read (a host read per tensor costs on every step).
+        return outputs, tf.concat([tf.stack([tf.cast(has_upcoming, tf.int64), received, sent]),
+                                   requested], 0)
 
     def _replica_step(self, batch, next_batch, states, pending, dynamic_ids):
         """One replica's step: route + retrieve batch i+1 and plan its sync, with batch i's
@@ -347,7 +365,7 @@ class TrainPipeline:
 
     # --- driver ------------------------------------------------------------------------------
     def _count_requested(self, requested):
-        requested = requested.numpy().tolist()
+        """Adds `requested` (rows per round, a list) to the stats."""
         self.stats.rows_requested += sum(requested)
         self.stats.first_lookup_rows += requested[0] if requested else 0
 
@@ -358,7 +376,7 @@ class TrainPipeline:
             self._create_variables(iterator)
         if self._lookahead == 0:
             outputs, requested = self._synchronous(iterator)
-            self._count_requested(requested)
+            self._count_requested(requested.numpy().tolist())
             self.stats.steps += 1
             return outputs
         if self._iterator_ref is None or self._iterator_ref() is not iterator:
@@ -377,15 +395,17 @@ class TrainPipeline:
         batch is upcoming, else the drain."""
         # The drain (no batch upcoming) is the same step: the upcoming store still holds the
         # last batch (the current one), whose prefetch is dropped with its stats.
-        outputs, has_upcoming, received, sent, requested = (
-            self._step(iterator) if iterator is not None else self._step_held())
-        self.stats.rows_synced += int(received)
+        if self._steps_version != self._stores_version():  # e.g. a batch of a new size
+            self._build_pipelined_steps()
+        outputs, counters = self._step(iterator) if iterator is not None else self._step_held()
+        has_upcoming, received, sent, *requested = counters.numpy().tolist()
+        self.stats.rows_synced += received
         if self._has_upcoming:
             self._has_upcoming = bool(has_upcoming)
-            self.stats.rows_planned += int(sent)
+            self.stats.rows_planned += sent
             self._count_requested(requested)
         else:
-            if bool(has_upcoming):  # the batch now upcoming would follow a second copy of the last
+            if has_upcoming:  # the batch now upcoming would follow a second copy of the last
                 raise RuntimeError(
                     "the iterator gave an element after it had reported its end; TrainPipeline "
                     "needs an iterator that stays at its end (a tf.data or tf.distribute one); "
