@@ -539,6 +539,7 @@ def summarize_rounds(row, args, out, results):
     """The row dict `out` with the medians over its rounds' `results`."""
     median = lambda key: statistics.median(r[key] for r in results)  # noqa: E731
     out.update(ms_median=median("ms_median"), ms_p90=median("ms_p90"), steps=results[0]["steps"])
+    out["ms_rounds"] = [r["ms_median"] for r in results]  # for ratios paired by round
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
     first = results[0]
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s",
@@ -629,6 +630,28 @@ def add_ratios(rows):
                                                              "workers", "collectives",
                                                              "placement"))]
             row["vs_none"] = row["ms_median"] / none[0]["ms_median"] if none else None
+            if none and row is not none[0]:
+                paired = paired_ratio(row.get("ms_rounds"), none[0].get("ms_rounds"))
+                if paired is not None:
+                    row["vs_none_paired"] = paired
+
+
+def paired_ratio(rounds, base_rounds):
+    """The median over rounds of a row's ms/step over its baseline's in the same round (with
+    --interleave, round r of every row runs before round r + 1 of any: the pair ran close in
+    time, so a drift of the machine between rounds cancels); None without 2 rounds of each."""
+    if not rounds or not base_rounds or len(rounds) != len(base_rounds) or len(rounds) < 2:
+        return None
+    return statistics.median(a / b for a, b in zip(rounds, base_rounds))
+
+
+def vs_none_cell(row):
+    """The "vs ours none" cell: the ratio of the rows' medians, and with rounds the median of
+    the per-round ratios (`paired_ratio`)."""
+    text = _num(row.get("vs_none"), "%.2fx")
+    if row.get("vs_none_paired") is not None:
+        text += " (per round %.2fx)" % row["vs_none_paired"]
+    return text
 
 
 def ratio_cell(row, key, base, target):
@@ -836,7 +859,8 @@ def markdown(rows, args, env, seconds):
         "ms/step / row ms/step (same model, data, global batch, same cores). Exposure (ours, "
         "profiled over %d steps) = time a collective runs while no other op runs / time "
         "collectives run. vs X = row samples/s / X's samples/s (same model, data, network, "
-        "workers). Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
+        "workers); vs ours none = row ms/step / ours none's, and with 2 or more rounds also "
+        "\"per round\": the median over the rounds of the same ratio within each round. Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
         "replicated. bench/compare_worker.py describes each system." % (
             args.global_batch, args.steps, args.warmup, args.rounds,
             " interleaved (round r of every row before round r+1)" if args.interleave else "",
@@ -860,7 +884,7 @@ def markdown(rows, args, env, seconds):
             row_label(r), r["model"], r["data"], network, r["workers"],
             _num(r["ms_median"], "%.1f"), _num(r["ms_p90"], "%.1f"),
             _num(r["samples_per_s"], "%.0f"), cells[0], _num(r["exposure"], "%.2f"),
-            cells[1], cells[2], cells[3], _num(r.get("vs_none"), "%.2fx"),
+            cells[1], cells[2], cells[3], vs_none_cell(r),
             _num(r.get("vs_compute_only"), "%.2fx"), collectives_text(r),
             r["details"].replace("|", "/")))
     lines += ["", "Systems: " + "; ".join("**%s**: %s" % item for item in SYSTEM_NOTES.items())
@@ -898,7 +922,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "ops_per_step", "cpu_ms_per_step", "cpu_busy",
-              "vs_none", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
+              "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
               "auto_probe_steps",
               "placement",

@@ -121,6 +121,25 @@ def test_pipelined_rows_are_compared_with_ours_none_and_show_their_collectives()
     assert "| 0.90x | - | 6 (1), auto chose dbp |" in text  # no compute-only row: "-"
 
 
+def test_rounds_give_a_ratio_to_none_paired_by_round():
+    """With rounds, each row's ratio to none is also taken within each round (the median of
+    those): a round where the machine ran slow for both rows cancels out."""
+    none = dict(_row("nestpipe", 4.0, pipeline="none"), ms_rounds=[4.0, 4.4, 3.6])
+    dbp = dict(_row("nestpipe", 4.3, pipeline="dbp"), ms_rounds=[4.2, 4.3, 6.2])
+    rows = [none, dbp]
+    compare.add_ratios(rows)
+    assert dbp["vs_none"] == pytest.approx(4.3 / 4.0)
+    assert dbp["vs_none_paired"] == pytest.approx(4.2 / 4.0)  # 1.05, 0.977, 1.72: the median
+    assert "vs_none_paired" not in none
+    assert compare.vs_none_cell(dbp) == "1.07x (per round 1.05x)"
+    # Positive control: one round (or rounds that do not pair up) gives no per-round ratio.
+    single = [dict(_row("nestpipe", 4.0, pipeline="none"), ms_rounds=[4.0]),
+              dict(_row("nestpipe", 4.3, pipeline="dbp"), ms_rounds=[4.2])]
+    compare.add_ratios(single)
+    assert "vs_none_paired" not in single[1] and compare.vs_none_cell(single[1]) == "1.07x"
+    assert compare.paired_ratio([1.0, 2.0], [1.0]) is None
+
+
 def test_auto_rows_report_every_mode_against_none_timed_in_the_same_processes():
     """The probe's timings of each launch (round) give same-process ratios to none: the median
     over launches of each launch's ratio, judged against the loopback target only on loopback."""
