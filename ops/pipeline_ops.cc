@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <vector>
 
 #include "flat_hash.h"
@@ -46,6 +47,38 @@ local row is in `updated_rows` (every valid slot if all_updated), compacted to t
 of `sync_slots` and padded with -1; `sync_counts[w]` is how many.
 )doc");
 
+// The set of a step's updated local rows, for membership tests: a bitmap over [0, max] when
+// that range is at most a few words per row (no hashing; the usual case, as local rows are
+// dense indices into a shard), else a hash set.
+class UpdatedRows {
+ public:
+  UpdatedRows(const int64_t* rows, int64_t n) {
+    int64_t lo = 0, hi = -1;
+    if (n > 0) lo = hi = rows[0];
+    for (int64_t i = 1; i < n; ++i) {
+      lo = std::min(lo, rows[i]);
+      hi = std::max(hi, rows[i]);
+    }
+    if (lo >= 0 && hi / 64 + 1 <= std::max<int64_t>(1024, 8 * n)) {
+      bits_.assign(static_cast<size_t>(hi / 64 + 1), 0);
+      for (int64_t i = 0; i < n; ++i) bits_[rows[i] >> 6] |= uint64_t{1} << (rows[i] & 63);
+    } else {
+      hashed_ = std::make_unique<FlatInt64Map>(n);
+      for (int64_t i = 0; i < n; ++i) hashed_->emplace(rows[i], 0);
+    }
+  }
+
+  bool contains(int64_t row) const {
+    if (hashed_) return hashed_->contains(row);
+    const uint64_t word = static_cast<uint64_t>(row) >> 6;
+    return row >= 0 && word < bits_.size() && ((bits_[word] >> (row & 63)) & 1);
+  }
+
+ private:
+  std::vector<uint64_t> bits_;
+  std::unique_ptr<FlatInt64Map> hashed_;
+};
+
 class SyncPlanOp : public OpKernel {
  public:
   explicit SyncPlanOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
@@ -62,10 +95,7 @@ class SyncPlanOp : public OpKernel {
                 errors::InvalidArgument("slot_to_unique has ", n, " entries, not a multiple of ",
                                         num_requesters_, " requesters"));
     const int64_t capacity = n / num_requesters_;
-    FlatInt64Map updated_set(all_updated_ ? 0 : updated.size());
-    if (!all_updated_) {
-      for (int64_t i = 0; i < updated.size(); ++i) updated_set.emplace(updated(i), 0);
-    }
+    const UpdatedRows updated_set(updated.data(), all_updated_ ? 0 : updated.size());
     Tensor *plan_t, *counts_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_requesters_, capacity}), &plan_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_requesters_}), &counts_t));

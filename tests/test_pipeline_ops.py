@@ -84,6 +84,20 @@ def test_sync_plan_matches_numpy_at_scale(all_updated):
     _check_sync_plan(slot_to_unique, local_rows, updated, 2, all_updated)
 
 
+@pytest.mark.parametrize("all_updated", [False, True])
+def test_sync_plan_matches_numpy_on_a_shard_of_dense_rows(all_updated):
+    """Local rows as a shard has them (dense indices): the updated rows' bitmap, with prefetched
+    rows above the largest updated one (outside the bitmap: never planned unless all_updated)."""
+    rng = np.random.default_rng(11)
+    local_rows = rng.choice(400_000, size=5000, replace=False).astype(np.int64)
+    slot_to_unique = np.where(rng.random(2 * 8192) < 0.7, rng.integers(0, 5000, 2 * 8192),
+                              -1).astype(np.int32)
+    updated = np.concatenate([np.sort(local_rows)[:2000],  # the lower rows only
+                              rng.integers(0, 300_000, 4000)])
+    assert local_rows.max() > updated.max()
+    _check_sync_plan(slot_to_unique, local_rows, updated, 2, all_updated)
+
+
 def test_buffer_sync_leaves_a_buffer_held_elsewhere_unchanged():
     """The op patches its input in place only when nothing else holds it: a buffer the caller
     still holds (here an eager tensor) is copied first and keeps its values."""
