@@ -32,6 +32,22 @@ def _batches():
              rng.normal(size=(BATCH, 1)).astype(np.float32)) for _ in range(STEPS)]
 
 
+def _step_fn(model, optimizer, traced=None):
+    """A train step of `model` on (ids, labels), squared error, updated by `optimizer`; counts
+    its traces in `traced["step"]` (if given)."""
+    def step_fn(batch):
+        if traced is not None:
+            traced["step"] += 1
+        ids, labels = batch
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(ids) - labels))
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    return step_fn
+
+
 def _train(with_variables, partly_built=False):
     """Trains a fresh model through a DBP TrainPipeline; returns (its weights, the number of
     times the step function and the route pass ran in Python, i.e. were traced). `partly_built`:
@@ -43,15 +59,7 @@ def _train(with_variables, partly_built=False):
     if partly_built:
         model.table(tf.constant([[0, 1]], tf.int64))
     traced = {"step": 0, "route": 0}
-
-    def step_fn(batch):
-        traced["step"] += 1
-        ids, labels = batch
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(ids) - labels))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
+    step_fn = _step_fn(model, optimizer, traced)
 
     def route_fn(batch):
         traced["route"] += 1
@@ -127,16 +135,8 @@ def _train_two_sizes(lookahead, rebuild=True, held=None):
     with strategy.scope():
         model = Ranker()
         optimizer = tf_keras.optimizers.SGD(0.1)
-
-    def step_fn(batch):
-        ids, labels = batch
-        with tf.GradientTape() as tape:
-            loss = tf.reduce_mean(tf.square(model(ids) - labels))
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
-        return loss
-
-    pipeline = tnp.TrainPipeline(strategy, step_fn, lambda batch: model(batch[0]),
+    pipeline = tnp.TrainPipeline(strategy, _step_fn(model, optimizer),
+                                 lambda batch: model(batch[0]),
                                  optimizer=optimizer, lookahead=lookahead,
                                  trainable_variables=lambda: model.trainable_variables)
     if not rebuild:
