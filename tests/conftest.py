@@ -38,8 +38,8 @@ EXACTNESS_RUNS = {
 # nested pipeline's traces are the slowest), so each case is covered once, not every product.
 PIPELINE_RUNS = {
     2: ["loop:sgd:dbp:lazy", "loop:adagrad:dbp", "fit:adam:dbp", "epochs:adagrad:dbp",
-        "twice:sgd:dbp", "one:sgd:dbp", "resize:sgd:dbp", "loop:adagrad:fwp", "loop:adagrad:cluster:fwp",
-        "direct:adagrad:fwp", "fit:adam:fwp",
+        "twice:sgd:dbp", "one:sgd:dbp", "resize:sgd:dbp", "loop:adagrad:fwp",
+        "loop:adagrad:cluster:fwp", "direct:adagrad:fwp", "fit:adam:fwp",
         "loop:adagrad:nested", "loop:adagrad:cluster:nested", "fit:adam:nested",
         "loop:adagrad:dbp:nosync", "fit:adagrad:mixed:dbp", "loop:adagrad:split:dbp",
         "loop:sgd:mixed:nested",

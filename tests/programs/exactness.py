@@ -133,21 +133,17 @@ def model_tables(model):
     return tables
 
 
-BATCH_SPEC = ({"ids": tf.TensorSpec([None, 2], tf.int64),
-               "bag": tf.RaggedTensorSpec([None, None], tf.int64, ragged_rank=1,
-                                          row_splits_dtype=tf.int64),
-               "dense": tf.TensorSpec([None, NUM_DENSE], tf.float32)},
-              tf.TensorSpec([None, 1], tf.float32))
-
-
 def static_batch_spec(local_batch):
-    """BATCH_SPEC with the batch dimension fixed at `local_batch` (a dataset of static shapes,
-    as `drop_remainder=True` gives)."""
+    """A batch's spec with the batch dimension `local_batch` (an int: a dataset of static shapes,
+    as `drop_remainder=True` gives; None: any size)."""
     return ({"ids": tf.TensorSpec([local_batch, 2], tf.int64),
              "bag": tf.RaggedTensorSpec([local_batch, None], tf.int64, ragged_rank=1,
                                         row_splits_dtype=tf.int64),
              "dense": tf.TensorSpec([local_batch, NUM_DENSE], tf.float32)},
             tf.TensorSpec([local_batch, 1], tf.float32))
+
+
+BATCH_SPEC = static_batch_spec(None)
 
 
 def halves(batch):
