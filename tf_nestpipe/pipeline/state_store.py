@@ -36,11 +36,6 @@ class TensorStore:
         self._variable = None
         self.version = 0  # incremented whenever the spec is relaxed
 
-    @property
-    def initialized(self):
-        """Whether a structure has been stored."""
-        return self._spec is not None
-
     def _spec_of(self, value):
         def leaf_spec(leaf):
             spec = tf.type_spec_from_value(leaf)
