@@ -860,7 +860,8 @@ def markdown(rows, args, env, seconds):
         "profiled over %d steps) = time a collective runs while no other op runs / time "
         "collectives run. vs X = row samples/s / X's samples/s (same model, data, network, "
         "workers); vs ours none = row ms/step / ours none's, and with 2 or more rounds also "
-        "\"per round\": the median over the rounds of the same ratio within each round. Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
+        "\"per round\": the median over the rounds of the same ratio within each round. "
+        "Targets (ours, %d workers): E >= %g, >= %gx MWMS, >= %gx PSv2, >= %gx Horovod "
         "replicated. bench/compare_worker.py describes each system." % (
             args.global_batch, args.steps, args.warmup, args.rounds,
             " interleaved (round r of every row before round r+1)" if args.interleave else "",
@@ -922,7 +923,8 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
               "ops_per_step", "cpu_ms_per_step", "cpu_busy",
-              "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only", "collectives_per_step", "collectives_detail", "exchanges",
+              "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only",
+              "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
               "auto_probe_steps",
               "placement",
