@@ -376,14 +376,14 @@ REGISTER_OP("NestpipeWindowLayout")
     .Input("split_sizes: int32")
     .Input("round_sizes: int32")
     .Output("counts: int32")
-    .Output("window_row: int32")
+    .Output("window_inverse: int32")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle inverse, splits, sizes;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &inverse));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &sizes));
       c->set_output(0, c->Matrix(c->Dim(splits, 0), c->Dim(sizes, 0)));
-      c->set_output(1, c->Vector(c->UnknownDim()));
+      c->set_output(1, inverse);
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -394,8 +394,8 @@ split_sizes: keys per owner (NestpipeRouteKeys: an owner's keys in first-seen or
 round_sizes: ids of each round.
 
 counts: [W, rounds], the keys first read in round r owned by shard j.
-window_row: each key's row in the window: the rounds' new keys one round after another, a
-round's keys in key (owner) order.
+window_inverse: each looked-up id's row in the window: the rounds' new keys one round after
+another, a round's keys in key (owner) order.
 )doc");
 
 class WindowLayoutOp : public OpKernel {
@@ -426,38 +426,42 @@ class WindowLayoutOp : public OpKernel {
     OP_REQUIRES(ctx, ids == n,
                 errors::InvalidArgument("round_sizes sum to ", ids, " but there are ", n,
                                         " ids"));
-    // The first round that reads each key.
-    std::vector<int32> round_of_key(keys, static_cast<int32>(rounds));
+    // The first round that reads each key (rounds are visited in order: the first write wins).
+    const int32 unread = static_cast<int32>(rounds);
+    std::vector<int32> round_of_key(keys, unread);
+    const int32* inv = inverse.data();
     int64_t i = 0;
     for (int64_t r = 0; r < rounds; ++r) {
-      for (int32 k = 0; k < sizes(r); ++k, ++i) {
-        const int32 key = inverse(i);
+      for (const int64_t end = i + sizes(r); i < end; ++i) {
+        const int32 key = inv[i];
         OP_REQUIRES(ctx, key >= 0 && key < keys,
                     errors::InvalidArgument("inverse[", i, "] = ", key, " outside [0, ", keys,
                                             ")"));
-        if (round_of_key[key] > r) round_of_key[key] = static_cast<int32>(r);
+        if (round_of_key[key] == unread) round_of_key[key] = static_cast<int32>(r);
       }
     }
-    Tensor *counts_t, *row_t;
+    Tensor *counts_t, *window_inverse_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({shards, rounds}), &counts_t));
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({keys}), &row_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({n}), &window_inverse_t));
     auto counts = counts_t->matrix<int32>();
-    auto row = row_t->vec<int32>();
     counts.setZero();
+    // Each key's index among its round's keys, then its round's start: its row in the window.
+    std::vector<int32> row(keys);
     std::vector<int64_t> per_round(rounds, 0);
     int64_t key = 0;
     for (int64_t j = 0; j < shards; ++j) {
-      for (int32 k = 0; k < splits(j); ++k, ++key) {
+      for (const int64_t end = key + splits(j); key < end; ++key) {
         const int32 r = round_of_key[key];
-        OP_REQUIRES(ctx, r < rounds,
-                    errors::InvalidArgument("key ", key, " is read by no id"));
+        OP_REQUIRES(ctx, r < unread, errors::InvalidArgument("key ", key, " is read by no id"));
         counts(j, r) += 1;
-        row(key) = static_cast<int32>(per_round[r]++);  // its index among its round's keys
+        row[key] = static_cast<int32>(per_round[r]++);
       }
     }
-    std::vector<int64_t> start(rounds, 0);
+    std::vector<int32> start(rounds, 0);
     for (int64_t r = 1; r < rounds; ++r) start[r] = start[r - 1] + per_round[r - 1];
-    for (int64_t k = 0; k < keys; ++k) row(k) += static_cast<int32>(start[round_of_key[k]]);
+    for (int64_t k = 0; k < keys; ++k) row[k] += start[round_of_key[k]];
+    int32* window_inverse = window_inverse_t->flat<int32>().data();
+    for (int64_t id = 0; id < n; ++id) window_inverse[id] = row[inv[id]];
   }
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeWindowLayout").Device(DEVICE_CPU), WindowLayoutOp);

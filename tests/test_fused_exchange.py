@@ -175,7 +175,7 @@ def test_window_layout_fetches_each_id_once_in_the_round_that_first_reads_it(num
               np.array([1, 9, 5, 12])]
     ids = tf.constant(np.concatenate(rounds), tf.int64)
     keys, splits, inverse = ops.route_keys(ids, num_shards, 100)
-    counts, window_row = ops.window_layout(inverse, splits, [len(r) for r in rounds])
+    counts, window_inverse = ops.window_layout(inverse, splits, [len(r) for r in rounds])
     seen, fresh = set(), []
     for r in rounds:
         fresh.append([k for k in dict.fromkeys(r.tolist()) if k not in seen])
@@ -185,7 +185,7 @@ def test_window_layout_fetches_each_id_once_in_the_round_that_first_reads_it(num
     assert counts.numpy().tolist() == expected_counts
     # The window: round by round, that round's new ids in owner order (first-seen per owner).
     window = np.array([k for f in fresh for j in range(num_shards) for k in f if k % num_shards == j])
-    rows = tf.gather(window_row, inverse).numpy()
+    rows = window_inverse.numpy()
     np.testing.assert_array_equal(window[rows], np.concatenate(rounds))
     # Every id is read from a row its round (or an earlier one) fetched.
     ends = np.cumsum([len(f) for f in fresh])

@@ -67,8 +67,8 @@ def window_layout(inverse, splits, round_sizes):
     `route_keys(ids)`'s `inverse` (each id -> its key) and `splits` (keys per owner, an
     owner's keys first-seen, so in round order) and `round_sizes` (ids per round; the rounds'
     ids lie one after another). Returns (`counts` `[W, rounds]`: the keys first read by round r
-    owned by shard j; `window_row` `[keys]`: each key's row in the window, the rounds' new keys
-    one round after another, a round's keys in key (owner) order)."""
+    owned by shard j; `window_inverse` `[ids]`: each id's row in the window, the rounds' new
+    keys one round after another, a round's keys in key (owner) order)."""
     return load_op_library().nestpipe_window_layout(
         tf.convert_to_tensor(inverse, tf.int32), tf.convert_to_tensor(splits, tf.int32),
         tf.convert_to_tensor(round_sizes, tf.int32))

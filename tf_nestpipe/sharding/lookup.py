@@ -156,7 +156,7 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
         raise ValueError("route_rounds needs the number of rounds statically (round_sizes' "
                          "length)")
     keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
-    counts, window_row = ops.window_layout(inverse, splits, round_sizes)
+    counts, window_inverse = ops.window_layout(inverse, splits, round_sizes)
     headers, keys_in, rider_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size,
                                             num_shards, collectives, tag, hint, wire, rider)
     every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
@@ -178,7 +178,6 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
             slot_of_bucket_pos=ops.bucket_slots(splits_r, capacity_r),
             bucket=bucket_r, capacity=capacity_r, local_rows=local_rows[r],
             slot_to_unique=slot_to_unique[r], received=received_r, shares=shares))
-    window_inverse = tf.gather(window_row, inverse)
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 
 
