@@ -108,9 +108,16 @@ def split_batch(batch, micro_batches, cluster_keys=None):
         batch = cluster_batch(batch, cluster_keys, micro_batches)
     size = batch_size_of(batch)
     bounds = [size * j // micro_batches for j in range(micro_batches + 1)]
-    parts = []
-    for j in range(micro_batches):
-        part = tf.nest.map_structure(lambda t: t[bounds[j]:bounds[j + 1]], batch)
-        share = tf.cast(bounds[j + 1] - bounds[j], tf.float32) / tf.cast(tf.maximum(size, 1), tf.float32)
-        parts.append((part, share))
-    return parts
+    sizes = tf.stack([bounds[j + 1] - bounds[j] for j in range(micro_batches)])
+    shares = tf.unstack(tf.cast(sizes, tf.float32) / tf.cast(tf.maximum(size, 1), tf.float32),
+                        num=micro_batches)
+
+    def pieces(t):
+        # A tensor is cut by one op (SplitV); a ragged one by a slice per part.
+        if isinstance(t, tf.RaggedTensor):
+            return [t[bounds[j]:bounds[j + 1]] for j in range(micro_batches)]
+        return tf.split(t, sizes, num=micro_batches)
+
+    flat = [pieces(t) for t in tf.nest.flatten(batch)]
+    return [(tf.nest.pack_sequence_as(batch, [p[j] for p in flat]), shares[j])
+            for j in range(micro_batches)]
