@@ -303,8 +303,12 @@ def test_auto_reports_each_candidates_process_cpu_per_step():
     for _ in range(7):
         auto.progress(iterator)
     assert auto.choice is not None and set(auto.cpu) == {"waits", "computes"}
-    assert auto.cpu["computes"].cores_busy > 0.6 and auto.cpu["computes"].ms_per_step > 12
-    assert auto.cpu["waits"].cores_busy < 0.3 and auto.cpu["waits"].ms_per_step < 6
+    # Relative bounds: the suite's background clusters may share the cores with this test, so
+    # the computing candidate can get well under a core; the waiting one uses next to none.
+    computes, waits = auto.cpu["computes"], auto.cpu["waits"]
+    assert computes.cores_busy > max(0.25, 4 * waits.cores_busy)
+    assert computes.ms_per_step > max(5.0, 4 * waits.ms_per_step)
+    assert waits.cores_busy < 0.3 and waits.ms_per_step < 6
     assert "process CPU ms/step (cores busy) waits " in logged[0]
 
 
