@@ -386,6 +386,45 @@ def test_auto_interleaves_rounds_so_a_load_change_does_not_decide():
     assert sorted(auto.timings_ms) == ["ahead", "none"]
 
 
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 6])
+def test_round_order_is_a_balanced_latin_square(count):
+    from tf_nestpipe.pipeline.auto import round_order
+    rows = [round_order(count, r) for r in range(count)]
+    assert rows[0][0] == 0 and round_order(count, count) == rows[0]
+    assert all(sorted(row) == list(range(count)) for row in rows)  # each round runs every one
+    for place in range(count):  # each candidate once in each place
+        assert sorted(row[place] for row in rows) == list(range(count))
+    if count % 2 == 0:  # and right after each other candidate once
+        pairs = [(row[i], row[i + 1]) for row in rows for i in range(count - 1)]
+        assert len(set(pairs)) == len(pairs) == count * (count - 1)
+
+
+def test_auto_rounds_follow_round_order_and_train_every_batch_once():
+    """Four candidates (two look-ahead) over five rounds: each round's candidates run in
+    `round_order`'s order, every candidate's timed steps are its own, and no batch is skipped
+    or repeated across the switches (held batches included). Positive control: the fixed order
+    of the first round would not give the later rounds' sequences."""
+    from tf_nestpipe.pipeline.auto import round_order
+    trained = []
+    names = ["none", "fwp", "dbp", "nested"]
+    candidates = [(n, _FakePipeline(n, trained, lookahead=int(n in ("dbp", "nested"))))
+                  for n in names]
+    auto = AutoPipeline(candidates, lambda times: times, warmup_steps=1, timed_steps=2,
+                        log=lambda text: None, rounds=5, settle_steps=1)
+    iterator = iter(range(1000))
+    outputs = [auto.progress(iterator) for _ in range(auto.probe_steps_bound + 3)]
+    assert outputs == list(range(len(outputs)))
+    assert [b for _, b in trained] == outputs
+    assert auto.choice is not None and sorted(auto.timings_ms) == sorted(names)
+    # The runs of each candidate (a held batch trains on its own pipeline, so runs may merge).
+    runs = [n for i, (n, _) in enumerate(trained) if i == 0 or trained[i - 1][0] != n]
+    expected = [names[c] for r in range(5) for c in round_order(4, r)]
+    merged = [n for i, n in enumerate(expected) if i == 0 or expected[i - 1] != n]
+    assert runs[:len(merged)] == merged
+    fixed = [n for r in range(5) for n in names]
+    assert merged != [n for i, n in enumerate(fixed) if i == 0 or fixed[i - 1] != n]
+
+
 def test_auto_candidates_micro_batch_counts_and_labels():
     from tf_nestpipe.pipeline.auto import Candidate, auto_candidates
     assert [str(c) for c in auto_candidates((4, 2, 1, 2))] == [

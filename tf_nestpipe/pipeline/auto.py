@@ -9,7 +9,11 @@ timed. The probe runs in `rounds`: each round runs every candidate for `timed_st
 steps, after `warmup_steps` untimed ones in the first round (tracing, first-call costs) and
 `settle_steps` in later ones (a look-ahead mode primes again). Interleaving the candidates over
 rounds spreads a change of the machine's load (other jobs, a slow start) over all of them
-instead of charging it to whichever candidate ran then. A candidate's time is the median of all
+instead of charging it to whichever candidate ran then. The rounds run the candidates in the
+orders of a balanced Latin square (`round_order`; the first round starts with the baseline):
+over K rounds each candidate runs once in each place of a round and (K even) right after each
+other candidate once, so neither its place nor its predecessor (whose held batches, caches and
+allocations it inherits) favours one candidate. A candidate's time is the median of all
 its timed steps; the workers agree by an all-gather of their medians (the max over workers
 decides, as a synchronous step waits for the slowest). The first candidate is the baseline
 (none): another is chosen only if it is faster by more than `margin` (a fraction), so timing
@@ -64,7 +68,8 @@ class AutoPipeline:
         self._rounds = rounds
         self._log = log or (lambda text: print(text, file=sys.stderr, flush=True))
         self._round = 0  # probe round
-        self._index = 0  # candidate being probed in this round
+        self._place = 0  # place in this round's order
+        self._index = 0  # candidate being probed (this round's order at its place)
         self._steps = 0  # steps the current candidate ran in this round
         self._times = {name: [] for name, _ in self._candidates}
         self._cpu_times = {name: [] for name, _ in self._candidates}  # process CPU seconds
@@ -120,12 +125,14 @@ class AutoPipeline:
 
     def _next_candidate(self, pipeline):
         self._steps = 0
-        self._index += 1
-        if self._index == len(self._candidates):
-            self._index = 0
+        self._place += 1
+        if self._place == len(self._candidates):
+            self._place = 0
             self._round += 1
             if self._round == self._rounds:
                 self._choose()
+        if self.choice is None:
+            self._index = round_order(len(self._candidates), self._round)[self._place]
         if self.pipeline is not pipeline:
             self._held = pipeline  # its look-ahead batches come next
 
@@ -148,6 +155,20 @@ class AutoPipeline:
                       str(names[0]), 100 * self._margin, ", ".join(
                           "%s %.1f (%.2f)" % (name, use.ms_per_step, use.cores_busy)
                           for name, use in self.cpu.items())))
+
+
+def round_order(count, round_index):
+    """The order (candidate indices) in which probe round `round_index` runs `count` candidates:
+    row `round_index % count` of a Williams balanced Latin square, whose first row is
+    0, 1, count-1, 2, count-2, ...; each later row adds 1 (mod count) to the one before."""
+    first, low, high = [0], 1, count - 1
+    while len(first) < count:
+        first.append(low)
+        low += 1
+        if len(first) < count:
+            first.append(high)
+            high -= 1
+    return [(c + round_index) % count for c in first]
 
 
 class CpuUse(NamedTuple):

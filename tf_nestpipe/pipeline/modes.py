@@ -5,6 +5,6 @@ PIPELINES = ("auto", "none", "dbp", "fwp", "nested")
 LOOKAHEAD = {"none": 0, "fwp": 0, "dbp": 1, "nested": 1}
 # Modes that split a batch into micro-batches in a frozen window.
 MICRO_BATCHED = ("fwp", "nested")
-# The modes `auto` tries, in order: look-ahead-free ones first (switching away from a look-ahead
-# costs the steps that train the batches it holds).
+# The modes `auto` tries; the first is its baseline (the others' order is the first probe
+# round's; later rounds vary it, see `auto.round_order`).
 AUTO_CANDIDATES = ("none", "fwp", "dbp", "nested")
