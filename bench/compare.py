@@ -263,6 +263,7 @@ def worker_argv(row, args):
             "--micro-batches", str(args.micro_batches), "--tables", args.tables,
             "--synthetic-tables", args.synthetic_tables,
             "--auto-timed-steps", str(args.auto_timed_steps),
+            "--auto-probe-rounds", str(args.auto_probe_rounds),
             "--profile-steps", str(profile_steps(row, args)),
             "--placement", row.get("placement") or "auto",
             "--memory-budget-bytes", str(args.memory_budget_bytes or 0)] + (
@@ -1023,6 +1024,8 @@ def parse_args(argv=None):
                         help="synthetic: N:ROWS (N tables of ROWS rows) instead of the Criteo profile")
     parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="ours, pipeline auto: timed probe steps per mode")
+    parser.add_argument("--auto-probe-rounds", type=int, default=0,
+                        help="ours, pipeline auto: probe rounds (0: the strategy's default, 6)")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
     parser.add_argument("--placement", nargs="+", default=["auto"],
                         choices=["auto", "row_wise", "table_wise", "data_parallel"],

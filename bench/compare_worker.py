@@ -389,7 +389,7 @@ def run_fit(args, data):
         # auto's probe is not the mode it chose: warm-up and timing start after the choice.
         settled = AutoSettled(args.warmup + args.steps)
         callbacks.append(settled)
-        steps = args.warmup + args.steps + AUTO_PROBE_STEPS_LIMIT
+        steps = args.warmup + args.steps + auto_probe_steps_limit(args)
     else:
         settled, steps = None, args.warmup + args.steps
     model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)
@@ -399,7 +399,7 @@ def run_fit(args, data):
     probe = settled.probe_steps if settled is not None else 0
     if settled is not None and probe is None:
         raise RuntimeError("pipeline='auto' made no choice within %d steps"
-                           % AUTO_PROBE_STEPS_LIMIT)
+                           % auto_probe_steps_limit(args))
     result = summarize(timer.times[probe:], args.warmup)
     result.update(cpu_timer.cpu_per_step(probe + args.warmup))
     result.update(pipeline_facts(model))
@@ -425,7 +425,11 @@ def run_fit(args, data):
     return rank, workers, result, profiling
 
 
-AUTO_PROBE_STEPS_LIMIT = 1000  # steps an auto row may take to choose before it is an error
+def auto_probe_steps_limit(args):
+    """The steps an auto row may take to choose before it is an error: at least 1000, and room
+    for 8 candidates' rounds of timed steps with their settle and held steps."""
+    rounds = args.auto_probe_rounds or 6  # 0: the strategy's default
+    return max(1000, 8 * rounds * (args.auto_timed_steps + 4))
 
 
 class CpuTimer(tf_keras.callbacks.Callback):
