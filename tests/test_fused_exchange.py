@@ -423,6 +423,14 @@ def test_auto_rounds_follow_round_order_and_train_every_batch_once():
     assert runs[:len(merged)] == merged
     fixed = [n for r in range(5) for n in names]
     assert merged != [n for i, n in enumerate(fixed) if i == 0 or fixed[i - 1] != n]
+    # The probe log: every probe step once, in time order; per candidate 5 rounds x 2 timed
+    # steps and 1 warm-up or settling step per round.
+    log = auto.probe_log
+    assert all(a.end <= b.start for a, b in zip(log, log[1:]))
+    for name in names:
+        steps = [p for p in log if p.candidate == name]
+        assert sum(p.timed for p in steps) == 10 and sum(not p.timed for p in steps) == 5
+    assert len(log) == 4 * 15  # the held batches' steps are not probe steps
 
 
 def test_auto_candidates_micro_batch_counts_and_labels():

@@ -19,6 +19,9 @@ decides, as a synchronous step waits for the slowest). The first candidate is th
 (none): another is chosen only if it is faster by more than `margin` (a fraction), so timing
 noise does not trade the baseline for an equal mode.
 
+`AutoPipeline.probe_log` keeps every probe step's candidate, start, end and whether it was
+timed (`ProbeStep`), e.g. to attribute a profiler's samples to the candidates.
+
 The log also gives this worker's process CPU time per timed step of each candidate (every
 thread: TensorFlow's pools, the exchange's) and the cores it kept busy (CPU time / wall time):
 a worker whose baseline already keeps its cores busy all step has little waiting for a pipeline
@@ -77,6 +80,7 @@ class AutoPipeline:
         self.choice = None  # the chosen candidate's name, once agreed
         self.timings_ms = None  # {str(name): agreed median ms/step}
         self.cpu = None  # {str(name): CpuUse of this worker's timed steps}
+        self.probe_log = []  # a ProbeStep per step a candidate ran while probing
 
     @property
     def probe_steps_bound(self):
@@ -112,13 +116,15 @@ class AutoPipeline:
         start, cpu_start = time.perf_counter(), time.process_time()
         outputs = pipeline.progress(iterator)
         tf.nest.map_structure(lambda t: t.numpy() if hasattr(t, "numpy") else t, outputs)
-        elapsed = time.perf_counter() - start
-        cpu = time.process_time() - cpu_start
+        end = time.perf_counter()
+        elapsed, cpu = end - start, time.process_time() - cpu_start
         self._steps += 1
         untimed = self._warmup if self._round == 0 else self._settle
-        if self._steps > untimed:
+        timed = self._steps > untimed
+        if timed:
             self._times[name].append(elapsed)
             self._cpu_times[name].append(cpu)
+        self.probe_log.append(ProbeStep(str(name), start, end, timed))
         if self._steps == untimed + self._timed:
             self._next_candidate(pipeline)
         return outputs
@@ -169,6 +175,18 @@ def round_order(count, round_index):
             first.append(high)
             high -= 1
     return [(c + round_index) % count for c in first]
+
+
+class ProbeStep(NamedTuple):
+    """A step of the probe: the candidate that ran it, its start and end (`time.perf_counter`
+    seconds: CLOCK_MONOTONIC on Linux, the clock `perf record -k CLOCK_MONOTONIC` stamps
+    samples with) and whether it counts in the candidate's time (not a warm-up or settling
+    step). The steps that train a look-ahead candidate's held batches are not probe steps."""
+
+    candidate: str
+    start: float
+    end: float
+    timed: bool
 
 
 class CpuUse(NamedTuple):
