@@ -400,6 +400,11 @@ def run_fit(args, data):
     if settled is not None and probe is None:
         raise RuntimeError("pipeline='auto' made no choice within %d steps"
                            % auto_probe_steps_limit(args))
+    if args.probe_steps_out and settled is not None:
+        # Every rank's probe steps (perf_counter = CLOCK_MONOTONIC seconds), for
+        # bench/probe_profile.py to attribute a profiler's samples to the candidates.
+        with open(args.probe_steps_out.format(rank=rank), "w") as f:
+            json.dump([step._asdict() for step in model._nestpipe_pipeline.probe_log], f)
     result = summarize(timer.times[probe:], args.warmup)
     result.update(cpu_timer.cpu_per_step(probe + args.warmup))
     result.update(pipeline_facts(model))
@@ -667,6 +672,9 @@ def main():
     parser.add_argument("--auto-probe-rounds", type=int, default=0,
                         help="nestpipe pipeline=auto: probe rounds (0: the strategy's default)")
     parser.add_argument("--profile-steps", type=int, default=0, help="nestpipe: profiled steps")
+    parser.add_argument("--probe-steps-out", default="",
+                        help="nestpipe pipeline=auto: write each rank's probe steps (candidate, "
+                             "start, end, timed) to this JSON path ('{rank}' is replaced)")
     parser.add_argument("--times-out", default="",
                         help="write rank 0's per-step wall times (ms, every fit step) to this JSON")
     parser.add_argument("--trace", default="",
