@@ -1025,7 +1025,7 @@ def parse_args(argv=None):
     parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="ours, pipeline auto: timed probe steps per mode")
     parser.add_argument("--auto-probe-rounds", type=int, default=0,
-                        help="ours, pipeline auto: probe rounds (0: the strategy's default, 6)")
+                        help="ours, pipeline auto: probe rounds (0: the strategy's default)")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")
     parser.add_argument("--placement", nargs="+", default=["auto"],
                         choices=["auto", "row_wise", "table_wise", "data_parallel"],

@@ -389,7 +389,7 @@ def run_fit(args, data):
         # auto's probe is not the mode it chose: warm-up and timing start after the choice.
         settled = AutoSettled(args.warmup + args.steps)
         callbacks.append(settled)
-        steps = args.warmup + args.steps + auto_probe_steps_limit(args)
+        steps = args.warmup + args.steps + auto_probe_steps_limit(strategy)
     else:
         settled, steps = None, args.warmup + args.steps
     model.fit(dataset, epochs=1, steps_per_epoch=steps, callbacks=callbacks, verbose=0)
@@ -399,7 +399,7 @@ def run_fit(args, data):
     probe = settled.probe_steps if settled is not None else 0
     if settled is not None and probe is None:
         raise RuntimeError("pipeline='auto' made no choice within %d steps"
-                           % auto_probe_steps_limit(args))
+                           % auto_probe_steps_limit(strategy))
     if args.probe_steps_out and settled is not None:
         # Every rank's probe steps (perf_counter = CLOCK_MONOTONIC seconds), for
         # bench/probe_profile.py to attribute a profiler's samples to the candidates.
@@ -430,11 +430,11 @@ def run_fit(args, data):
     return rank, workers, result, profiling
 
 
-def auto_probe_steps_limit(args):
+def auto_probe_steps_limit(strategy):
     """The steps an auto row may take to choose before it is an error: at least 1000, and room
-    for 8 candidates' rounds of timed steps with their settle and held steps."""
-    rounds = args.auto_probe_rounds or 6  # 0: the strategy's default
-    return max(1000, 8 * rounds * (args.auto_timed_steps + 4))
+    for 8 candidates' rounds (the strategy's probe rounds and timed steps) with their settle and
+    held steps."""
+    return max(1000, 8 * strategy.auto_probe_rounds * (strategy.auto_timed_steps + 4))
 
 
 class CpuTimer(tf_keras.callbacks.Callback):
