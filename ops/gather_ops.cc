@@ -239,5 +239,60 @@ NESTPIPE_REGISTER_READ(bfloat16)
 NESTPIPE_REGISTER_READ(Eigen::half)
 #undef NESTPIPE_REGISTER_READ
 
+REGISTER_OP("NestpipeGradientCarrier")
+    .Input("tables: N * resource")
+    .Input("local_rows: int64")
+    .Input("row_offsets: int64")
+    .Output("carrier: dtype")
+    .Attr("N: int >= 1")
+    .Attr("dtype: {float, double, bfloat16, half}")
+    .Attr("dim: int >= 0")
+    .SetShapeFn([](InferenceContext* c) {
+      int n, dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      ShapeHandle rows;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &rows));
+      c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Zeros `[len(local_rows), dim]` that carry a gradient to the tables' rows at fused local rows
+`local_rows` (see NestpipeReadTableRows for the layout): its registered gradient is the
+IndexedSlices a gather of those rows would get, per table. It reads no row and takes no lock: for
+a lookup whose values come from elsewhere (a prefetch buffer), where a gather's values would be
+computed only to be dropped.
+)doc");
+
+template <typename T>
+class GradientCarrierOp : public OpKernel {
+ public:
+  explicit GradientCarrierOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_tables_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const int64_t n = ctx->input(num_tables_).NumElements();
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
+    if (n * dim_ > 0) std::memset(out_t->flat<T>().data(), 0, sizeof(T) * n * dim_);
+  }
+
+ private:
+  int num_tables_;
+  int64_t dim_;
+};
+
+#define NESTPIPE_REGISTER_CARRIER(T)                                                      \
+  REGISTER_KERNEL_BUILDER(                                                                \
+      Name("NestpipeGradientCarrier").Device(DEVICE_CPU).TypeConstraint<T>("dtype"),      \
+      GradientCarrierOp<T>);
+NESTPIPE_REGISTER_CARRIER(float)
+NESTPIPE_REGISTER_CARRIER(double)
+NESTPIPE_REGISTER_CARRIER(bfloat16)
+NESTPIPE_REGISTER_CARRIER(Eigen::half)
+#undef NESTPIPE_REGISTER_CARRIER
+
 }  // namespace nestpipe
 }  // namespace tensorflow

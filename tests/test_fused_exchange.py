@@ -471,6 +471,70 @@ def test_read_rows_equals_gather_in_one_op(dtype):
                                                          layers[2].embeddings.numpy()[1]]))
 
 
+@pytest.mark.parametrize("sizes", [(7,), (7, 10, 4)])
+def test_gradient_carrier_gets_gathers_gradient_and_reads_no_row(sizes):
+    """`FusedTables.gradient_carrier` (the buffers' gradient path): zeros whose gradient is, per
+    table, the `IndexedSlices` `gather` gets (the same values, indices and dense shape, in the
+    same order), from one op that reads no row (no ResourceGather or variable read; the gather,
+    the positive control, has them)."""
+    rng = np.random.default_rng(3)
+    fulls = [rng.normal(size=(n, 3)).astype(np.float32) for n in sizes]
+    # With three tables, a zero-span table (4 rows, 2 shards: shard 1 of (7, 10, 4) holds 3, 5, 2).
+    layers = [_FakeTable(f, 2, 1, "t%d" % i) for i, f in enumerate(fulls)]
+    group = FusedTables(layers, 2, 1)
+    local = tf.constant([0, 2, 1, 0] if len(sizes) == 1 else [0, 2, 4, 8, 9, 10, 2, 4], tf.int64)
+    weights = tf.constant(rng.normal(size=(int(local.shape[0]), 3)).astype(np.float32))
+
+    def gradients(read):
+        with tf.GradientTape() as tape:
+            rows = read(local)
+            loss = tf.reduce_sum((rows + 1.0) * weights)
+        return rows, tape.gradient(loss, [layer.embeddings for layer in layers])
+
+    for run in (lambda f: f(), lambda f: tf.function(f)()):
+        rows, carried = run(lambda: gradients(group.gradient_carrier))
+        _, gathered = run(lambda: gradients(group.gather))
+        np.testing.assert_array_equal(rows.numpy(), np.zeros([int(local.shape[0]), 3]))
+        for ours, theirs in zip(carried, gathered):
+            assert isinstance(ours, tf.IndexedSlices) and isinstance(theirs, tf.IndexedSlices)
+            np.testing.assert_array_equal(ours.values.numpy(), theirs.values.numpy())
+            np.testing.assert_array_equal(ours.indices.numpy(), theirs.indices.numpy())
+            np.testing.assert_array_equal(ours.dense_shape.numpy(), theirs.dense_shape.numpy())
+    for read, reads_rows in ((group.gradient_carrier, False), (group.gather, True)):
+        types = [op.type for op in tf.function(read).get_concrete_function(local).graph
+                 .get_operations()]
+        assert (types.count("NestpipeGradientCarrier") == 1) != reads_rows
+        assert any(t in types for t in ("ResourceGather", "ReadVariableOp")) == reads_rows
+
+
+def test_table_reads_are_not_ordered_against_each_other():
+    """The prefetch's `NestpipeReadTableRows` and the compute pass's carrier are both reads for
+    `tf.function`'s automatic control dependencies: neither waits for the other, while a read
+    after an update still waits for it (the positive control)."""
+    _, layers = _tables(2, 1)
+    group = FusedTables(layers, 2, 1)
+    local = tf.constant([0, 4, 9], tf.int64)
+
+    def control_edges(update_first):
+        def step():
+            if update_first:
+                layers[0].embeddings.assign_add(tf.ones_like(layers[0].embeddings))
+            rows = group.read_rows(local)
+            return rows + group.gradient_carrier(local)
+
+        graph = tf.function(step).get_concrete_function().graph
+        ops_by_type = {op.type: op for op in graph.get_operations()}
+        carrier = ops_by_type["NestpipeGradientCarrier"]
+        read = ops_by_type["NestpipeReadTableRows"]
+        return ({op.type for op in carrier.control_inputs},
+                {op.type for op in read.control_inputs})
+
+    carrier_waits, read_waits = control_edges(update_first=False)
+    assert "NestpipeReadTableRows" not in carrier_waits and not read_waits
+    carrier_waits, read_waits = control_edges(update_first=True)
+    assert "AssignAddVariableOp" in carrier_waits and "AssignAddVariableOp" in read_waits
+
+
 def test_read_table_rows_errors():
     _, layers = _tables(2, 1, sizes=(7, 10))
     handles = [layer.embeddings.handle for layer in layers]  # 4 and 5 local rows

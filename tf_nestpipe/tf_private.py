@@ -24,6 +24,7 @@ from tensorflow.python.distribute.cluster_resolver import cluster_resolver as cl
 from tensorflow.python.distribute.cluster_resolver import tfconfig_cluster_resolver  # noqa: F401
 from tensorflow.python.distribute.coordinator import cluster_coordinator as cluster_coordinator_lib  # noqa: F401
 from tensorflow.python.eager import context as eager_context  # noqa: F401
+from tensorflow.python.framework import auto_control_deps_utils  # noqa: F401
 from tensorflow.python.framework import ops as framework_ops  # noqa: F401
 from tensorflow.python.ops import collective_ops  # noqa: F401
 from tensorflow.python.ops import resource_variable_ops  # noqa: F401
@@ -180,3 +181,23 @@ def is_ps_failure(error):
 def failed_ps_tasks(message):
     """The ps task indices `ClusterCoordinator` reads from a failure's message."""
     return cluster_coordinator_lib._extract_failed_ps_instances(message)  # pylint: disable=protected-access
+
+
+# --- ops and the gradient tape --------------------------------------------------------------------
+def register_read_only_resource_op(op_type):
+    """Declares that ops of `op_type` never update the resources they take: `tf.function`'s
+    automatic control dependencies order them after earlier writes and before later ones, but not
+    against other reads (as for `ResourceGather`)."""
+    auto_control_deps_utils.register_read_only_resource_op(op_type)
+
+
+def variable_accessed(variable):
+    """Records `variable` as read, for the gradient tapes and the function being traced, as its
+    own read ops do: an op that then takes its handle is recorded on the tapes."""
+    resource_variable_ops.variable_accessed(variable)
+
+
+def variable_shape(handle):
+    """The shape (int32) of the variable behind resource `handle`, as a gather's gradient reads
+    it."""
+    return resource_variable_ops.variable_shape(handle)

@@ -4,7 +4,7 @@ from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather
                                           sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import gather_rows, read_table_rows, segment_sum
+from tf_nestpipe.ops.gather import gather_rows, gradient_carrier, read_table_rows, segment_sum
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
                                      owner_rounds, route_keys, window_grad_index, window_layout)
@@ -31,6 +31,7 @@ __all__ = [
     "gather_blocks",
     "gather_from_blocks",
     "gather_rows",
+    "gradient_carrier",
     "load_op_library",
     "owner_rounds",
     "pack_per_peer",

@@ -1,6 +1,7 @@
 """Row gather with -1 padding and its adjoint, the deterministic sparse-gradient segment-sum."""
 import tensorflow as tf
 
+from tf_nestpipe import tf_private
 from tf_nestpipe.ops.library import load_op_library
 
 
@@ -18,12 +19,49 @@ def read_table_rows(handles, local_rows, row_offsets, dtype, dim):
         dim=dim)
 
 
+def gradient_carrier(variables, local_rows, row_offsets, dim):
+    """Zeros `[len(local_rows), dim]` whose gradient reaches the tables `variables` (in order; the
+    layout of `read_table_rows`) as the `IndexedSlices` a gather of `local_rows` would give each
+    table. Reads no row: for a lookup whose values come from elsewhere (a prefetch buffer) and
+    whose gradient must still reach the tables' rows."""
+    for variable in variables:
+        tf_private.variable_accessed(variable)  # so the tapes record the op on its handles
+    return load_op_library().nestpipe_gradient_carrier(
+        [variable.handle for variable in variables], tf.cast(local_rows, tf.int64),
+        tf.cast(row_offsets, tf.int64), dtype=variables[0].dtype, dim=dim)
+
+
 def segment_sum(data, segment_ids, num_segments):
     """Sums rows of `data` into `num_segments` rows by `segment_ids`, skipping ids of -1."""
     return load_op_library().nestpipe_segment_sum(data, segment_ids, tf.cast(num_segments, tf.int32))
 
 
 tf.no_gradient("NestpipeReadTableRows")
+# Neither op updates its tables: reads are not ordered against each other (a prefetch's read and a
+# compute pass's carrier may run together), only against the updates before and after them.
+tf_private.register_read_only_resource_op("NestpipeReadTableRows")
+tf_private.register_read_only_resource_op("NestpipeGradientCarrier")
+
+
+@tf.RegisterGradient("NestpipeGradientCarrier")
+def _gradient_carrier_grad(op, grad):
+    """Each table's `IndexedSlices` of `grad`'s rows at its local rows (the gradient of a gather
+    per table: the same values and indices, in the same order)."""
+    num_tables = op.get_attr("N")
+    handles = op.inputs[:num_tables]
+    local_rows, row_offsets = op.inputs[num_tables], op.inputs[num_tables + 1]
+    grad = tf.convert_to_tensor(grad)
+    none = [None, None]
+    if num_tables == 1:
+        return [tf.IndexedSlices(grad, local_rows, tf_private.variable_shape(handles[0]))] + none
+    # side="right": a table reserving no rows here shares its start with the next table, and the
+    # row belongs to the last table starting at or before it.
+    table = tf.cast(tf.searchsorted(row_offsets, local_rows, side="right"), tf.int32) - 1
+    rows_in_table = tf.dynamic_partition(local_rows - tf.gather(row_offsets, table), table,
+                                         num_tables)
+    values = tf.dynamic_partition(grad, table, num_tables)
+    return [tf.IndexedSlices(v, rows, tf_private.variable_shape(handle))
+            for v, rows, handle in zip(values, rows_in_table, handles)] + none
 
 
 @tf.RegisterGradient("NestpipeGatherRows")

@@ -63,7 +63,7 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     wire = wire or PLAIN
     layout = tables.layout
     # One op reads the rows (no partition / gather per table / stitch). The buffer read's own
-    # gather (`lookup_from_buffer`) only carries the gradient, and TensorFlow prunes its values.
+    # gradient path (`lookup_from_buffer`) reads no row (`FusedTables.gradient_carrier`).
     owned = tables.read_rows(routing.local_rows)
     if updated_rows is None:
         incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False,
@@ -270,7 +270,7 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
-    owned = tables.gather(routing.local_rows)  # carries the gradient to the owned rows
+    owned = tables.gradient_carrier(routing.local_rows)  # the gradient path to the rows
 
     @tf.custom_gradient
     def active_rows(owned_rows):
@@ -309,7 +309,7 @@ def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire
     routings = [prefetched.routing for prefetched in prefetched_rounds]
     sizes = tf.stack([tf.shape(prefetched.rows, out_type=tf.int32)[0]
                       for prefetched in prefetched_rounds])
-    owned = tables.gather(tf.concat([r.local_rows for r in routings], 0))  # the gradient path
+    owned = tables.gradient_carrier(tf.concat([r.local_rows for r in routings], 0))
 
     @tf.custom_gradient
     def window_carrier(owned_rows):
