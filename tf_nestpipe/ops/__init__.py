@@ -4,7 +4,8 @@ from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather
                                           sync_plan, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import gather_rows, gradient_carrier, read_table_rows, segment_sum
+from tf_nestpipe.ops.gather import (gather_rows, gradient_carrier, read_table_rows, segment_sum,
+                                    tables_of_rows)
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
                                      owner_rounds, route_keys, window_grad_index, window_layout)
@@ -42,6 +43,7 @@ __all__ = [
     "sync_payload",
     "sync_plan",
     "sync_rows",
+    "tables_of_rows",
     "window_grad_index",
     "window_layout",
 ]

@@ -31,6 +31,17 @@ def gradient_carrier(variables, local_rows, row_offsets, dim):
         tf.cast(row_offsets, tf.int64), dtype=variables[0].dtype, dim=dim)
 
 
+def tables_of_rows(local_rows, row_offsets, num_tables):
+    """The layout of `read_table_rows` in TensorFlow ops: (each fused local row's table, int32
+    `[r]`; each table's rows among them, in order, as rows of that table: `num_tables` tensors).
+    Table t holds local rows from `row_offsets[t]`; a table reserving no rows here shares its
+    start with the next table, and a row belongs to the last table starting at or before it."""
+    row_offsets = tf.convert_to_tensor(row_offsets, tf.int64)
+    table = tf.cast(tf.searchsorted(row_offsets, local_rows, side="right"), tf.int32) - 1
+    return table, tf.dynamic_partition(local_rows - tf.gather(row_offsets, table), table,
+                                       num_tables)
+
+
 def segment_sum(data, segment_ids, num_segments):
     """Sums rows of `data` into `num_segments` rows by `segment_ids`, skipping ids of -1."""
     return load_op_library().nestpipe_segment_sum(data, segment_ids, tf.cast(num_segments, tf.int32))
@@ -54,11 +65,7 @@ def _gradient_carrier_grad(op, grad):
     none = [None, None]
     if num_tables == 1:
         return [tf.IndexedSlices(grad, local_rows, tf_private.variable_shape(handles[0]))] + none
-    # side="right": a table reserving no rows here shares its start with the next table, and the
-    # row belongs to the last table starting at or before it.
-    table = tf.cast(tf.searchsorted(row_offsets, local_rows, side="right"), tf.int32) - 1
-    rows_in_table = tf.dynamic_partition(local_rows - tf.gather(row_offsets, table), table,
-                                         num_tables)
+    table, rows_in_table = tables_of_rows(local_rows, row_offsets, num_tables)
     values = tf.dynamic_partition(grad, table, num_tables)
     return [tf.IndexedSlices(v, rows, tf_private.variable_shape(handle))
             for v, rows, handle in zip(values, rows_in_table, handles)] + none

@@ -139,12 +139,7 @@ class FusedTables:
         if len(self.layers) == 1:
             return tf.gather(self.layers[0].embeddings, local_rows)
         num_tables = len(self.layers)
-        row_offsets = tf.constant(self._row_offsets)
-        # side="right": a table reserving no rows here shares its start with the next table,
-        # and the row belongs to the last table starting at or before it.
-        table = tf.cast(tf.searchsorted(row_offsets, local_rows, side="right"), tf.int32) - 1
-        rows_in_table = tf.dynamic_partition(local_rows - tf.gather(row_offsets, table), table,
-                                             num_tables)
+        table, rows_in_table = ops.tables_of_rows(local_rows, self._row_offsets, num_tables)
         positions = tf.dynamic_partition(tf.range(tf.size(local_rows)), table, num_tables)
         return tf.dynamic_stitch(positions, [tf.gather(layer.embeddings, rows) for layer, rows
                                              in zip(self.layers, rows_in_table)])
