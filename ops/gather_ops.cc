@@ -148,6 +148,18 @@ NESTPIPE_REGISTER_ALL(Eigen::half)
 #undef NESTPIPE_REGISTER_ALL
 #undef NESTPIPE_REGISTER
 
+// Shape of an op over a group of tables (inputs: N table resources, local_rows, row_offsets):
+// one row of `dim` entries per local row.
+absl::Status TableRowsShape(InferenceContext* c) {
+  int n, dim;
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+  ShapeHandle rows;
+  TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &rows));
+  c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
+  return absl::OkStatus();
+}
+
 REGISTER_OP("NestpipeReadTableRows")
     .Input("tables: N * resource")
     .Input("local_rows: int64")
@@ -156,15 +168,7 @@ REGISTER_OP("NestpipeReadTableRows")
     .Attr("N: int >= 1")
     .Attr("dtype: {float, double, bfloat16, half}")
     .Attr("dim: int >= 0")
-    .SetShapeFn([](InferenceContext* c) {
-      int n, dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      ShapeHandle rows;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &rows));
-      c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(TableRowsShape)
     .Doc(R"doc(
 The rows of a group of tables at fused local rows (not differentiable): table t holds local rows
 [row_offsets[t], row_offsets[t + 1]), so local row k is row k - row_offsets[t] of the last table t
@@ -247,15 +251,7 @@ REGISTER_OP("NestpipeGradientCarrier")
     .Attr("N: int >= 1")
     .Attr("dtype: {float, double, bfloat16, half}")
     .Attr("dim: int >= 0")
-    .SetShapeFn([](InferenceContext* c) {
-      int n, dim;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
-      ShapeHandle rows;
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &rows));
-      c->set_output(0, c->Matrix(c->Dim(rows, 0), dim));
-      return absl::OkStatus();
-    })
+    .SetShapeFn(TableRowsShape)
     .Doc(R"doc(
 Zeros `[len(local_rows), dim]` that carry a gradient to the tables' rows at fused local rows
 `local_rows` (see NestpipeReadTableRows for the layout): its registered gradient is the
