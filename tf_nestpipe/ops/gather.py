@@ -19,16 +19,16 @@ def read_table_rows(handles, local_rows, row_offsets, dtype, dim):
         dim=dim)
 
 
-def gradient_carrier(variables, local_rows, row_offsets, dim):
-    """Zeros `[len(local_rows), dim]` whose gradient reaches the tables `variables` (in order; the
-    layout of `read_table_rows`) as the `IndexedSlices` a gather of `local_rows` would give each
-    table. Reads no row: for a lookup whose values come from elsewhere (a prefetch buffer) and
-    whose gradient must still reach the tables' rows."""
+def gradient_carrier(variables, local_rows, row_offsets, dtype, dim):
+    """Zeros `[len(local_rows), dim]` of `dtype` (the tables') whose gradient reaches the tables
+    `variables` (in order; the layout of `read_table_rows`) as the `IndexedSlices` a gather of
+    `local_rows` would give each table. Reads no row: for a lookup whose values come from
+    elsewhere (a prefetch buffer) and whose gradient must still reach the tables' rows."""
     for variable in variables:
         tf_private.variable_accessed(variable)  # so the tapes record the op on its handles
     return load_op_library().nestpipe_gradient_carrier(
         [variable.handle for variable in variables], tf.cast(local_rows, tf.int64),
-        tf.cast(row_offsets, tf.int64), dtype=variables[0].dtype, dim=dim)
+        tf.cast(row_offsets, tf.int64), dtype=dtype, dim=dim)
 
 
 def tables_of_rows(local_rows, row_offsets, num_tables):

@@ -131,7 +131,7 @@ class FusedTables:
         indices in the same order), reading no row (`ops.gradient_carrier`): for a lookup whose
         values come from a prefetch buffer. Called in a replica context, as `read_rows`."""
         return ops.gradient_carrier([layer.embeddings for layer in self.layers], local_rows,
-                                    self._row_offsets, self.layers[0].dim)
+                                    self._row_offsets, self.dtype, self.layers[0].dim)
 
     def gather(self, local_rows):
         """This worker's rows at fused local rows `local_rows` (int64 `[r]`), read from each
