@@ -303,11 +303,13 @@ def test_auto_reports_each_candidates_process_cpu_per_step():
     for _ in range(7):
         auto.progress(iterator)
     assert auto.choice is not None and set(auto.cpu) == {"waits", "computes"}
-    # Relative bounds: the suite's background clusters may share the cores with this test, so
-    # the computing candidate can get well under a core; the waiting one uses next to none.
+    # Relative bounds only: the suite's background clusters, or a host that lends this machine
+    # less than its cores (seen: a busy loop got 0.24 of a core), may leave the computing
+    # candidate well under a core; the waiting one uses next to none. CPU read as wall time
+    # (both ~1 core) or the candidates swapped would fail them.
     computes, waits = auto.cpu["computes"], auto.cpu["waits"]
-    assert computes.cores_busy > max(0.25, 4 * waits.cores_busy)
-    assert computes.ms_per_step > max(5.0, 4 * waits.ms_per_step)
+    assert computes.cores_busy > 10 * waits.cores_busy
+    assert computes.ms_per_step > 10 * waits.ms_per_step
     assert waits.cores_busy < 0.3 and waits.ms_per_step < 6
     assert "process CPU ms/step (cores busy) waits " in logged[0]
 
