@@ -512,28 +512,37 @@ def test_gradient_carrier_gets_gathers_gradient_and_reads_no_row(sizes):
 def test_table_reads_are_not_ordered_against_each_other():
     """The prefetch's `NestpipeReadTableRows` and the compute pass's carrier are both reads for
     `tf.function`'s automatic control dependencies: neither waits for the other, while a read
-    after an update still waits for it (the positive control)."""
+    after an update still waits for it and an update after them waits for both (the positive
+    controls: a prefetch reads the tables before the step's update)."""
     _, layers = _tables(2, 1)
     group = FusedTables(layers, 2, 1)
     local = tf.constant([0, 4, 9], tf.int64)
 
+    def update():
+        layers[0].embeddings.assign_add(tf.ones_like(layers[0].embeddings))
+
     def control_edges(update_first):
         def step():
             if update_first:
-                layers[0].embeddings.assign_add(tf.ones_like(layers[0].embeddings))
+                update()
             rows = group.read_rows(local)
-            return rows + group.gradient_carrier(local)
+            out = rows + group.gradient_carrier(local)
+            if not update_first:
+                update()
+            return out
 
         graph = tf.function(step).get_concrete_function().graph
         ops_by_type = {op.type: op for op in graph.get_operations()}
-        carrier = ops_by_type["NestpipeGradientCarrier"]
-        read = ops_by_type["NestpipeReadTableRows"]
-        return ({op.type for op in carrier.control_inputs},
-                {op.type for op in read.control_inputs})
+        waits = {name: {op.type for op in ops_by_type[name].control_inputs}
+                 for name in ("NestpipeGradientCarrier", "NestpipeReadTableRows",
+                              "AssignAddVariableOp")}
+        return waits["NestpipeGradientCarrier"], waits["NestpipeReadTableRows"], waits[
+            "AssignAddVariableOp"]
 
-    carrier_waits, read_waits = control_edges(update_first=False)
+    carrier_waits, read_waits, update_waits = control_edges(update_first=False)
     assert "NestpipeReadTableRows" not in carrier_waits and not read_waits
-    carrier_waits, read_waits = control_edges(update_first=True)
+    assert {"NestpipeReadTableRows", "NestpipeGradientCarrier"} <= update_waits
+    carrier_waits, read_waits, _ = control_edges(update_first=True)
     assert "AssignAddVariableOp" in carrier_waits and "AssignAddVariableOp" in read_waits
 
 
