@@ -1,4 +1,6 @@
-"""Row gather with -1 padding and its adjoint, the deterministic sparse-gradient segment-sum."""
+"""Row gather with -1 padding and its adjoint, the deterministic sparse-gradient segment-sum;
+a group of tables' row read and the gradient carrier that stands in for a gather whose values
+come from elsewhere."""
 import tensorflow as tf
 
 from tf_nestpipe import tf_private
