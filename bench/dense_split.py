@@ -29,6 +29,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 from dlrm import DLRM  # noqa: E402
+from runner import write_result  # noqa: E402
 
 
 def make_step(model, variables, batch, micro_batches):
@@ -99,10 +100,7 @@ def main():
     for m in sorted(median):
         lines.append("| %d | %.0f | %+.0f us (%.3fx) |" % (m, median[m], median[m] - median[1],
                                                           median[m] / median[1]))
-    print("\n".join(lines))
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, args.output + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_result(args.output + ".md", "\n".join(lines) + "\n")
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
         json.dump({"command": command, "cpu_us_rounds": {str(m): v for m, v in cpu_us.items()},
                    "cpu_us_median": {str(m): v for m, v in median.items()}}, f, indent=1)

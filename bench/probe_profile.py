@@ -34,7 +34,8 @@ import sys
 import tempfile
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+from runner import HERE, write_result
+
 RESULTS = os.path.join(HERE, "results")
 WORKER = os.path.join(HERE, "compare_worker.py")
 
@@ -212,11 +213,7 @@ def main():
                           capture_output=True, text=True, check=True).stdout
     summary = summarize(parse_samples(text), steps, args.top)
     shown = "python bench/probe_profile.py " + " ".join(sys.argv[1:])
-    lines = report_lines(summary, shown)
-    print("\n".join(lines))
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, args.output + ".md"), "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_result(args.output + ".md", "\n".join(report_lines(summary, shown)) + "\n")
     with open(os.path.join(RESULTS, args.output + ".json"), "w") as f:
         json.dump({"command": shown, "candidates": summary}, f, indent=1)
     shutil.rmtree(folder, ignore_errors=True)
