@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "capacities.h"
 #include "flat_hash.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -485,11 +486,7 @@ class CapacityBucketOp : public OpKernel {
  public:
   explicit CapacityBucketOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
-    OP_REQUIRES(ctx, !capacities_.empty(), errors::InvalidArgument("capacities is empty"));
-    for (size_t i = 1; i < capacities_.size(); ++i) {
-      OP_REQUIRES(ctx, capacities_[i] > capacities_[i - 1],
-                  errors::InvalidArgument("capacities must be strictly increasing"));
-    }
+    OP_REQUIRES_OK(ctx, CheckCapacities(capacities_));
   }
 
   void Compute(OpKernelContext* ctx) override {
@@ -502,15 +499,7 @@ class CapacityBucketOp : public OpKernel {
     auto bucket = bucket_t->flat<int32>();
     auto padded = padded_t->flat<int32>();
     for (int64_t i = 0; i < capacity.size(); ++i) {
-      const auto it = std::lower_bound(capacities_.begin(), capacities_.end(),
-                                       static_cast<int64_t>(capacity(i)));
-      OP_REQUIRES(ctx, it != capacities_.end(),
-                  errors::InvalidArgument("a padded exchange of ", capacity(i),
-                                          " entries per worker exceeds the largest capacity ",
-                                          capacities_.back(), ": split the batch (smaller "
-                                          "global batch or more workers)"));
-      bucket(i) = static_cast<int32>(it - capacities_.begin());
-      padded(i) = static_cast<int32>(*it);
+      OP_REQUIRES_OK(ctx, BucketOfSize(capacities_, capacity(i), &bucket(i), &padded(i)));
     }
   }
 
