@@ -10,6 +10,10 @@
 // - NestpipeSaturateToHalf: float32 -> float16 with finite values beyond +-65504 clamped to it
 //   (they would round to inf and look like a loss-scale overflow); inf and NaN pass through.
 //   Returns how many values were clamped.
+// - NestpipeToInt64Words / NestpipeFromInt64Words: a [W, ...] block of any dtype as [W, R] int64
+//   words (each worker's entries' bytes, zero-padded to whole words) and back, so a block can
+//   ride in an int64 exchange (the Dual-Buffer sync on the keys all-to-all): one op each way
+//   instead of a reshape, pad and bitcast of a dozen.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -206,6 +210,101 @@ class SaturateToHalfOp : public OpKernel {
 REGISTER_KERNEL_BUILDER(Name("NestpipeEncodeInt8Rows").Device(DEVICE_CPU), EncodeInt8RowsOp);
 REGISTER_KERNEL_BUILDER(Name("NestpipeDecodeInt8Rows").Device(DEVICE_CPU), DecodeInt8RowsOp);
 REGISTER_KERNEL_BUILDER(Name("NestpipeSaturateToHalf").Device(DEVICE_CPU), SaturateToHalfOp);
+
+
+REGISTER_OP("NestpipeToInt64Words")
+    .Input("block: T")
+    .Output("words: int64")
+    .Attr("T: {float, double, half, bfloat16, int8, uint8, int16, int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle block;
+      TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 1, &block));
+      c->set_output(0, c->Matrix(c->Dim(block, 0), c->UnknownDim()));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The [W, ...] block as [W, R] int64 words: row w holds the bytes of block[w] (row-major), then
+zero bytes up to a whole word (R = ceil(bytes per row / 8)). Bit copies: see
+NestpipeFromInt64Words.
+)doc");
+
+class ToInt64WordsOp : public OpKernel {
+ public:
+  explicit ToInt64WordsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& block = ctx->input(0);
+    OP_REQUIRES(ctx, block.dims() >= 1,
+                errors::InvalidArgument("block must have a worker dimension, got a scalar"));
+    const int64_t w = block.dim_size(0);
+    const int64_t row_bytes =
+        w == 0 ? 0 : static_cast<int64_t>(block.TotalBytes()) / w;
+    const int64_t words = (row_bytes + 7) / 8;
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, words}), &out_t));
+    char* out = reinterpret_cast<char*>(out_t->flat<int64_t>().data());
+    const char* in = static_cast<const char*>(block.tensor_data().data());
+    for (int64_t b = 0; b < w; ++b) {
+      char* dst = out + b * words * 8;
+      std::memcpy(dst, in + b * row_bytes, row_bytes);
+      std::memset(dst + row_bytes, 0, words * 8 - row_bytes);
+    }
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeToInt64Words").Device(DEVICE_CPU), ToInt64WordsOp);
+
+REGISTER_OP("NestpipeFromInt64Words")
+    .Input("words: int64")
+    .Input("shape: int32")
+    .Output("block: T")
+    .Attr("T: {float, double, half, bfloat16, int8, uint8, int16, int32, int64}")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle words, shape;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &words));
+      TF_RETURN_IF_ERROR(c->MakeShapeFromShapeTensor(1, &shape));
+      c->set_output(0, shape);
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The block of NestpipeToInt64Words: words [W, R] back to a T block of `shape` ([W, ...]): row w's
+first bytes, the rest (the padding) dropped. The words must hold a whole row of `shape`.
+)doc");
+
+class FromInt64WordsOp : public OpKernel {
+ public:
+  explicit FromInt64WordsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& words_t = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(words_t.shape()),
+                errors::InvalidArgument("words must be [W, R], got ",
+                                        words_t.shape().DebugString()));
+    TensorShape shape;
+    const Tensor& shape_t = ctx->input(1);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(shape_t.shape()),
+                errors::InvalidArgument("shape must be a vector, got ",
+                                        shape_t.shape().DebugString()));
+    OP_REQUIRES_OK(ctx, TensorShapeUtils::MakeShape(shape_t.flat<int32>().data(),
+                                                    shape_t.NumElements(), &shape));
+    const int64_t w = words_t.dim_size(0), words = words_t.dim_size(1);
+    OP_REQUIRES(ctx, shape.dims() >= 1 && shape.dim_size(0) == w,
+                errors::InvalidArgument("shape ", shape.DebugString(), " must start with the ",
+                                        w, " workers of words"));
+    const int64_t row_bytes =
+        w == 0 ? 0 : shape.num_elements() * DataTypeSize(ctx->expected_output_dtype(0)) / w;
+    OP_REQUIRES(ctx, row_bytes <= words * 8,
+                errors::InvalidArgument("a row of ", shape.DebugString(), " is ", row_bytes,
+                                        " bytes; the words hold ", words * 8));
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, shape, &out_t));
+    char* out = const_cast<char*>(out_t->tensor_data().data());
+    const char* in = reinterpret_cast<const char*>(words_t.flat<int64_t>().data());
+    for (int64_t b = 0; b < w; ++b) {
+      std::memcpy(out + b * row_bytes, in + b * words * 8, row_bytes);
+    }
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeFromInt64Words").Device(DEVICE_CPU), FromInt64WordsOp);
 
 }  // namespace nestpipe
 }  // namespace tensorflow

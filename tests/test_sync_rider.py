@@ -27,6 +27,24 @@ def test_int64_words_are_bit_copies_of_any_block(dtype, shape):
                                   else block.numpy())
 
 
+@pytest.mark.parametrize("dtype", [tf.float32, tf.float16, tf.int8, tf.float64])
+def test_int64_words_lay_each_rows_bytes_out_in_order_then_zeros(dtype):
+    """Row w of the words is block[w]'s bytes in row-major order, then zero bytes up to a whole
+    word (the NumPy reference); fewer words than a row needs are refused."""
+    block = tf.cast(tf.reshape(tf.range(2 * 3 * 3) - 7, [2, 3, 3]), dtype)
+    data = block.numpy().reshape(2, -1).view(np.uint8)  # [2, 9 * itemsize] bytes
+    words = -(-data.shape[1] // 8)
+    expected = np.zeros([2, words * 8], np.uint8)
+    expected[:, :data.shape[1]] = data
+    got = int64_words(block)
+    assert got.shape == [2, words]
+    np.testing.assert_array_equal(got.numpy().view(np.uint8).reshape(2, -1), expected)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="the words hold"):
+        from_int64_words(got[:, :words - 1], dtype, tf.shape(block))
+    with pytest.raises(tf.errors.InvalidArgumentError, match="must start with the 2 workers"):
+        from_int64_words(got, dtype, [3, 3, 3])
+
+
 class _EchoCollectives:
     """A keys all-to-all as seen by a worker whose every peer sends what this worker sends it
     (`tensor` comes back as it is); records each call's tag and width."""

@@ -193,22 +193,14 @@ def from_int32_bits(entries):
 def int64_words(block):
     """A `[W, ...]` block of any dtype as `[W, R]` int64 words (bit copies, each worker's
     entries flattened and zero-padded to whole words), to ride in an int64 exchange; see
-    `from_int64_words`."""
-    num = tf.shape(block)[0]
-    flat = tf.reshape(block, [num, -1])
-    per_word = max(1, 8 // block.dtype.size)
-    if per_word == 1:
-        return tf.bitcast(flat, tf.int64)
-    entries = tf.shape(flat)[1]
-    flat = tf.pad(flat, [[0, 0], [0, -entries % per_word]])
-    return tf.bitcast(tf.reshape(flat, [num, -1, per_word]), tf.int64)
+    `from_int64_words`. One op (`ops.to_int64_words`)."""
+    return ops.to_int64_words(block)
 
 
 def from_int64_words(words, dtype, shape):
     """The block of `int64_words`: `words` `[W, R]` back to `dtype` entries of `shape`
-    (`[W, ...]`, the block's)."""
-    flat = tf.reshape(tf.bitcast(words, dtype), [tf.shape(words)[0], -1])
-    return tf.reshape(flat[:, :tf.reduce_prod(shape[1:])], shape)
+    (`[W, ...]`, the block's). One op (`ops.from_int64_words`)."""
+    return ops.from_int64_words(words, dtype, shape)
 
 
 def pack_header(counts, width, dtype):

@@ -33,6 +33,20 @@ def saturate_to_half(x):
     return load_op_library().nestpipe_saturate_to_half(tf.convert_to_tensor(x, tf.float32))
 
 
+def to_int64_words(block):
+    """A `[W, ...]` block of any dtype as `[W, R]` int64 words: row w holds block[w]'s bytes
+    (row-major), then zero bytes up to a whole word. One op; see `from_int64_words`."""
+    return load_op_library().nestpipe_to_int64_words(block)
+
+
+def from_int64_words(words, dtype, shape):
+    """The block of `to_int64_words`: `words` `[W, R]` back to `dtype` entries of `shape`
+    (`[W, ...]`, an int32 vector), each row's padding dropped. One op."""
+    return load_op_library().nestpipe_from_int64_words(words, tf.cast(shape, tf.int32), T=dtype)
+
+
 tf.no_gradient("NestpipeEncodeInt8Rows")
 tf.no_gradient("NestpipeDecodeInt8Rows")
 tf.no_gradient("NestpipeSaturateToHalf")
+tf.no_gradient("NestpipeToInt64Words")
+tf.no_gradient("NestpipeFromInt64Words")
