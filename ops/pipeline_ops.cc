@@ -8,6 +8,7 @@
 #include <memory>
 #include <vector>
 
+#include "capacities.h"
 #include "flat_hash.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
@@ -625,6 +626,144 @@ NESTPIPE_REGISTER_PACK(int8)
 NESTPIPE_REGISTER_PACK(int32)
 NESTPIPE_REGISTER_PACK(int64_t)
 #undef NESTPIPE_REGISTER_PACK
+
+
+REGISTER_OP("NestpipeSyncHeader")
+    .Input("sync_counts: int32")
+    .Attr("dim: int >= 1")
+    .Attr("T: {float, double}")
+    .Output("header: T")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle counts;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 1, &counts));
+      int dim;
+      TF_RETURN_IF_ERROR(c->GetAttr("dim", &dim));
+      c->set_output(0, c->MakeShape({c->Dim(counts, 0), 2, dim}));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Owner side of a prefetch with a sync plan: the [W, 2, dim] header rows of each requester's block
+(NestpipeGatherBlocks): row 0 holds the owner's sync count for that requester, row 1 its largest
+count over all requesters, each in column 0 as a float (exact below 2**24); the rest is zero.
+)doc");
+
+template <typename T>
+class SyncHeaderOp : public OpKernel {
+ public:
+  explicit SyncHeaderOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const auto counts = ctx->input(0).flat<int32>();
+    const int64_t w = counts.size();
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, 2, dim_}), &out_t));
+    T* out = out_t->flat<T>().data();
+    std::fill(out, out + w * 2 * dim_, T(0));
+    int32 largest = 0;
+    for (int64_t b = 0; b < w; ++b) largest = std::max(largest, counts(b));
+    for (int64_t b = 0; b < w; ++b) {
+      out[(b * 2) * dim_] = static_cast<T>(counts(b));
+      out[(b * 2 + 1) * dim_] = static_cast<T>(largest);
+    }
+  }
+
+ private:
+  int64_t dim_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeSyncHeader").Device(DEVICE_CPU).TypeConstraint<float>("T"),
+                        SyncHeaderOp<float>);
+REGISTER_KERNEL_BUILDER(
+    Name("NestpipeSyncHeader").Device(DEVICE_CPU).TypeConstraint<double>("T"),
+    SyncHeaderOp<double>);
+
+REGISTER_OP("NestpipeSyncPlanPad")
+    .Input("sync_slots: int32")
+    .Input("largest: T")
+    .Input("sync_counts: int32")
+    .Attr("capacities: list(int)")
+    .Attr("max_slots: int = 0")
+    .Attr("T: {float, double, int32}")
+    .Output("slots: int32")
+    .Output("bucket: int32")
+    .Output("capacity: int32")
+    .Output("rows_sent: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle slots;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &slots));
+      c->set_output(0, c->Matrix(c->Dim(slots, 0), c->UnknownDim()));
+      c->set_output(1, c->Scalar());
+      c->set_output(2, c->Scalar());
+      c->set_output(3, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+Finishes an owner's sync plan once every owner's largest sync count is known (from the rows
+all-to-all's headers): the sync's padded size is the bucketed capacity of max(largest, 1)
+(`capacities`, as NestpipeCapacityBucket); `slots` is sync_slots ([W, S], from NestpipeSyncPlan)
+cut or padded with -1 to that many columns; `rows_sent` the sum of sync_counts. With max_slots
+> 0, S (the prefetch's capacity) must be below it (the sync's positions travel as floats).
+)doc");
+
+template <typename T>
+class SyncPlanPadOp : public OpKernel {
+ public:
+  explicit SyncPlanPadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
+    OP_REQUIRES_OK(ctx, CheckCapacities(capacities_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_slots", &max_slots_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& slots_t = ctx->input(0);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(slots_t.shape()),
+                errors::InvalidArgument("sync_slots must be [W, S], got ",
+                                        slots_t.shape().DebugString()));
+    const int64_t w = slots_t.dim_size(0), width = slots_t.dim_size(1);
+    OP_REQUIRES(ctx, max_slots_ <= 0 || width < max_slots_,
+                errors::InvalidArgument("prefetch capacity ", width, " too large for the float "
+                                        "position column (must be below ", max_slots_, ")"));
+    const auto largest_values = ctx->input(1).flat<T>();
+    int64_t largest = 1;
+    for (int64_t i = 0; i < largest_values.size(); ++i) {
+      largest = std::max(largest, static_cast<int64_t>(largest_values(i)));
+    }
+    int32 bucket, capacity;
+    OP_REQUIRES_OK(ctx, BucketOfSize(capacities_, largest, &bucket, &capacity));
+    Tensor* out_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, capacity}), &out_t));
+    const int32* slots = slots_t.flat<int32>().data();
+    int32* out = out_t->flat<int32>().data();
+    const int64_t kept = std::min<int64_t>(capacity, width);
+    for (int64_t b = 0; b < w; ++b) {
+      std::copy(slots + b * width, slots + b * width + kept, out + b * capacity);
+      std::fill(out + b * capacity + kept, out + (b + 1) * capacity, -1);
+    }
+    const auto counts = ctx->input(2).flat<int32>();
+    int64_t sent = 0;
+    for (int64_t i = 0; i < counts.size(); ++i) sent += counts(i);
+    Tensor* scalar;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &scalar));
+    scalar->scalar<int32>()() = bucket;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &scalar));
+    scalar->scalar<int32>()() = capacity;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &scalar));
+    scalar->scalar<int32>()() = static_cast<int32>(sent);
+  }
+
+ private:
+  std::vector<int64_t> capacities_;
+  int64_t max_slots_;
+};
+#define NESTPIPE_REGISTER_PLAN_PAD(T)                                                 \
+  REGISTER_KERNEL_BUILDER(                                                            \
+      Name("NestpipeSyncPlanPad").Device(DEVICE_CPU).TypeConstraint<T>("T"),          \
+      SyncPlanPadOp<T>);
+NESTPIPE_REGISTER_PLAN_PAD(float)
+NESTPIPE_REGISTER_PLAN_PAD(double)
+NESTPIPE_REGISTER_PLAN_PAD(int32)
+#undef NESTPIPE_REGISTER_PLAN_PAD
 
 }  // namespace nestpipe
 }  // namespace tensorflow

@@ -224,3 +224,58 @@ def test_sync_rows_payload_and_patch_errors():
         ops.apply_sync_payload(tf.zeros([4, 2]), [[[0, 0, -1]], [[1, 1, 2]]], [2, 2])
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="received|Dimension"):
         ops.apply_sync_payload(tf.zeros([4, 2]), tf.zeros([2, 1, 2]), [2, 2])
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_sync_header_matches_numpy(dtype):
+    """Row 0 of each requester's header block holds its sync count, row 1 the largest count, in
+    column 0; everything else is zero."""
+    counts = np.array([3, 0, 7], np.int32)
+    expected = np.zeros([3, 2, 4], dtype)
+    expected[:, 0, 0] = counts
+    expected[:, 1, 0] = counts.max()
+    header = ops.sync_header(counts, 4, tf.as_dtype(dtype))
+    assert header.dtype == tf.as_dtype(dtype) and header.shape == [3, 2, 4]
+    np.testing.assert_array_equal(header.numpy(), expected)
+    np.testing.assert_array_equal(ops.sync_header(np.zeros([1], np.int32), 1, tf.float32).numpy(),
+                                  np.zeros([1, 2, 1], np.float32))
+
+
+def _plan_pad_reference(slots, largest, counts):
+    """`sync_plan_pad` in NumPy and `capacity_bucket`."""
+    from tf_nestpipe.collectives.communication import capacity_bucket
+    bucket, capacity = (int(v) for v in capacity_bucket(max(1, int(np.max(largest, initial=0)))))
+    padded = np.full([slots.shape[0], capacity], -1, np.int32)
+    kept = min(capacity, slots.shape[1])
+    padded[:, :kept] = slots[:, :kept]
+    return padded, bucket, capacity, int(counts.sum())
+
+
+@pytest.mark.parametrize("largest_dtype", [np.float32, np.float64, np.int32])
+@pytest.mark.parametrize("largest, width", [([2.0, 5.0], 9), ([30.0, 1.0], 4), ([0.0, 0.0], 3),
+                                           ([], 2)])
+def test_sync_plan_pad_matches_numpy(largest_dtype, largest, width):
+    """The plan is cut (a wide plan) or padded with -1 (a narrow one) to the bucketed capacity
+    of every owner's largest count (at least 1); rows_sent is the sum of this owner's counts."""
+    from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES
+    rng = np.random.default_rng(width)
+    slots = rng.integers(-1, 50, [2, width]).astype(np.int32)
+    counts = np.array([4, 1], np.int32)
+    largest = np.array(largest, largest_dtype)
+    got = ops.sync_plan_pad(slots, largest, counts, EXCHANGE_CAPACITIES)
+    expected = _plan_pad_reference(slots, largest, counts)
+    np.testing.assert_array_equal(got[0].numpy(), expected[0])
+    assert [int(v) for v in got[1:]] == list(expected[1:])
+    assert all(t.dtype == tf.int32 for t in got)
+
+
+def test_sync_plan_pad_errors():
+    from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES
+    slots = np.zeros([2, 8], np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="prefetch capacity 8 too large"):
+        ops.sync_plan_pad(slots, [1.0], [0, 0], EXCHANGE_CAPACITIES, max_slots=8)
+    ops.sync_plan_pad(slots, [1.0], [0, 0], EXCHANGE_CAPACITIES, max_slots=9)  # the control
+    with pytest.raises(tf.errors.InvalidArgumentError, match="exceeds the largest capacity 9"):
+        ops.sync_plan_pad(slots, [10.0], [0, 0], [1, 4, 9])
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="strictly increasing"):
+        ops.sync_plan_pad(slots, [1.0], [0, 0], [1, 4, 4])

@@ -39,6 +39,8 @@ _EAGER_KEY_BASE = (1 << 30) + (1 << 29)  # eager collectives (full_table) take f
 
 
 MAX_BUCKET = len(_CAPACITIES) - 1
+# The capacities, for an op that buckets a size itself (as `capacity_bucket` does) on its way.
+EXCHANGE_CAPACITIES = tuple(_CAPACITIES)
 
 
 def capacity_bucket(capacity):

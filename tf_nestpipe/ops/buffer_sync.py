@@ -13,6 +13,26 @@ def sync_plan(slot_to_unique, local_rows, updated_rows, num_requesters, all_upda
         tf.cast(updated_rows, tf.int64), num_requesters=num_requesters, all_updated=all_updated)
 
 
+def sync_header(sync_counts, dim, dtype):
+    """`[W, 2, dim]` `dtype` header rows of a prefetch with a sync plan (`gather_blocks`' header):
+    per requester its `sync_counts` entry (row 0) and the largest entry (row 1), in column 0 as
+    floats (exact below 2**24), zeros elsewhere. One op."""
+    return load_op_library().nestpipe_sync_header(tf.cast(sync_counts, tf.int32), dim=int(dim),
+                                                  T=dtype)
+
+
+def sync_plan_pad(sync_slots, largest, sync_counts, capacities, max_slots=0):
+    """Finishes a `sync_plan` once every owner's largest count is known: returns `(slots [W, C],
+    bucket, C, rows_sent)` (int32), C the bucketed capacity (`capacities`, as `capacity_bucket`)
+    of max(max(`largest`), 1) (`largest`: float or int32 values, e.g. the counts the owners
+    sent in their headers), `sync_slots` cut or padded with -1 to C columns, and the sum of
+    `sync_counts`. With `max_slots` > 0 a `sync_slots` of `max_slots` columns or more raises
+    (the sync's positions travel as floats). One op."""
+    return load_op_library().nestpipe_sync_plan_pad(
+        tf.cast(sync_slots, tf.int32), largest, tf.cast(sync_counts, tf.int32),
+        capacities=list(capacities), max_slots=int(max_slots))
+
+
 def buffer_sync(buffer, positions, fresh_rows):
     """Returns `buffer` with row `positions[k]` replaced by `fresh_rows[k]` (-1 skipped)."""
     return load_op_library().nestpipe_buffer_sync(buffer, tf.cast(positions, tf.int32), fresh_rows)
@@ -64,6 +84,8 @@ tf.no_gradient("NestpipeApplySyncPayload")
 tf.no_gradient("NestpipeGatherBlocks")
 tf.no_gradient("NestpipeGatherFromBlocks")
 tf.no_gradient("NestpipeBufferSync")
+tf.no_gradient("NestpipeSyncHeader")
+tf.no_gradient("NestpipeSyncPlanPad")
 
 
 def pack_per_peer(blocks, lengths, capacity):

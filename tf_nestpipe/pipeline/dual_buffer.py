@@ -28,7 +28,7 @@ from typing import NamedTuple
 import tensorflow as tf
 
 from tf_nestpipe import ops
-from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES, capacity_bucket
 from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, from_int64_words, header_rows,
                                           int32_bits, int64_words, pack_header, unpack_header)
 from tf_nestpipe.sharding.lookup import exchange_rows
@@ -72,19 +72,18 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     num_shards, dim = layout.num_shards, layout.dim
     slots, counts = ops.sync_plan(routing.slot_to_unique, routing.local_rows, updated_rows,
                                   num_shards, all_updated=all_updated)
-    # The sync (apply_sync) sends each row's slot position in a float column.
-    tf.debugging.assert_less(routing.capacity, _MAX_EXACT_POSITION,
-                             message="prefetch capacity too large for the float position column")
     if wire.forward.exact:
         rows, largest = _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire,
                                              num_shards, dim)
     else:
         rows, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire,
                                                 num_shards, dim)
-    bucket, capacity = capacity_bucket(tf.maximum(largest, 1))
-    width = tf.minimum(capacity, tf.shape(slots)[1])
-    plan = {"slots": tf.pad(slots[:, :width], [[0, 0], [0, capacity - width]], constant_values=-1),
-            "bucket": bucket, "capacity": capacity, "rows_sent": tf.reduce_sum(counts)}
+    # One op: the sync's padded size (every owner's largest count, bucketed) and the slots cut
+    # or padded to it; the sync (apply_sync) sends each row's slot position in a float column,
+    # so a prefetch of 2**24 slots or more per requester is refused.
+    slots, bucket, capacity, rows_sent = ops.sync_plan_pad(
+        slots, largest, counts, EXCHANGE_CAPACITIES, max_slots=_MAX_EXACT_POSITION)
+    plan = {"slots": slots, "bucket": bucket, "capacity": capacity, "rows_sent": rows_sent}
     return PrefetchedRows(routing, rows), plan
 
 
@@ -93,9 +92,7 @@ def _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire, num_sha
     returns (the received rows, one per bucketed unique id, every owner's largest sync count).
     The blocks are gathered behind their header rows and read past them by two ops, never
     concatenated or sliced (each a copy of the whole exchange)."""
-    header = tf.stack([tf.cast(counts, owned.dtype),
-                       tf.fill([num_shards], tf.cast(tf.reduce_max(counts), owned.dtype))], 1)
-    header = tf.pad(header[..., None], [[0, 0], [0, 0], [0, dim - 1]])  # [W, 2, dim]
+    header = ops.sync_header(counts, dim, owned.dtype)  # [W, 2, dim]
     outgoing = ops.gather_blocks(owned, routing.slot_to_unique, header)
     # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
     send_counts = _SYNC_HEADER_ROWS + routing.received
@@ -103,8 +100,7 @@ def _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire, num_sha
         received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
                                           send_counts=send_counts)
     rows = ops.gather_from_blocks(received, routing.slot_of_bucket_pos, _SYNC_HEADER_ROWS)
-    largest = tf.cast(tf.reduce_max(received[:, 1, 0]), tf.int32)  # every owner's largest count
-    return rows, largest
+    return rows, received[:, 1, 0]  # every owner's largest count
 
 
 def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_shards, dim):
@@ -122,7 +118,7 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
         received = collectives.all_to_all(outgoing, codec.tag(tag + "/rows_with_plan"),
                                           routing.bucket, send_counts=send_counts)
     incoming = tf.reshape(codec.decode(received[:, head:], dim, owned.dtype), [-1, dim])
-    largest = tf.reduce_max(unpack_header(received[:, :head], 2)[:, 1])
+    largest = unpack_header(received[:, :head], 2)[:, 1]  # every owner's largest count
     return ops.gather_rows(incoming, routing.slot_of_bucket_pos), largest
 
 
