@@ -1,10 +1,12 @@
 """`TensorStore`: a structure kept between steps in one variable, read back with its static
 shapes; a value of another shape relaxes the spec (and counts a version); a value of another
 structure or dtype is refused."""
+import numpy as np
 import pytest
 import tensorflow as tf
 
-from tf_nestpipe.pipeline.state_store import VARY_ALL_DIMS, VARY_FIRST_DIM, TensorStore
+from tf_nestpipe.pipeline.state_store import (KEEP_SHAPES, VARY_ALL_DIMS, VARY_FIRST_DIM,
+                                              TensorStore)
 
 
 def _batch(rows):
@@ -79,3 +81,39 @@ def test_another_dtype_or_structure_is_refused():
         _round_trip(store, (tf.zeros([2, 3]), tf.zeros([2, 3])))
     # Positive control: the stored structure and dtype are accepted.
     _round_trip(store, tf.ones([2, 3]))
+
+
+def test_a_store_of_parts_keeps_each_parts_policy_in_one_variable():
+    """A tuple of policies: part i relaxed as policy i says, all parts in one variable (two ops
+    to store and two to read); admit's None entries admit nothing more for their part."""
+    store = TensorStore("/cpu:0", "parts", (KEEP_SHAPES, VARY_FIRST_DIM, VARY_ALL_DIMS))
+    value = (_batch(4), tf.zeros([4, 3]), {"slots": tf.zeros([2, 5], tf.int32)})
+    admit = (dict(tf.nest.map_structure(tf.type_spec_from_value, _batch(4)),
+                  ids=tf.TensorSpec([None, 2], tf.int64)), None, None)
+    traced = []
+
+    @tf.function
+    def step(value):
+        with tf.control_dependencies(store.assign(value, admit=admit)):
+            read = store.read()
+        traced.append((tf.nest.map_structure(lambda t: t.shape, read),
+                       [op.type for op in tf.compat.v1.get_default_graph().get_operations()]))
+        return read
+
+    read = step(value)
+    (batch, rows, plan), types = traced[-1]
+    assert batch["ids"] == [None, 2] and batch["bag"] == [4, None]
+    assert rows == [None, 3] and plan["slots"] == [None, None]
+    assert store.version == 0
+    np.testing.assert_array_equal(read[0]["ids"].numpy(), _batch(4)["ids"].numpy())
+    np.testing.assert_array_equal(read[2]["slots"].numpy(), np.zeros([2, 5]))
+    assert types.count("AssignVariableOp") == 1 and types.count("OptionalGetValue") == 1
+    with pytest.raises(ValueError, match="holds a tuple of 3 parts"):
+        store.assign((_batch(4), tf.zeros([4, 3])))
+
+
+def test_a_bad_policy_is_refused():
+    with pytest.raises(ValueError, match="shapes must be one of"):
+        TensorStore("/cpu:0", "bad", "every")
+    with pytest.raises(ValueError, match="shapes must be one of"):
+        TensorStore("/cpu:0", "bad", (KEEP_SHAPES, "every"))

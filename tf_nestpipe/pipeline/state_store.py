@@ -24,11 +24,17 @@ class TensorStore:
     batch of another size, from a new `fit`) relaxes it to the most specific spec both fit and
     increments `version`: a function that reads the store must then be traced again, as its
     trace read the narrower spec (`TrainPipeline` rebuilds its step functions). The structure
-    and the dtypes are fixed by the first value."""
+    and the dtypes are fixed by the first value.
+
+    `shapes` may also be a tuple of policies: the store then holds a tuple of that many parts
+    (e.g. a batch, its buffers and their plans), part i under policy i, still in one variable
+    (two ops to store, two to read, for all the parts)."""
 
     def __init__(self, device, name, shapes=KEEP_SHAPES):
-        if shapes not in _POLICIES:
-            raise ValueError("shapes must be one of %s, got %r" % (_POLICIES, shapes))
+        policies = shapes if isinstance(shapes, tuple) else (shapes,)
+        if not policies or any(policy not in _POLICIES for policy in policies):
+            raise ValueError("shapes must be one of %s or a tuple of them, got %r"
+                             % (_POLICIES, shapes))
         self._device = device
         self._name = name
         self._shapes = shapes
@@ -37,18 +43,12 @@ class TensorStore:
         self.version = 0  # incremented whenever the spec is relaxed
 
     def _spec_of(self, value):
-        def leaf_spec(leaf):
-            spec = tf.type_spec_from_value(leaf)
-            if self._shapes == KEEP_SHAPES or not isinstance(spec, tf.TensorSpec):
-                return spec
-            rank = spec.shape.rank
-            if not rank:
-                return spec
-            if self._shapes == VARY_ALL_DIMS:
-                return tf.TensorSpec([None] * rank, spec.dtype)
-            return tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
-
-        return tf.nest.map_structure(leaf_spec, value)
+        if isinstance(self._shapes, tuple):
+            if not isinstance(value, tuple) or len(value) != len(self._shapes):
+                raise ValueError("%s holds a tuple of %d parts, got %r"
+                                 % (self._name, len(self._shapes), type(value).__name__))
+            return tuple(_spec_under(part, policy) for part, policy in zip(value, self._shapes))
+        return _spec_under(value, self._shapes)
 
     def _relaxed(self, stored, spec):
         """`stored` (a structure of TypeSpecs), relaxed until `spec` fits it (itself if it
@@ -73,8 +73,11 @@ class TensorStore:
         """Stores `value` (the structure and dtypes of the first value ever stored); returns the
         ops. `admit` (TypeSpecs of the same structure, e.g. an iterator's element spec when
         `value` is a batch it gave with more static shapes) relaxes the spec to admit them too,
-        so a later value of that spec needs no new trace."""
+        so a later value of that spec needs no new trace; for a store of parts, a tuple whose
+        None entries admit nothing more for their part."""
         spec = self._spec_of(value)
+        if admit is not None and isinstance(self._shapes, tuple):
+            admit = tuple(own if extra is None else extra for own, extra in zip(spec, admit))
         stored = spec if self._spec is None else self._relaxed(self._spec, spec)
         if admit is not None:
             stored = self._relaxed(stored, admit)
@@ -102,3 +105,19 @@ class TensorStore:
             output_types=[c.dtype for c in components],
             output_shapes=[c.shape for c in components])
         return tf.nest.pack_sequence_as(self._spec, flat, expand_composites=True)
+
+
+def _spec_under(value, policy):
+    """The TypeSpecs of `value`'s leaves, their dimensions relaxed as `policy` says."""
+    def leaf_spec(leaf):
+        spec = tf.type_spec_from_value(leaf)
+        if policy == KEEP_SHAPES or not isinstance(spec, tf.TensorSpec):
+            return spec
+        rank = spec.shape.rank
+        if not rank:
+            return spec
+        if policy == VARY_ALL_DIMS:
+            return tf.TensorSpec([None] * rank, spec.dtype)
+        return tf.TensorSpec([None] + spec.shape[1:].as_list(), spec.dtype)
+
+    return tf.nest.map_structure(leaf_spec, value)

@@ -38,7 +38,8 @@ from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
                                                  lookup_counts, prefetch_lookups, rows_requested,
                                                  shares_of)
-from tf_nestpipe.pipeline.state_store import VARY_ALL_DIMS, VARY_FIRST_DIM, TensorStore
+from tf_nestpipe.pipeline.state_store import (KEEP_SHAPES, VARY_ALL_DIMS, VARY_FIRST_DIM,
+                                              TensorStore)
 from tf_nestpipe.sharding.fetch import installed
 from tf_nestpipe.tracing import IteratorStep, user_function
 
@@ -117,15 +118,15 @@ class TrainPipeline:
         self._exchange = strategy.extended.embedding_exchange
         self._collectives = self._exchange.collectives
         device = strategy.extended.worker_devices[0]
-        # Between steps, in worker-local variables: the batch to compute next, the prefetch
-        # buffers holding its rows (with its routing), and the batch after it. The batches keep
-        # their static shapes (as the iterator gives them); the buffers' sizes vary by batch.
-        self._current = TensorStore(device, "nestpipe_current_batch")
-        self._states = TensorStore(device, "nestpipe_prefetch_buffers", VARY_FIRST_DIM)
-        # Their sync plans: the fresh rows they still need (applied at the next step's start).
-        self._pending = TensorStore(device, "nestpipe_pending_sync", VARY_ALL_DIMS)
-        # The ids its frozen window's dynamic-table lookups recorded (see BufferReader).
-        self._dynamic = TensorStore(device, "nestpipe_dynamic_ids", VARY_FIRST_DIM)
+        # Between steps, in worker-local variables: the batch to compute next with what it
+        # needs, and the batch after it. What the next step computes is one store of four parts
+        # (one variable: two ops to store them and two to read, not eight and eight): the batch
+        # (its static shapes, as the iterator gives them), the prefetch buffers holding its rows
+        # with its routing (sizes vary by batch), their sync plans (the fresh rows they still
+        # need, applied at the next step's start) and the ids its frozen window's dynamic-table
+        # lookups recorded (see BufferReader).
+        self._next_step = TensorStore(device, "nestpipe_next_step",
+                                      (KEEP_SHAPES, VARY_FIRST_DIM, VARY_ALL_DIMS, VARY_FIRST_DIM))
         self._upcoming = TensorStore(device, "nestpipe_upcoming_batch")
         # {(group, round key): lookups} of the model's route pass (the same for every batch),
         # learnt where a step's route pass is traced and read by the compute passes.
@@ -141,8 +142,7 @@ class TrainPipeline:
         self._synchronous = IteratorStep(tf.function(self._synchronous_step))
 
     def _stores_version(self):
-        return sum(store.version for store in (self._current, self._states, self._pending,
-                                               self._dynamic, self._upcoming))
+        return self._next_step.version + self._upcoming.version
 
     def _build_pipelined_steps(self):
         """(Re)creates the step functions that read the stores, to be traced with the stores'
@@ -260,10 +260,8 @@ class TrainPipeline:
         # The current store admits the upcoming batches' spec (the iterator's optional element
         # may have a dimension `next` gives statically): the pipelined step moves them into it.
         upcoming_spec = tf_private.single_replica_spec(optional.element_spec)
-        with tf.control_dependencies(self._current.assign(batch, admit=upcoming_spec)
-                                     + self._states.assign(states)
-                                     + self._pending.assign(pending)
-                                     + self._dynamic.assign(dynamic_ids)):
+        with tf.control_dependencies(self._next_step.assign(
+                (batch, states, pending, dynamic_ids), admit=(upcoming_spec, None, None, None))):
             # Without one, the upcoming store holds the batch itself, as it holds the last batch
             # after a pipelined step: the drain prefetches it again (see `_advance`).
             return self._store_if_present(self._upcoming, has_upcoming, optional,
@@ -272,9 +270,8 @@ class TrainPipeline:
     def _pipelined_step(self, iterator=None):
         """Computes the current batch while prefetching the upcoming one; with an `iterator`,
         reads the batch after next (without: trains a held batch, reading nothing)."""
-        batch, next_batch, states, pending, dynamic_ids = (
-            self._current.read(), self._upcoming.read(), self._states.read(),
-            self._pending.read(), self._dynamic.read())
+        next_batch = self._upcoming.read()
+        batch, states, pending, dynamic_ids = self._next_step.read()
         # The current batch's share sizes are known (its keys exchange carried them a step ago):
         # a refused batch (unequal shares) fails the step on every worker before any collective
         # of the step starts (the iterator's too), none left half-done with peers waiting on it.
@@ -296,10 +293,8 @@ class TrainPipeline:
             self._step_gate = []
         next_states, plans, next_dynamic, received, sent, requested = self._local(
             (next_states, plans, next_dynamic, received, sent, requested))
-        with tf.control_dependencies(self._current.assign(next_batch)
-                                     + self._states.assign(next_states)
-                                     + self._pending.assign(plans)
-                                     + self._dynamic.assign(next_dynamic)):
+        with tf.control_dependencies(self._next_step.assign(
+                (next_batch, next_states, plans, next_dynamic))):
             if iterator is None:
                 has_upcoming = tf.identity(tf.constant(False))
             else:
