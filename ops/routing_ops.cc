@@ -508,6 +508,96 @@ class CapacityBucketOp : public OpKernel {
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeCapacityBucket").Device(DEVICE_CPU), CapacityBucketOp);
 
+REGISTER_OP("NestpipeKeysBlock")
+    .Input("keys: int64")
+    .Input("splits: int32")
+    .Input("header: int64")
+    .Input("rider: int64")
+    .Input("hint_bucket: int32")
+    .Attr("capacities: list(int)")
+    .Output("block: int64")
+    .Output("send_counts: int32")
+    .Output("bucket: int32")
+    .Output("key_capacity: int32")
+    .SetShapeFn([](InferenceContext* c) {
+      ShapeHandle splits, rider;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &splits));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 2, &rider));
+      c->set_output(0, c->Matrix(c->Dim(splits, 0), c->UnknownDim()));
+      c->set_output(1, c->Vector(c->Dim(splits, 0)));
+      c->set_output(2, c->Scalar());
+      c->set_output(3, c->Scalar());
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+The first keys all-to-all of a route, in one op. `keys` are bucketed by owner (splits[j] for
+owner j); the exchange's padded width is the bucketed capacity (`capacities`) of R + the hint's
+capacity (capacities[hint_bucket]), R = rider's width (0: no rider), so `key_capacity` = that
+capacity - R keys per owner travel in it. Block row j: `header` (H entries), rider[j] (R), owner
+j's first min(splits[j], key_capacity) keys, then -1 up to key_capacity. `send_counts[j]` =
+H + R + min(splits[j], key_capacity) (the entries that carry data); `bucket` the capacity's
+index (the exchange's instance-key offset). Keys beyond key_capacity go in an overflow round.
+)doc");
+
+class KeysBlockOp : public OpKernel {
+ public:
+  explicit KeysBlockOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
+    OP_REQUIRES_OK(ctx, CheckCapacities(capacities_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const auto keys = ctx->input(0).flat<int64_t>();
+    const auto splits = ctx->input(1).flat<int32>();
+    const auto header = ctx->input(2).flat<int64_t>();
+    const Tensor& rider_t = ctx->input(3);
+    const int32 hint_bucket = ctx->input(4).scalar<int32>()();
+    const int64_t w = splits.size(), h = header.size(), r = rider_t.dim_size(1);
+    OP_REQUIRES(ctx, rider_t.dim_size(0) == w || (r == 0 && rider_t.dim_size(0) == 0),
+                errors::InvalidArgument("rider must be [", w, ", R], got ",
+                                        rider_t.shape().DebugString()));
+    OP_REQUIRES(ctx, hint_bucket >= 0 && hint_bucket < static_cast<int64_t>(capacities_.size()),
+                errors::InvalidArgument("hint bucket ", hint_bucket, " is out of range [0, ",
+                                        capacities_.size(), ")"));
+    int64_t total = 0;
+    for (int64_t j = 0; j < w; ++j) {
+      OP_REQUIRES(ctx, splits(j) >= 0, errors::InvalidArgument("negative split ", splits(j)));
+      total += splits(j);
+    }
+    OP_REQUIRES(ctx, total == keys.size(),
+                errors::InvalidArgument("splits sum to ", total, " but there are ", keys.size(),
+                                        " keys"));
+    int32 bucket, padded;
+    OP_REQUIRES_OK(ctx, BucketOfSize(capacities_, r + capacities_[hint_bucket], &bucket, &padded));
+    const int64_t key_capacity = padded - r, width = h + padded;
+    Tensor *block_t, *counts_t, *bucket_t, *capacity_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({w, width}), &block_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({w}), &counts_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({}), &bucket_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({}), &capacity_t));
+    int64_t* block = block_t->flat<int64_t>().data();
+    const int64_t* rider = r ? rider_t.flat<int64_t>().data() : nullptr;
+    auto counts = counts_t->flat<int32>();
+    int64_t start = 0;
+    for (int64_t j = 0; j < w; ++j) {
+      int64_t* row = block + j * width;
+      std::copy(header.data(), header.data() + h, row);
+      if (r) std::copy(rider + j * r, rider + (j + 1) * r, row + h);
+      const int64_t sent = std::min<int64_t>(splits(j), key_capacity);
+      std::copy(keys.data() + start, keys.data() + start + sent, row + h + r);
+      std::fill(row + h + r + sent, row + width, -1);
+      counts(j) = static_cast<int32>(h + r + sent);
+      start += splits(j);
+    }
+    bucket_t->scalar<int32>()() = bucket;
+    capacity_t->scalar<int32>()() = static_cast<int32>(key_capacity);
+  }
+
+ private:
+  std::vector<int64_t> capacities_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeKeysBlock").Device(DEVICE_CPU), KeysBlockOp);
+
 REGISTER_OP("NestpipeBucketSlots")
     .Input("split_sizes: int32")
     .Input("capacity: int32")

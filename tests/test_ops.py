@@ -332,6 +332,55 @@ def test_capacity_bucket_matches_numpy_searchsorted(shape):
     assert bucket.shape == padded.shape == tuple(shape)
 
 
+def _keys_block_reference(keys, splits, header, rider, hint_bucket, capacities):
+    """NestpipeKeysBlock in NumPy."""
+    w, r = len(splits), rider.shape[1]
+    bucket = int(np.searchsorted(capacities, r + capacities[hint_bucket], side="left"))
+    key_capacity = capacities[bucket] - r
+    block = np.full([w, len(header) + r + key_capacity], -1, np.int64)
+    counts, start = [], 0
+    for j, n in enumerate(splits):
+        sent = min(n, key_capacity)
+        block[j, :len(header)] = header
+        block[j, len(header):len(header) + r] = rider[j]
+        block[j, len(header) + r:len(header) + r + sent] = keys[start:start + sent]
+        counts.append(len(header) + r + sent)
+        start += n
+    return block, counts, bucket, key_capacity
+
+
+@pytest.mark.parametrize("splits, rider_width, hint_bucket", [
+    ([3, 0, 2], 0, 1),  # every key fits (capacity 4)
+    ([6, 1, 2], 0, 1),  # owner 0's keys beyond the capacity stay out (the overflow round's)
+    ([3, 0, 2], 3, 1),  # a rider: the bucket of 3 + 4 (9) leaves 6 for keys
+    ([2, 2, 2], 0, 0),  # a hint of 1
+])
+def test_keys_block_matches_numpy(splits, rider_width, hint_bucket):
+    capacities = [1, 4, 9, 16]
+    rng = np.random.default_rng(sum(splits) + rider_width)
+    keys = rng.integers(0, 1000, sum(splits)).astype(np.int64)
+    header = np.array(splits + [77], np.int64)
+    rider = rng.integers(-5, 5, [len(splits), rider_width]).astype(np.int64)
+    got = ops.keys_block(keys, splits, header, rider, hint_bucket, capacities)
+    expected = _keys_block_reference(keys, splits, header, rider, hint_bucket, capacities)
+    np.testing.assert_array_equal(got[0].numpy(), expected[0])
+    assert got[1].numpy().tolist() == expected[1]
+    assert [int(got[2]), int(got[3])] == list(expected[2:])
+
+
+def test_keys_block_errors():
+    capacities = [1, 4, 9]
+    none = np.zeros([2, 0], np.int64)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits sum to 3 but there are 2"):
+        ops.keys_block([1, 2], [1, 2], [0], none, 0, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="hint bucket 3 is out of range"):
+        ops.keys_block([1, 2], [1, 1], [0], none, 3, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rider must be"):
+        ops.keys_block([1, 2], [1, 1], [0], np.zeros([3, 1], np.int64), 0, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="exceeds the largest capacity 9"):
+        ops.keys_block([1, 2], [1, 1], [0], np.zeros([2, 6], np.int64), 1, capacities)
+
+
 def test_capacity_bucket_boundaries_and_errors():
     bucket, padded = ops.capacity_bucket([1, 2, 3, 4, 9], [1, 4, 9])
     assert bucket.numpy().tolist() == [0, 1, 1, 1, 2]

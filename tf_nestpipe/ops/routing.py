@@ -82,6 +82,19 @@ def capacity_bucket(capacity, capacities):
                                                       capacities=list(capacities))
 
 
+def keys_block(keys, splits, header, rider, hint_bucket, capacities):
+    """The first keys all-to-all's block, in one op: returns `(block [W, H + R + key_capacity]
+    int64, send_counts [W], bucket, key_capacity)` (int32). `keys` are bucketed by owner
+    (`splits`); the exchange is padded to the bucketed capacity (`capacities`, as
+    `capacity_bucket`) of R + `capacities[hint_bucket]`, R = `rider`'s width (`[W, R]` int64;
+    `[W, 0]` for none). Row j: `header` (`[H]`), `rider[j]`, owner j's first
+    min(splits[j], key_capacity) keys, then -1; `send_counts[j]` the entries that carry data."""
+    return load_op_library().nestpipe_keys_block(
+        tf.convert_to_tensor(keys, tf.int64), tf.convert_to_tensor(splits, tf.int32),
+        tf.convert_to_tensor(header, tf.int64), tf.convert_to_tensor(rider, tf.int64),
+        tf.convert_to_tensor(hint_bucket, tf.int32), capacities=list(capacities))
+
+
 def bucket_slots(splits, capacity):
     """The slot of each bucketed key in a rows exchange (`[sum(splits)]` int32): owner j's
     `splits[j]` keys at slots `j * capacity + 0, 1, ...` (a split above `capacity` raises)."""
@@ -109,6 +122,7 @@ def window_grad_index(routings, capacity):
 tf.no_gradient("NestpipeCheckIds")
 tf.no_gradient("NestpipeFuseIds")
 tf.no_gradient("NestpipeRouteKeys")
+tf.no_gradient("NestpipeKeysBlock")
 tf.no_gradient("NestpipeOwnerRounds")
 tf.no_gradient("NestpipeWindowLayout")
 tf.no_gradient("NestpipeBucketSlots")
