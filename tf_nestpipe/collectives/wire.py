@@ -98,10 +98,12 @@ class WireStats:
         """Adds `amount` (int64) to counter `name`; returns the op."""
         return self._counters[name].assign_add(tf.cast(amount, tf.int64), read_value=False)
 
-    def count_sent(self, kind, wire, collectives, send_counts=None):
+    def count_sent(self, kind, wire, collectives, send_counts=None, uncounted=0):
         """Counts the bytes of the padded `[W, capacity, ...]` `wire` tensor that leave this
         worker (its own block stays): whole blocks on a padded backend, the first
-        `send_counts[j]` entries of each block on one with variable splits. Returns the op."""
+        `send_counts[j]` entries of each block on one with variable splits. `uncounted`
+        (entries of each block, e.g. another kind's rider counted by its sender) is left out
+        on a padded backend; `send_counts` must already leave them out. Returns the op."""
         static = wire.shape
         if static.rank is not None and static[2:].is_fully_defined():
             # The usual case (dims known when traced): a few ops on the hot path, not a dozen.
@@ -112,11 +114,12 @@ class WireStats:
         if send_counts is not None and getattr(collectives, "backend", "tf") == "horovod":
             counts = tf.cast(send_counts, tf.int64)
             entries = tf.reduce_sum(counts) - counts[collectives.worker_index]
-        elif static.rank is not None and static[0] is not None:
-            entries = (static[0] - 1) * tf.shape(wire, out_type=tf.int64)[1]
         else:
             shape = tf.shape(wire, out_type=tf.int64)
-            entries = (shape[0] - 1) * shape[1]
+            blocks = static[0] if static.rank is not None and static[0] is not None else shape[0]
+            columns = shape[1] if isinstance(uncounted, int) and not uncounted else (
+                shape[1] - tf.cast(uncounted, tf.int64))
+            entries = (blocks - 1) * columns
         return self.add(kind, entries * entry_bytes)
 
     def read(self):
@@ -240,11 +243,12 @@ class Wire:
         self.backward = Codec(self.dtype.backward)
         self.stats = stats
 
-    def count(self, kind, wire, collectives, send_counts=None):
-        """Control dependencies that count `wire`'s bytes (none without stats)."""
+    def count(self, kind, wire, collectives, send_counts=None, uncounted=0):
+        """Control dependencies that count `wire`'s bytes (none without stats; see
+        `WireStats.count_sent`)."""
         if self.stats is None:
             return []
-        return [self.stats.count_sent(kind, wire, collectives, send_counts)]
+        return [self.stats.count_sent(kind, wire, collectives, send_counts, uncounted)]
 
     def exchange(self, codec, kind, block, collectives, tag, bucket, send_counts=None):
         """`collectives.all_to_all` of a float `[W, capacity, dim]` block through `codec`:

@@ -40,8 +40,12 @@ class CapacityHint:
 
     def read(self):
         """`(bucket, capacity)` for this step's keys all-to-all."""
-        bucket = self._bucket.read_value()
+        bucket = self.read_bucket()
         return bucket, capacity_of_bucket(bucket)
+
+    def read_bucket(self):
+        """The bucket of this step's keys all-to-all (its capacity: `capacity_of_bucket`)."""
+        return self._bucket.read_value()
 
     def count_overflow(self):
         """Counts one overflow round (a second keys all-to-all); returns the op."""

@@ -21,7 +21,7 @@ every exchange sends (the keys are never compressed); None is fp32, uncounted.
 import tensorflow as tf
 
 from tf_nestpipe import ops
-from tf_nestpipe.collectives.communication import capacity_bucket
+from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES, capacity_bucket
 from tf_nestpipe.collectives.wire import PLAIN
 from tf_nestpipe.sharding.records import RoutingRecord
 
@@ -45,35 +45,33 @@ def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, h
     right behind the header: block j carries `rider[j]` to worker j, and the result's third
     element is `[W, R]`, row i from worker i (None without a rider). The keys then fill the
     bucketed size of R + the hint, so the exchange keeps one shape per instance key."""
-    splits64 = tf.cast(splits, tf.int64)
-    by_owner = tf.RaggedTensor.from_row_lengths(keys, splits64)
-    hint_bucket, hint_capacity = hint.read()
     share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
     header = tf.concat([tf.cast(counts, tf.int64), [share]], 0)
     width = header.shape[0]
-    if rider is None:
-        bucket, key_capacity, lead = hint_bucket, hint_capacity, width
-        blocks = [tf.tile(header[None, :], [num_shards, 1])]
+    has_rider = rider is not None
+    if not has_rider:
+        rider_width, rider = 0, tf.zeros([num_shards, 0], tf.int64)
     else:
+        rider = tf.cast(rider, tf.int64)
         rider_width = tf.shape(rider, out_type=tf.int32)[1]
-        bucket, padded = capacity_bucket(rider_width + hint_capacity)
-        key_capacity, lead = padded - rider_width, width + rider_width
-        blocks = [tf.tile(header[None, :], [num_shards, 1]), tf.cast(rider, tf.int64)]
-    first = tf.concat(blocks + [_padded(by_owner[:, :key_capacity], key_capacity)], axis=1)
-    first_counts = lead + tf.minimum(splits, key_capacity)
+    # One op: the block (header, rider, keys padded to what the bucket leaves them), its
+    # entries that carry data, the bucket and the keys' capacity.
+    first, first_counts, bucket, key_capacity = ops.keys_block(
+        keys, splits, header, rider, hint.read_bucket(), EXCHANGE_CAPACITIES)
+    lead = width + rider_width
     # The keys' bytes without the rider's (its sender counts them as its own kind).
-    keys_only = first if rider is None else tf.concat([first[:, :width], first[:, lead:]], 1)
-    with tf.control_dependencies(wire.count("keys", keys_only, collectives,
-                                            first_counts - (lead - width))):
+    with tf.control_dependencies(wire.count("keys", first, collectives,
+                                            first_counts - rider_width, uncounted=rider_width)):
         received_first = collectives.all_to_all(first, tag + "/keys", bucket,
                                                 send_counts=first_counts, fill=-1)
     headers = received_first[:, :width]
-    rider_in = None if rider is None else received_first[:, width:lead]
+    rider_in = received_first[:, width:lead] if has_rider else None
     # The keys every sender put in its block for this worker: it learns them all from the
     # headers' (equal on every worker) counts, so the overflow decision is the same everywhere.
     largest = tf.reduce_max(_keys_per_pair(headers, num_shards))
 
     def overflow():
+        by_owner = tf.RaggedTensor.from_row_lengths(keys, tf.cast(splits, tf.int64))
         extra_bucket, extra_capacity = capacity_bucket(largest - key_capacity)
         rest = _padded(by_owner[:, key_capacity:], extra_capacity)
         rest_counts = tf.maximum(splits - key_capacity, 0)
