@@ -31,7 +31,7 @@ from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES, capacity_bucket
 from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, from_int64_words, header_rows,
                                           int32_bits, int64_words, pack_header, unpack_header)
-from tf_nestpipe.sharding.lookup import exchange_rows
+from tf_nestpipe.sharding.lookup import fetched_rows
 from tf_nestpipe.sharding.records import PrefetchedRows
 
 # Float32 carries the slot position next to each synced row; exact below 2**24.
@@ -66,9 +66,8 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     # gradient path (`lookup_from_buffer`) reads no row (`FusedTables.gradient_carrier`).
     owned = tables.read_rows(routing.local_rows)
     if updated_rows is None:
-        incoming = exchange_rows(owned, routing, layout, collectives, tag, differentiable=False,
-                                 wire=wire)
-        return PrefetchedRows(routing, ops.gather_rows(incoming, routing.slot_of_bucket_pos)), None
+        rows = fetched_rows(owned, routing, layout, collectives, tag, wire=wire)
+        return PrefetchedRows(routing, rows), None
     num_shards, dim = layout.num_shards, layout.dim
     slots, counts = ops.sync_plan(routing.slot_to_unique, routing.local_rows, updated_rows,
                                   num_shards, all_updated=all_updated)

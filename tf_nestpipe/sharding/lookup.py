@@ -179,21 +179,31 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 
 
-def exchange_rows(owned, routing, layout, collectives, tag, differentiable=True, wire=None):
+def exchange_rows(owned, routing, layout, collectives, tag, wire=None):
     """Output stage: the owner's `owned` rows (one per `routing.local_rows`) go back to the
     requesters, in `wire`'s forward encoding (its backward one for the gradient). Returns the
     received rows in slot layout, `[num_shards * capacity, dim]`."""
     wire = wire or PLAIN
     outgoing = tf.reshape(ops.gather_rows(owned, routing.slot_to_unique),
                           [layout.num_shards, routing.capacity, layout.dim])
-    if differentiable:
-        # The gradient goes back to each owner for the rows received from it: splits[j].
-        incoming = wire.differentiable_exchange(outgoing, collectives, tag + "/rows",
-                                                routing.bucket, routing.received, routing.splits)
-    else:
-        incoming = wire.exchange(wire.forward, "forward", outgoing, collectives, tag + "/rows",
-                                 routing.bucket, routing.received)
+    # The gradient goes back to each owner for the rows received from it: splits[j].
+    incoming = wire.differentiable_exchange(outgoing, collectives, tag + "/rows",
+                                            routing.bucket, routing.received, routing.splits)
     return tf.reshape(incoming, [-1, layout.dim])
+
+
+def fetched_rows(owned, routing, layout, collectives, tag, wire=None):
+    """Output stage of a prefetch, without a gradient (a buffer's gradient path is its own):
+    the owner's `owned` rows (float32 or float64, one per `routing.local_rows`) go back to the
+    requesters in `wire`'s forward encoding. Returns the rows of the requester's bucketed
+    unique ids, in order (`[sum(splits), dim]`). The owner's blocks are gathered and the
+    requester's rows read out of them in one op each."""
+    wire = wire or PLAIN
+    no_header = tf.zeros([layout.num_shards, 0, layout.dim], owned.dtype)
+    outgoing = ops.gather_blocks(owned, routing.slot_to_unique, no_header)
+    incoming = wire.exchange(wire.forward, "forward", outgoing, collectives, tag + "/rows",
+                             routing.bucket, routing.received)
+    return ops.gather_from_blocks(incoming, routing.slot_of_bucket_pos, 0)
 
 
 def local_lookup(source, ids, tag):
