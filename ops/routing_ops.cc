@@ -6,6 +6,7 @@
 // shard k mod num_shards and lives there at local row k / num_shards.
 #include <algorithm>
 #include <cstdint>
+#include <limits>
 #include <string>
 #include <vector>
 
@@ -597,6 +598,146 @@ class KeysBlockOp : public OpKernel {
   std::vector<int64_t> capacities_;
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeKeysBlock").Device(DEVICE_CPU), KeysBlockOp);
+
+REGISTER_OP("NestpipeRouteCounts")
+    .Input("received: int64")
+    .Input("counts: int32")
+    .Attr("shard_index: int >= 0")
+    .Attr("rounds: int >= 1")
+    .Attr("capacities: list(int)")
+    .Output("largest: int32")
+    .Output("sent: int32")
+    .Output("round_capacities: int32")
+    .Output("shares: int32")
+    .Output("splits: rounds * int32")
+    .Output("received_counts: rounds * int32")
+    .Output("buckets: rounds * int32")
+    .Output("capacity: rounds * int32")
+    .Output("keys: rounds * int32")
+    .SetShapeFn([](InferenceContext* c) {
+      int rounds;
+      TF_RETURN_IF_ERROR(c->GetAttr("rounds", &rounds));
+      ShapeHandle received, counts;
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &received));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &counts));
+      auto w = c->Dim(counts, 0);
+      c->set_output(0, c->Scalar());
+      c->set_output(1, c->Matrix(w, rounds));
+      c->set_output(2, c->Vector(rounds));
+      c->set_output(3, c->Vector(w));
+      for (int r = 0; r < rounds; ++r) {
+        c->set_output(4 + r, c->Vector(w));
+        c->set_output(4 + rounds + r, c->Vector(w));
+        c->set_output(4 + 2 * rounds + r, c->Scalar());
+        c->set_output(4 + 3 * rounds + r, c->Scalar());
+        c->set_output(4 + 4 * rounds + r, c->Scalar());
+      }
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+What a worker learns from a route's keys all-to-all, in one op. Row i of `received` starts with
+sender i's header: its counts [W owners, rounds] flattened owner-major (keys it sends owner j in
+round r), then its share of the batch; `counts` [W, rounds] is this worker's own.
+
+largest: max over requester i and owner j of the keys i sent j, all rounds (every worker gets
+  the same: it decides the overflow round).
+sent: [W, rounds], the keys requester i sent this worker (shard_index) in round r.
+round_capacities[r] / capacity[r]: round r's rows exchange slots per requester, the bucketed
+  capacity (`capacities`) of max(1, the most keys any requester sent any owner in round r);
+  buckets[r] its index.
+shares: each sender's share entry. splits[r]: counts[:, r]; received_counts[r]: sent[:, r];
+keys[r]: the sum of splits[r] (this worker's distinct keys of round r).
+)doc");
+
+class RouteCountsOp : public OpKernel {
+ public:
+  explicit RouteCountsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("shard_index", &shard_index_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("rounds", &rounds_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("capacities", &capacities_));
+    OP_REQUIRES_OK(ctx, CheckCapacities(capacities_));
+  }
+
+  void Compute(OpKernelContext* ctx) override {
+    const Tensor& received_t = ctx->input(0);
+    const Tensor& counts_t = ctx->input(1);
+    const int64_t w = counts_t.dim_size(0), rounds = rounds_;
+    OP_REQUIRES(ctx, counts_t.dims() == 2 && counts_t.dim_size(1) == rounds,
+                errors::InvalidArgument("counts must be [W, ", rounds, "], got ",
+                                        counts_t.shape().DebugString()));
+    OP_REQUIRES(ctx, shard_index_ < w,
+                errors::InvalidArgument("shard_index ", shard_index_, " of ", w, " workers"));
+    const int64_t header = w * rounds + 1;
+    OP_REQUIRES(ctx, received_t.dims() == 2 && received_t.dim_size(0) == w &&
+                         received_t.dim_size(1) >= header,
+                errors::InvalidArgument("received must be [", w, ", >= ", header,
+                                        "] (each row headed by its sender's counts), got ",
+                                        received_t.shape().DebugString()));
+    const int64_t n = received_t.dim_size(1);
+    const int64_t* rec = received_t.flat<int64_t>().data();
+    const int32* own = counts_t.flat<int32>().data();
+    Tensor *largest_t, *sent_t, *caps_t, *shares_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &largest_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({w, rounds}), &sent_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({rounds}), &caps_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({w}), &shares_t));
+    int32* sent = sent_t->flat<int32>().data();
+    std::vector<int64_t> round_max(rounds, 0);
+    int64_t largest = 0;
+    for (int64_t i = 0; i < w; ++i) {
+      const int64_t* row = rec + i * n;
+      for (int64_t j = 0; j < w; ++j) {
+        int64_t pair = 0;
+        for (int64_t r = 0; r < rounds; ++r) {
+          const int64_t k = row[j * rounds + r];
+          OP_REQUIRES(ctx, k >= 0 && k <= std::numeric_limits<int32>::max(),
+                      errors::InvalidArgument("sender ", i, "'s header counts ", k,
+                                              " keys for owner ", j, " in round ", r));
+          pair += k;
+          round_max[r] = std::max(round_max[r], k);
+          if (j == shard_index_) sent[i * rounds + r] = static_cast<int32>(k);
+        }
+        largest = std::max(largest, pair);
+      }
+      shares_t->flat<int32>()(i) = static_cast<int32>(row[header - 1]);
+    }
+    largest_t->scalar<int32>()() = static_cast<int32>(
+        std::min<int64_t>(largest, std::numeric_limits<int32>::max()));
+    OpOutputList splits, received_counts, buckets, capacity, keys;
+    OP_REQUIRES_OK(ctx, ctx->output_list("splits", &splits));
+    OP_REQUIRES_OK(ctx, ctx->output_list("received_counts", &received_counts));
+    OP_REQUIRES_OK(ctx, ctx->output_list("buckets", &buckets));
+    OP_REQUIRES_OK(ctx, ctx->output_list("capacity", &capacity));
+    OP_REQUIRES_OK(ctx, ctx->output_list("keys", &keys));
+    for (int64_t r = 0; r < rounds; ++r) {
+      int32 bucket, padded;
+      OP_REQUIRES_OK(ctx, BucketOfSize(capacities_, std::max<int64_t>(round_max[r], 1), &bucket,
+                                       &padded));
+      caps_t->flat<int32>()(r) = padded;
+      Tensor *split_t, *rec_t, *bucket_t, *cap_t, *keys_t;
+      OP_REQUIRES_OK(ctx, splits.allocate(r, TensorShape({w}), &split_t));
+      OP_REQUIRES_OK(ctx, received_counts.allocate(r, TensorShape({w}), &rec_t));
+      OP_REQUIRES_OK(ctx, buckets.allocate(r, TensorShape({}), &bucket_t));
+      OP_REQUIRES_OK(ctx, capacity.allocate(r, TensorShape({}), &cap_t));
+      OP_REQUIRES_OK(ctx, keys.allocate(r, TensorShape({}), &keys_t));
+      int64_t total = 0;
+      for (int64_t j = 0; j < w; ++j) {
+        split_t->flat<int32>()(j) = own[j * rounds + r];
+        rec_t->flat<int32>()(j) = sent[j * rounds + r];
+        total += own[j * rounds + r];
+      }
+      bucket_t->scalar<int32>()() = bucket;
+      cap_t->scalar<int32>()() = padded;
+      keys_t->scalar<int32>()() = static_cast<int32>(total);
+    }
+  }
+
+ private:
+  int64_t shard_index_;
+  int64_t rounds_;
+  std::vector<int64_t> capacities_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeRouteCounts").Device(DEVICE_CPU), RouteCountsOp);
 
 REGISTER_OP("NestpipeBucketSlots")
     .Input("split_sizes: int32")

@@ -381,6 +381,62 @@ def test_keys_block_errors():
         ops.keys_block([1, 2], [1, 1], [0], np.zeros([2, 6], np.int64), 1, capacities)
 
 
+def _route_counts_reference(received, counts, shard_index, capacities):
+    """NestpipeRouteCounts in NumPy."""
+    w, rounds = counts.shape
+    every = received[:, :w * rounds].reshape(w, w, rounds)  # [requester, owner, round]
+    largest = int(every.sum(axis=2).max())
+    sent = every[:, shard_index, :]
+    round_max = np.maximum(every.max(axis=(0, 1)), 1)
+    buckets = np.searchsorted(capacities, round_max, side="left")
+    return {"largest": largest, "sent": sent, "capacities": np.asarray(capacities)[buckets],
+            "shares": received[:, w * rounds], "splits": [counts[:, r] for r in range(rounds)],
+            "received": [sent[:, r] for r in range(rounds)], "buckets": list(buckets),
+            "keys": [counts[:, r].sum() for r in range(rounds)]}
+
+
+@pytest.mark.parametrize("workers, rounds, shard_index", [(2, 1, 0), (3, 1, 2), (3, 2, 1),
+                                                         (2, 3, 1)])
+def test_route_counts_matches_numpy(workers, rounds, shard_index):
+    capacities = [1, 4, 9, 16, 30]
+    rng = np.random.default_rng(workers * 10 + rounds)
+    headers = rng.integers(0, 12, [workers, workers * rounds]).astype(np.int64)
+    if rounds > 1:
+        headers[:, rounds - 1::rounds] = 0  # a round nobody sends keys in: capacity 1
+    shares = rng.integers(1, 100, [workers, 1]).astype(np.int64)
+    keys = rng.integers(-1, 50, [workers, 7]).astype(np.int64)
+    received = np.concatenate([headers, shares, keys], axis=1)
+    counts = rng.integers(0, 9, [workers, rounds]).astype(np.int32)
+    got = ops.route_counts(received, counts, shard_index, capacities)
+    expected = _route_counts_reference(received, counts, shard_index, capacities)
+    assert int(got.largest) == expected["largest"]
+    np.testing.assert_array_equal(got.sent.numpy(), expected["sent"])
+    np.testing.assert_array_equal(got.capacities.numpy(), expected["capacities"])
+    np.testing.assert_array_equal(got.shares.numpy(), expected["shares"])
+    for r in range(rounds):
+        np.testing.assert_array_equal(got.splits[r].numpy(), expected["splits"][r])
+        np.testing.assert_array_equal(got.received[r].numpy(), expected["received"][r])
+        assert int(got.buckets[r]) == expected["buckets"][r]
+        assert int(got.capacity[r]) == expected["capacities"][r]
+        assert int(got.keys[r]) == expected["keys"][r]
+
+
+def test_route_counts_errors():
+    capacities = [1, 4, 9]
+    counts = np.zeros([2, 1], np.int32)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="each row headed by"):
+        ops.route_counts(np.zeros([2, 2], np.int64), counts, 0, capacities)  # needs 3 columns
+    with pytest.raises(tf.errors.InvalidArgumentError, match="header counts -3 keys for owner 1"):
+        ops.route_counts(np.array([[0, -3, 1], [0, 0, 1]], np.int64), counts, 0, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="exceeds the largest capacity 9"):
+        ops.route_counts(np.array([[0, 10, 1], [0, 0, 1]], np.int64), counts, 0, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="shard_index 2 of 2 workers"):
+        ops.route_counts(np.zeros([2, 3], np.int64), counts, 2, capacities)
+    with pytest.raises(ValueError, match="number of rounds statically"):
+        tf.function(lambda c: ops.route_counts(np.zeros([2, 3], np.int64), c, 0, capacities),
+                    input_signature=[tf.TensorSpec([2, None], tf.int32)]).get_concrete_function()
+
+
 def test_capacity_bucket_boundaries_and_errors():
     bucket, padded = ops.capacity_bucket([1, 2, 3, 4, 9], [1, 4, 9])
     assert bucket.numpy().tolist() == [0, 1, 1, 1, 2]

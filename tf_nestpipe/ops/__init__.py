@@ -8,8 +8,8 @@ from tf_nestpipe.ops.gather import (gather_rows, gradient_carrier, read_table_ro
                                     tables_of_rows)
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
-                                     keys_block, owner_rounds, route_keys, window_grad_index,
-                                     window_layout)
+                                     keys_block, owner_rounds, route_counts, route_keys,
+                                     window_grad_index, window_layout)
 from tf_nestpipe.ops.row_init import stateless_row_init
 from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows,
                                   from_int64_words, int8_words, saturate_to_half, to_int64_words)
@@ -41,6 +41,7 @@ __all__ = [
     "owner_rounds",
     "pack_per_peer",
     "read_table_rows",
+    "route_counts",
     "route_keys",
     "segment_sum",
     "stateless_row_init",

@@ -1,5 +1,7 @@
 """Key routing: requester-side dedup + bucket-by-owner, owner-side dedup (round by round),
 and the requester's layout of a frozen window."""
+from typing import NamedTuple
+
 import tensorflow as tf
 
 from tf_nestpipe.ops.library import load_op_library
@@ -95,6 +97,41 @@ def keys_block(keys, splits, header, rider, hint_bucket, capacities):
         tf.convert_to_tensor(hint_bucket, tf.int32), capacities=list(capacities))
 
 
+class RouteCounts(NamedTuple):
+    """What a worker learns from a route's keys all-to-all (`route_counts`): `largest` (the
+    most keys any requester sent any owner, all rounds), `sent` `[W, rounds]` (keys requester i
+    sent this worker in round r), `capacities` `[rounds]` (each round's rows exchange slots per
+    requester), `shares` `[W]` (each sender's share entry), and per round (lists): `splits`
+    (this worker's keys per owner), `received` (`sent[:, r]`), `buckets`, `capacity` and
+    `keys` (this worker's distinct keys of the round). All int32."""
+
+    largest: tf.Tensor
+    sent: tf.Tensor
+    capacities: tf.Tensor
+    shares: tf.Tensor
+    splits: list
+    received: list
+    buckets: list
+    capacity: list
+    keys: list
+
+
+def route_counts(received, counts, shard_index, capacities):
+    """One op: a `RouteCounts` from the keys all-to-all as received (`[W, n]` int64, row i
+    headed by sender i's counts `[W, rounds]` flattened owner-major, then its share) and this
+    worker's own `counts` (`[W, rounds]` int32, rounds static); round r's capacity is the
+    bucketed capacity (`capacities`, as `capacity_bucket`) of max(1, the most keys any
+    requester sent any owner in round r)."""
+    counts = tf.convert_to_tensor(counts, tf.int32)
+    rounds = counts.shape[1]
+    if rounds is None:
+        raise ValueError("route_counts needs the number of rounds statically (counts' dim 1)")
+    out = load_op_library().nestpipe_route_counts(
+        tf.convert_to_tensor(received, tf.int64), counts, shard_index=shard_index,
+        rounds=rounds, capacities=list(capacities))
+    return RouteCounts(*out[:4], *(list(part) for part in out[4:]))
+
+
 def bucket_slots(splits, capacity):
     """The slot of each bucketed key in a rows exchange (`[sum(splits)]` int32): owner j's
     `splits[j]` keys at slots `j * capacity + 0, 1, ...` (a split above `capacity` raises)."""
@@ -123,6 +160,7 @@ tf.no_gradient("NestpipeCheckIds")
 tf.no_gradient("NestpipeFuseIds")
 tf.no_gradient("NestpipeRouteKeys")
 tf.no_gradient("NestpipeKeysBlock")
+tf.no_gradient("NestpipeRouteCounts")
 tf.no_gradient("NestpipeOwnerRounds")
 tf.no_gradient("NestpipeWindowLayout")
 tf.no_gradient("NestpipeBucketSlots")
