@@ -8,6 +8,7 @@ from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.collectives.wire import (PLAIN, Wire, WireStats, from_int64_words,
                                           int64_words)
 from tf_nestpipe.sharding.exchange import CapacityHint
+from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import _send_keys
 
 
@@ -67,9 +68,10 @@ def _send(splits, rider, wire=PLAIN):
     fake = _EchoCollectives()
     hint = CapacityHint("/cpu:0", "test/rider/%d" % id(fake))
     splits_t = tf.constant(splits, tf.int32)
-    headers, keys_in, rider_in = _send_keys(_keys(splits), splits_t, splits_t, None,
-                                            len(splits), fake, "t", hint, wire, rider)
-    return fake, headers, keys_in, rider_in
+    layout = ShardLayout(vocab_size=1000, dim=1, num_shards=len(splits), shard_index=0)
+    arrived, keys_in, rider_in = _send_keys(_keys(splits), splits_t, splits_t[:, None], None,
+                                            layout, fake, "t", hint, wire, rider)
+    return fake, arrived, keys_in, rider_in
 
 
 def _assert_keys_arrived(splits, keys_in):
@@ -82,10 +84,12 @@ def _assert_keys_arrived(splits, keys_in):
 def test_the_rider_travels_behind_the_header_in_the_one_keys_exchange():
     splits = [3, 2]
     rider = tf.constant([[7, -1, 2 ** 40, 0, 5], [1, 2, 3, 4, -(2 ** 62)]], tf.int64)
-    fake, headers, keys_in, rider_in = _send(splits, rider)
+    fake, arrived, keys_in, rider_in = _send(splits, rider)
     assert [tag for tag, _ in fake.calls] == ["t/keys"]  # no collective of the rider's own
     np.testing.assert_array_equal(rider_in.numpy(), rider.numpy())
-    np.testing.assert_array_equal(headers.numpy()[:, :2], [splits, splits])
+    # Every (echoed) header arrived whole: each sender sent owner 0 splits[0] keys.
+    assert arrived.sent.numpy().tolist() == [[3], [3]] and int(arrived.largest) == 3
+    assert arrived.shares.numpy().tolist() == [-1, -1]
     _assert_keys_arrived(splits, keys_in)
     # Positive control: without a rider nothing else arrives, in the same single exchange.
     fake, _, keys_in, rider_in = _send(splits, None)

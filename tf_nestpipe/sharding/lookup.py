@@ -32,21 +32,23 @@ def _padded(ragged_keys, width):
         [ragged_keys.nrows(), tf.cast(width, tf.int64)]))
 
 
-def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, hint, wire,
+def _send_keys(keys, splits, counts, share_size, layout, collectives, tag, hint, wire,
                rider=None):
     """The keys all-to-all of one route: `keys` (unique, bucketed by owner, `splits[j]` for
     owner j) padded to the tag's capacity hint, each block headed by this worker's `counts`
-    (int64 `[H]`, e.g. its splits) and `share_size`; if a split exceeded the hint, a second
-    all-to-all carries the overflow (every worker sees the same counts, so all take it or none:
-    no key is ever dropped). Returns (every sender's header `[W, H + 1]`, the received keys
-    `[W, width]`, each row its sender's keys first, then -1 padding, the received rider).
+    (int32 `[W, rounds]`: keys it sends owner j in round r; one round: its splits) and
+    `share_size`; if a split exceeded the hint, a second all-to-all carries the overflow (every
+    worker sees the same counts, so all take it or none: no key is ever dropped). Returns (the
+    `ops.RouteCounts` every sender's header gives, the received keys `[W, width]`, each row its
+    sender's keys first, then -1 padding, the received rider).
 
     `rider` (optional, int64 `[W, R]`, R equal on every worker) travels in the same exchange,
     right behind the header: block j carries `rider[j]` to worker j, and the result's third
     element is `[W, R]`, row i from worker i (None without a rider). The keys then fill the
     bucketed size of R + the hint, so the exchange keeps one shape per instance key."""
+    num_shards = layout.num_shards
     share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
-    header = tf.concat([tf.cast(counts, tf.int64), [share]], 0)
+    header = tf.concat([tf.cast(tf.reshape(counts, [-1]), tf.int64), [share]], 0)
     width = header.shape[0]
     has_rider = rider is not None
     if not has_rider:
@@ -64,11 +66,11 @@ def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, h
                                             first_counts - rider_width, uncounted=rider_width)):
         received_first = collectives.all_to_all(first, tag + "/keys", bucket,
                                                 send_counts=first_counts, fill=-1)
-    headers = received_first[:, :width]
+    # One op reads every sender's header: the counts every worker learns alike (so the
+    # overflow decision is the same everywhere), this owner's slots, each round's capacity.
+    arrived = ops.route_counts(received_first, counts, layout.shard_index, EXCHANGE_CAPACITIES)
+    largest = arrived.largest
     rider_in = received_first[:, width:lead] if has_rider else None
-    # The keys every sender put in its block for this worker: it learns them all from the
-    # headers' (equal on every worker) counts, so the overflow decision is the same everywhere.
-    largest = tf.reduce_max(_keys_per_pair(headers, num_shards))
 
     def overflow():
         by_owner = tf.RaggedTensor.from_row_lengths(keys, tf.cast(splits, tf.int64))
@@ -84,24 +86,7 @@ def _send_keys(keys, splits, counts, share_size, num_shards, collectives, tag, h
                     lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
     with tf.control_dependencies([hint.follow(largest)]):
         keys_in = tf.concat([received_first[:, lead:], extra], axis=1)
-    return headers, keys_in, rider_in
-
-
-def _keys_per_pair(headers, num_shards):
-    """`[W, W]` int32: keys worker i sent worker j, from the headers of `_send_keys` whose
-    counts are `[W, rounds]` per sender (round-major per owner), flattened."""
-    counts = tf.cast(headers[:, :-1], tf.int32)
-    return tf.reduce_sum(tf.reshape(counts, [num_shards, num_shards, -1]), axis=2)
-
-
-def _owner_side(received_keys, received, capacity, layout):
-    """The owner's view of a rows exchange: the distinct local rows requested and each slot's
-    index into them (`owner_rounds`, one round) from the keys each requester sent (`[W, n]`,
-    its `received[i]` keys first, then -1), laid out at `capacity` slots per requester."""
-    local_rows, slot_to_unique = ops.owner_rounds(
-        received_keys, tf.reshape(received, [-1, 1]), tf.reshape(capacity, [1]),
-        layout.num_shards, layout.shard_index)
-    return local_rows[0], slot_to_unique[0]
+    return arrived, keys_in, rider_in
 
 
 def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider=None):
@@ -113,21 +98,19 @@ def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider
     rider)`: the rider travels in the keys all-to-all, costing no collective of its own."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
-    num_shards = layout.num_shards
-    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
-    headers, keys_in, rider_in = _send_keys(keys, splits, splits, share_size, num_shards,
+    keys, splits, inverse = ops.route_keys(ids, layout.num_shards, layout.vocab_size, tag)
+    arrived, keys_in, rider_in = _send_keys(keys, splits, splits[:, None], share_size, layout,
                                             collectives, tag, hint, wire, rider)
-    # sent[i, j] = unique ids worker i requests from worker j: the same matrix on every worker.
-    sent = _keys_per_pair(headers, num_shards)
-    bucket, capacity = capacity_bucket(tf.maximum(tf.reduce_max(sent), 1))
-    # The rows exchange's slot layout: from requester i, its sent[i, me] keys, then padding.
-    received = sent[:, layout.shard_index]
-    local_rows, slot_to_unique = _owner_side(keys_in, received, capacity, layout)
+    # The rows exchange's slot layout: from requester i, its arrived.received[0][i] keys for
+    # this owner, then padding up to the capacity (from every pair's count: equal everywhere).
+    local_rows, slot_to_unique = ops.owner_rounds(keys_in, arrived.sent, arrived.capacities,
+                                                  layout.num_shards, layout.shard_index)
+    capacity = arrived.capacity[0]
     record = RoutingRecord(splits=splits, inverse=inverse,
                            slot_of_bucket_pos=ops.bucket_slots(splits, capacity),
-                           bucket=bucket, capacity=capacity, local_rows=local_rows,
-                           slot_to_unique=slot_to_unique, received=received,
-                           shares=tf.cast(headers[:, -1], tf.int32))
+                           bucket=arrived.buckets[0], capacity=capacity,
+                           local_rows=local_rows[0], slot_to_unique=slot_to_unique[0],
+                           received=arrived.received[0], shares=arrived.shares)
     return record if rider is None else (record, rider_in)
 
 
@@ -149,33 +132,26 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     round_sizes = tf.convert_to_tensor(round_sizes, tf.int32)
-    num_shards, rounds = layout.num_shards, round_sizes.shape[0]
+    rounds = round_sizes.shape[0]
     if rounds is None:
         raise ValueError("route_rounds needs the number of rounds statically (round_sizes' "
                          "length)")
-    keys, splits, inverse = ops.route_keys(ids, num_shards, layout.vocab_size, tag)
+    keys, splits, inverse = ops.route_keys(ids, layout.num_shards, layout.vocab_size, tag)
     counts, window_inverse = ops.window_layout(inverse, splits, round_sizes)
-    headers, keys_in, rider_in = _send_keys(keys, splits, tf.reshape(counts, [-1]), share_size,
-                                            num_shards, collectives, tag, hint, wire, rider)
-    every = tf.reshape(tf.cast(headers[:, :-1], tf.int32), [num_shards, num_shards, rounds])
-    mine = every[:, layout.shard_index, :]  # [requester, round]: keys it sent this worker
-    shares = tf.cast(headers[:, -1], tf.int32)
-    # Each round's rows exchange is padded to its own largest count, as if routed alone.
-    buckets, capacities = capacity_bucket(tf.maximum(tf.reduce_max(every, axis=[0, 1]), 1))
-    local_rows, slot_to_unique = ops.owner_rounds(keys_in, mine, capacities, num_shards,
-                                                  layout.shard_index)
-    # Each round's fields, a few ops for all rounds (unstacked) rather than a slice per field
-    # and round.
-    per_round = [tf.unstack(t, num=rounds, axis=axis) for t, axis in (
-        (counts, 1), (tf.reduce_sum(counts, axis=0), 0), (mine, 1), (buckets, 0),
-        (capacities, 0))]
+    arrived, keys_in, rider_in = _send_keys(keys, splits, counts, share_size, layout,
+                                            collectives, tag, hint, wire, rider)
+    # Each round's rows exchange is padded to its own largest count, as if routed alone; every
+    # round's fields come out of the one op that read the headers.
+    local_rows, slot_to_unique = ops.owner_rounds(keys_in, arrived.sent, arrived.capacities,
+                                                  layout.num_shards, layout.shard_index)
     records = []
-    for r, (splits_r, keys_r, received_r, bucket_r, capacity_r) in enumerate(zip(*per_round)):
+    for r in range(rounds):
         records.append(RoutingRecord(
-            splits=splits_r, inverse=tf.range(keys_r),
-            slot_of_bucket_pos=ops.bucket_slots(splits_r, capacity_r),
-            bucket=bucket_r, capacity=capacity_r, local_rows=local_rows[r],
-            slot_to_unique=slot_to_unique[r], received=received_r, shares=shares))
+            splits=arrived.splits[r], inverse=tf.range(arrived.keys[r]),
+            slot_of_bucket_pos=ops.bucket_slots(arrived.splits[r], arrived.capacity[r]),
+            bucket=arrived.buckets[r], capacity=arrived.capacity[r], local_rows=local_rows[r],
+            slot_to_unique=slot_to_unique[r], received=arrived.received[r],
+            shares=arrived.shares))
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 
 
