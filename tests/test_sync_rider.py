@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import capacity_bucket
-from tf_nestpipe.collectives.wire import (PLAIN, Wire, WireStats, from_int64_words,
-                                          int64_words)
+from tf_nestpipe.collectives.wire import PLAIN, Wire, WireStats
 from tf_nestpipe.sharding.exchange import CapacityHint
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.lookup import _send_keys
@@ -19,9 +19,9 @@ def test_int64_words_are_bit_copies_of_any_block(dtype, shape):
     rng = np.random.default_rng(1)
     values = rng.normal(size=shape) * 50
     block = tf.cast(tf.constant(values), dtype)
-    words = int64_words(block)
+    words = ops.to_int64_words(block)
     assert words.dtype == tf.int64 and words.shape[0] == shape[0]
-    back = from_int64_words(words, dtype, tf.shape(block))
+    back = ops.from_int64_words(words, dtype, tf.shape(block))
     np.testing.assert_array_equal(tf.bitcast(back, tf.uint8).numpy() if dtype.size > 1
                                   else back.numpy(),
                                   tf.bitcast(block, tf.uint8).numpy() if dtype.size > 1
@@ -37,13 +37,13 @@ def test_int64_words_lay_each_rows_bytes_out_in_order_then_zeros(dtype):
     words = -(-data.shape[1] // 8)
     expected = np.zeros([2, words * 8], np.uint8)
     expected[:, :data.shape[1]] = data
-    got = int64_words(block)
+    got = ops.to_int64_words(block)
     assert got.shape == [2, words]
     np.testing.assert_array_equal(got.numpy().view(np.uint8).reshape(2, -1), expected)
     with pytest.raises(tf.errors.InvalidArgumentError, match="the words hold"):
-        from_int64_words(got[:, :words - 1], dtype, tf.shape(block))
+        ops.from_int64_words(got[:, :words - 1], dtype, tf.shape(block))
     with pytest.raises(tf.errors.InvalidArgumentError, match="must start with the 2 workers"):
-        from_int64_words(got, dtype, [3, 3, 3])
+        ops.from_int64_words(got, dtype, [3, 3, 3])
 
 
 class _EchoCollectives:

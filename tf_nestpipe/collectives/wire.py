@@ -193,19 +193,6 @@ def from_int32_bits(entries):
     return entries[..., 0] if entries.dtype == tf.int32 else tf.bitcast(entries, tf.int32)
 
 
-def int64_words(block):
-    """A `[W, ...]` block of any dtype as `[W, R]` int64 words (bit copies, each worker's
-    entries flattened and zero-padded to whole words), to ride in an int64 exchange; see
-    `from_int64_words`. One op (`ops.to_int64_words`)."""
-    return ops.to_int64_words(block)
-
-
-def from_int64_words(words, dtype, shape):
-    """The block of `int64_words`: `words` `[W, R]` back to `dtype` entries of `shape`
-    (`[W, ...]`, the block's). One op (`ops.from_int64_words`)."""
-    return ops.from_int64_words(words, dtype, shape)
-
-
 def pack_header(counts, width, dtype):
     """int32 `counts` `[W, k]` as `[W, rows, width]` entries of `dtype` (bit copies, exact),
     to travel at the head of an encoded block; see `unpack_header`."""

@@ -29,8 +29,8 @@ import tensorflow as tf
 
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.communication import EXCHANGE_CAPACITIES, capacity_bucket
-from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, from_int64_words, header_rows,
-                                          int32_bits, int64_words, pack_header, unpack_header)
+from tf_nestpipe.collectives.wire import (PLAIN, from_int32_bits, header_rows, int32_bits,
+                                          pack_header, unpack_header)
 from tf_nestpipe.sharding.lookup import fetched_rows
 from tf_nestpipe.sharding.records import PrefetchedRows
 
@@ -225,18 +225,18 @@ def apply_sync(tables, prefetched_rounds, plans, collectives, tag, wire=None):
 
 def sync_rider(payload, collectives, wire=None):
     """`payload` (a `SyncPayload`) as the int64 rider of another all-to-all (`sharding.lookup.
-    route`'s keys exchange): the whole padded block, as bit copies (`int64_words`). Counts its
-    bytes as the sync's. Read what arrives with `from_sync_rider`."""
+    route`'s keys exchange): the whole padded block, as bit copies (`ops.to_int64_words`, one
+    op). Counts its bytes as the sync's. Read what arrives with `from_sync_rider`."""
     wire = wire or PLAIN
     with tf.control_dependencies(wire.count("sync", payload.block, collectives,
                                             payload.send_counts)):
-        return int64_words(payload.block)
+        return ops.to_int64_words(payload.block)
 
 
 def from_sync_rider(received, payload):
     """The `[W, C, K]` sync blocks this worker received as a rider (`sync_rider`), shaped and
     typed as its own `payload` (every worker's is)."""
-    return from_int64_words(received, payload.block.dtype, tf.shape(payload.block))
+    return ops.from_int64_words(received, payload.block.dtype, tf.shape(payload.block))
 
 
 def _fresh_payload(tables, routing, slots):

@@ -257,7 +257,7 @@ class TrainPipeline:
         states, pending, dynamic_ids = self._local(
             self._strategy.run(self._prime_buffers, args=(batch,)))
         has_upcoming, optional = self._next_local(iterator)
-        # The current store admits the upcoming batches' spec (the iterator's optional element
+        # The next step's batch admits the upcoming batches' spec (the iterator's optional element
         # may have a dimension `next` gives statically): the pipelined step moves them into it.
         upcoming_spec = tf_private.single_replica_spec(optional.element_spec)
         with tf.control_dependencies(self._next_step.assign(
