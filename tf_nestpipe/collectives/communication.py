@@ -54,11 +54,6 @@ def static_capacity_bucket(capacity):
     return bisect.bisect_left(_CAPACITIES, int(capacity))
 
 
-def capacity_of_bucket(bucket):
-    """The padded capacity of a bucket index (int32)."""
-    return tf.gather(tf.constant(_CAPACITIES, tf.int32), bucket)
-
-
 def resolve_implementation(implementation, device_type):
     """AUTO picks NCCL on GPU and RING on CPU; NCCL without a GPU falls back to RING."""
     if implementation in (None, CommunicationImplementation.AUTO):

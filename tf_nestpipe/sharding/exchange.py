@@ -12,7 +12,7 @@ gradient exchanges put on the wire (`NestPipeStrategy(wire_dtype=...)`) and coun
 import tensorflow as tf
 from tf_nestpipe.tf_private import resource_variable_ops
 
-from tf_nestpipe.collectives.communication import (MAX_BUCKET, capacity_bucket, capacity_of_bucket,
+from tf_nestpipe.collectives.communication import (MAX_BUCKET, capacity_bucket,
                                                    static_capacity_bucket)
 from tf_nestpipe.collectives.wire import Wire, WireStats
 from tf_nestpipe.sharding.tables import FusedTables
@@ -38,13 +38,8 @@ class CapacityHint:
                 0, dtype=tf.int64, trainable=False,
                 name="nestpipe_overflow_rounds_" + tag.replace("/", "_"))
 
-    def read(self):
-        """`(bucket, capacity)` for this step's keys all-to-all."""
-        bucket = self.read_bucket()
-        return bucket, capacity_of_bucket(bucket)
-
     def read_bucket(self):
-        """The bucket of this step's keys all-to-all (its capacity: `capacity_of_bucket`)."""
+        """The bucket of this step's keys all-to-all (an index into the exchange capacities)."""
         return self._bucket.read_value()
 
     def count_overflow(self):
