@@ -548,10 +548,14 @@ class KeysBlockOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
+    const Tensor& rider_t = ctx->input(3);
+    OP_REQUIRES(ctx, rider_t.dims() == 2 && TensorShapeUtils::IsScalar(ctx->input(4).shape()),
+                errors::InvalidArgument("rider must be a matrix and hint_bucket a scalar, got ",
+                                        rider_t.shape().DebugString(), " and ",
+                                        ctx->input(4).shape().DebugString()));
     const auto keys = ctx->input(0).flat<int64_t>();
     const auto splits = ctx->input(1).flat<int32>();
     const auto header = ctx->input(2).flat<int64_t>();
-    const Tensor& rider_t = ctx->input(3);
     const int32 hint_bucket = ctx->input(4).scalar<int32>()();
     const int64_t w = splits.size(), h = header.size(), r = rider_t.dim_size(1);
     OP_REQUIRES(ctx, rider_t.dim_size(0) == w || (r == 0 && rider_t.dim_size(0) == 0),
@@ -661,10 +665,11 @@ class RouteCountsOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& received_t = ctx->input(0);
     const Tensor& counts_t = ctx->input(1);
-    const int64_t w = counts_t.dim_size(0), rounds = rounds_;
+    const int64_t rounds = rounds_;
     OP_REQUIRES(ctx, counts_t.dims() == 2 && counts_t.dim_size(1) == rounds,
                 errors::InvalidArgument("counts must be [W, ", rounds, "], got ",
                                         counts_t.shape().DebugString()));
+    const int64_t w = counts_t.dim_size(0);
     OP_REQUIRES(ctx, shard_index_ < w,
                 errors::InvalidArgument("shard_index ", shard_index_, " of ", w, " workers"));
     const int64_t header = w * rounds + 1;

@@ -6,6 +6,7 @@ import pytest
 import tensorflow as tf
 
 from tf_nestpipe import ops
+from tf_nestpipe.ops import load_op_library
 
 
 def route_keys_reference(ids, num_shards):
@@ -379,6 +380,10 @@ def test_keys_block_errors():
         ops.keys_block([1, 2], [1, 1], [0], np.zeros([3, 1], np.int64), 0, capacities)
     with pytest.raises(tf.errors.InvalidArgumentError, match="exceeds the largest capacity 9"):
         ops.keys_block([1, 2], [1, 1], [0], np.zeros([2, 6], np.int64), 1, capacities)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="must be a matrix"):
+        ops.keys_block([1, 2], [1, 1], [0], np.zeros([2], np.int64), 0, capacities)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="scalar"):
+        ops.keys_block([1, 2], [1, 1], [0], none, [0, 1], capacities)
 
 
 def _route_counts_reference(received, counts, shard_index, capacities):
@@ -432,6 +437,10 @@ def test_route_counts_errors():
         ops.route_counts(np.array([[0, 10, 1], [0, 0, 1]], np.int64), counts, 0, capacities)
     with pytest.raises(tf.errors.InvalidArgumentError, match="shard_index 2 of 2 workers"):
         ops.route_counts(np.zeros([2, 3], np.int64), counts, 2, capacities)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="counts must be"):
+        load_op_library().nestpipe_route_counts(np.zeros([2, 3], np.int64),
+                                                np.zeros([2], np.int32), shard_index=0, rounds=1,
+                                                capacities=capacities)
     with pytest.raises(ValueError, match="number of rounds statically"):
         tf.function(lambda c: ops.route_counts(np.zeros([2, 3], np.int64), c, 0, capacities),
                     input_signature=[tf.TensorSpec([2, None], tf.int32)]).get_concrete_function()
