@@ -10,8 +10,11 @@ from tensorflow.python.ops import collective_ops
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.counting import count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
-from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, RoundTracker,
-                                                 lookup_counts)
+from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, RouteRecorder,
+                                                 RoundTracker, lookup_counts, run_route_pass)
+from tf_nestpipe.pipeline.frozen_window import frozen_window
+from tf_nestpipe.pipeline.instrumentation import profile_steps
+from tf_nestpipe.sharding.fetch import current_fetcher, installed
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.tables import FusedTables
 
@@ -610,3 +613,55 @@ def test_buffer_reader_refuses_lookups_the_route_pass_did_not_record():
     assert reader.untaken() == [("g", "r000")]
     # ... and none when the route pass recorded none (positive control).
     assert BufferReader(_Exchange(), buffers, {}).untaken() == []
+
+
+class _RowLayer(_Layer):
+    """A row-wise layer as a route pass records it."""
+
+    dim = 3
+    embeddings = tf.zeros([1, 3])
+
+
+def test_route_pass_records_each_lookup_and_runs_none_of_its_dense_reads(tmp_path):
+    """`run_route_pass` returns each lookup's ids (as tensors of the calling graph) with its
+    round, and the model's variable reads it traced do not run; the positive control traces
+    the same route pass inline, as a `RouteRecorder` installed in the step does, and its read
+    runs every step."""
+    a, b = _RowLayer("a"), _RowLayer("b")
+    kernel = tf.Variable(tf.ones([2, 4]))
+
+    def route_fn(batch):
+        tf.matmul(batch["dense"], kernel)  # the dense part: its output unused, as in a route pass
+        with frozen_window():
+            for part in (batch["ids"][:2], batch["ids"][2:]):
+                current_fetcher().lookup(a, part)
+                current_fetcher().lookup(b, part * 10)
+
+    batch = {"dense": tf.ones([4, 2]), "ids": tf.constant([1, 2, 3, 4], tf.int64)}
+
+    def step_own_function():
+        recorded = run_route_pass(route_fn, batch)
+        assert recorded.windowed and recorded.dynamic_ids == {}
+        assert [(r, layer.name) for r, layer, _ in recorded.lookups] == [
+            (0, "a"), (0, "b"), (1, "a"), (1, "b")]
+        kernel.assign_add(tf.ones_like(kernel))
+        return [ids for _, _, ids in recorded.lookups]
+
+    def step_inline():
+        with installed(RouteRecorder()):
+            route_fn(batch)
+        kernel.assign_add(tf.ones_like(kernel))
+        return tf.constant(0)
+
+    own = tf.function(step_own_function)
+    assert [t.numpy().tolist() for t in own()] == [[1, 2], [10, 20], [3, 4], [30, 40]]
+    inline = tf.function(step_inline)
+    inline()
+
+    def executed(step, name):
+        timeline = profile_steps(step, 3, str(tmp_path / name))
+        return collections.Counter(event.op_type for events in timeline.steps
+                                   for event in events)
+
+    assert executed(own, "own")["ReadVariableOp"] == 0
+    assert executed(inline, "inline")["ReadVariableOp"] == 3

@@ -37,7 +37,7 @@ from tf_nestpipe.collectives.counting import CollectiveCount, count_collectives
 from tf_nestpipe.collectives.communication import capacity_bucket
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, PendingSync, RouteRecorder,
                                                  lookup_counts, prefetch_lookups, rows_requested,
-                                                 shares_of)
+                                                 run_route_pass, shares_of)
 from tf_nestpipe.pipeline.state_store import (KEEP_SHAPES, VARY_ALL_DIMS, VARY_FIRST_DIM,
                                               TensorStore)
 from tf_nestpipe.sharding.fetch import installed
@@ -158,7 +158,6 @@ class TrainPipeline:
         the rows the `current` batch (its buffers, DBP) updates; None without it. `pending`
         (the `current` buffers' own plans) rides on the keys exchanges: `synced` is (the
         `current` buffers patched with their fresh rows, the rows received)."""
-        recorder = RouteRecorder()
         updated = None
         if current is not None and not self._skip_buffer_sync:
             # Rows updated by the current step: every row any of its buffers of a group read.
@@ -167,16 +166,16 @@ class TrainPipeline:
         # The equal-shares check of the strategy (if any) reads every worker's share size from
         # the keys headers instead of an all-gather of its own.
         share_size_of = getattr(self._strategy.extended, "share_size_of", lambda batch: None)
-        with installed(recorder), self._collectives.stream("prefetch"):
-            user_function(self._route_fn)(batch)
+        with self._collectives.stream("prefetch"):
+            recorded = run_route_pass(self._route_fn, batch)
             buffers, plans, synced = prefetch_lookups(
-                self._exchange, recorder.lookups, recorder.windowed, updated, self._all_updated,
+                self._exchange, recorded.lookups, recorded.windowed, updated, self._all_updated,
                 share_size_of(batch),
                 None if pending is None else PendingSync(current, pending),
                 one_window_exchange=self._lookahead == 1)
-        self._lookup_counts = lookup_counts(self._exchange, recorder.lookups)
+        self._lookup_counts = lookup_counts(self._exchange, recorded.lookups)
         self.stats.exchanges = sum(len(group.rounds) for group in buffers.values())
-        return buffers, plans, recorder.dynamic_ids, synced
+        return buffers, plans, recorded.dynamic_ids, synced
 
     def _compute_pass(self, batch, buffers, dynamic_ids=None, shares_check=None):
         """`step_fn(batch)` reading `buffers`; `shares_check`: the step's equal-shares check,
