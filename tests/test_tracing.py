@@ -119,3 +119,20 @@ def test_iterator_step_with_variables_and_a_distributed_iterator():
     step = tracing.IteratorStep(accumulate)
     iterator = iter(strategy.experimental_distribute_dataset(dataset))
     assert [int(step(iterator)) for _ in range(4)] == [1, 6, 15, 28]
+
+
+def test_iterator_never_ends_only_for_an_infinite_distributed_dataset():
+    """A look-ahead pipeline reads a never-ending iterator with `next` (no Optional): only a
+    distributed iterator whose dataset TensorFlow knows to be infinite qualifies."""
+    from tf_nestpipe import tf_private  # pylint: disable=import-outside-toplevel
+
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0"])
+    batches = tf.data.Dataset.range(8).batch(2)
+
+    def distributed(dataset):
+        return iter(strategy.experimental_distribute_dataset(dataset))
+
+    assert tf_private.iterator_never_ends(distributed(batches.repeat()))
+    assert not tf_private.iterator_never_ends(distributed(batches))
+    assert not tf_private.iterator_never_ends(distributed(batches.repeat().take(5)))
+    assert not tf_private.iterator_never_ends(iter(batches.repeat()))  # not a distributed one

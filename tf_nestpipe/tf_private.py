@@ -142,6 +142,14 @@ def device_datasets_without_autotune():
     multi_device_iterator_ops._create_device_dataset = create_without_autotune  # pylint: disable=protected-access
 
 
+def iterator_never_ends(iterator):
+    """Whether `iterator` (a tf.distribute iterator) reads a dataset of infinite cardinality
+    (e.g. repeated), as TensorFlow's partial-batch handling reads it: its `next` never reaches
+    an end. False when unknown (another iterator, a finite or unknown cardinality)."""
+    cardinality = getattr(iterator, "_cardinality", None)  # DistributedIterator's, TF 2.21
+    return cardinality is not None and cardinality == tf.data.INFINITE_CARDINALITY
+
+
 # --- tf.distribute strategies ---------------------------------------------------------------------
 def variable_partitioner(extended):
     """A parameter-server strategy's variable partitioner (its `extended`'s)."""
