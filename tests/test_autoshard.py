@@ -9,6 +9,7 @@ import pytest
 import tensorflow as tf
 
 from conftest import PROGRAMS, launch
+from tf_nestpipe.data.autoshard import equal_static_shares, with_policy
 
 FILE_SIZES = [5, 6, 7, 8]  # records per file; ids are consecutive: file 0 holds 0..4, ...
 FILE_IDS = []
@@ -18,7 +19,8 @@ for size in FILE_SIZES:
     start += size
 ALL_IDS = list(range(start))
 CASES = ["HINT_MISSING", "ONE_FILE:FILE", "ONE_FILE:AUTO", "FILE", "DATA", "AUTO", "HINT", "OFF",
-         "FROM_FUNCTION", "FIT:FILE", "FIT:DATA"]
+         "FROM_FUNCTION", "FIT:FILE", "FIT:DATA", "FULL:none", "PARTIAL:none", "FULL:dbp",
+         "PARTIAL:dbp", "FULL:nested"]
 
 
 @pytest.fixture(scope="session")
@@ -92,6 +94,26 @@ def test_fit_over_uneven_shards_consumes_every_record_once(autoshard_results, ca
         assert worker == {"global_sum": sum(ALL_IDS), "global_count": len(ALL_IDS)}
 
 
+@pytest.mark.parametrize("pipeline", ["none", "dbp", "nested"])
+def test_full_data_sharded_batches_train_without_the_partial_batch_all_reduce(autoshard_results,
+                                                                           pipeline):
+    """DATA-sharded batches of one static size (drop_remainder=True): no worker can run out
+    first, so the strategy distributes them without TensorFlow's partial-batch handling: every
+    full batch trains once (6 steps, records 0..23), and a step issues one collective fewer
+    than over the same records batched with a partial last batch (the positive control: the
+    handling's all-reduce, at every step; 7 steps, all 26 records)."""
+    results, _ = autoshard_results
+    full = results["FULL:" + pipeline]
+    for worker in full:
+        assert {k: worker[k] for k in ("global_sum", "global_count", "steps")} == {
+            "global_sum": sum(range(24)), "global_count": 24, "steps": 6}, worker
+    for control in (("PARTIAL:" + pipeline),) if "PARTIAL:" + pipeline in results else ():
+        for worker, partial in zip(full, results[control]):
+            assert {k: partial[k] for k in ("global_sum", "global_count", "steps")} == {
+                "global_sum": sum(ALL_IDS), "global_count": len(ALL_IDS), "steps": 7}, partial
+            assert worker["collectives"] == partial["collectives"] - 1, (worker, partial)
+
+
 def test_hint_without_a_shard_hint_is_refused_on_every_worker(autoshard_results):
     results, _ = autoshard_results
     for worker in results["HINT_MISSING"]:
@@ -128,3 +150,20 @@ def test_shard_hint_detection_and_file_probe_in_one_process(tmp_path):
     assert autoshard.probe_file_sharding(reader, 1, 0)[0] == autoshard.OK
     # One worker: nothing to check, nothing to agree on.
     assert autoshard.check_auto_shard(reader, 1, 0, agree=None) is reader
+
+
+def test_equal_static_shares_only_for_data_sharded_batches_of_one_divisible_static_size():
+    data = tf.data.experimental.AutoShardPolicy.DATA
+    records = tf.data.Dataset.range(20)
+    pairs = tf.data.Dataset.zip((records, records.map(lambda i: tf.ragged.range(i % 3))))
+    assert equal_static_shares(with_policy(records.batch(4, drop_remainder=True), data), 2)
+    # Ragged components with a static batch dimension qualify too.
+    assert equal_static_shares(with_policy(pairs.batch(4, drop_remainder=True), data), 4)
+    # A partial last batch, a size the replicas do not divide, or another policy: no.
+    assert not equal_static_shares(with_policy(records.batch(4), data), 2)
+    assert not equal_static_shares(with_policy(records.batch(4, drop_remainder=True), data), 3)
+    for policy in ("AUTO", "FILE", "OFF"):
+        assert not equal_static_shares(with_policy(
+            records.batch(4, drop_remainder=True),
+            getattr(tf.data.experimental.AutoShardPolicy, policy)), 2)
+    assert not equal_static_shares(with_policy(records, data), 2)  # unbatched: scalars

@@ -150,6 +150,22 @@ def iterator_never_ends(iterator):
     return cardinality is not None and cardinality == tf.data.INFINITE_CARDINALITY
 
 
+def local_next_as_optional(iterator):
+    """The next element of this worker's part of `iterator` (a tf.distribute iterator with one
+    device per worker) as an Optional read on this worker alone, or None when that would not
+    be the element the distributed iterator gives: its partial-batch handling is on (its reads
+    agree across workers, by an all-reduce each, whether any has data left) or it is not such
+    an iterator. With the handling off every worker holds as many elements as the others (see
+    `tf_nestpipe.data.autoshard.equal_static_shares`), so a local read ends when all do."""
+    if getattr(iterator, "_enable_get_next_as_optional", True):  # DistributedIterator, TF 2.21
+        return None
+    workers = getattr(iterator, "_iterators", None)
+    if not workers or len(workers) != 1 or len(getattr(workers[0], "_devices", ())) != 1:
+        return None
+    (optional,) = workers[0].get_next_as_optional_list()
+    return optional
+
+
 # --- tf.distribute strategies ---------------------------------------------------------------------
 def variable_partitioner(extended):
     """A parameter-server strategy's variable partitioner (its `extended`'s)."""

@@ -51,6 +51,9 @@ def run_case(strategy, pattern, case):
         pattern, case = sorted(tf.io.gfile.glob(pattern))[0], case.split(":", 1)[1]
     if case.startswith("FIT:"):
         return counted_training(strategy, pattern, case.split(":", 1)[1])
+    if case.startswith(("FULL:", "PARTIAL:")):
+        kind, pipeline = case.split(":", 1)
+        return data_sharded_training(strategy, pattern, pipeline, full=kind == "FULL")
     if case == "FROM_FUNCTION":
         def dataset_fn(context):
             batch = context.get_per_replica_batch_size(GLOBAL_BATCH)
@@ -98,6 +101,28 @@ def counted_training(strategy, pattern, policy):
         strategy.check_equal_shares = True
     totals = history.history["id_totals"][-1]
     return {"global_sum": int(round(totals[0])), "global_count": int(round(totals[1]))}
+
+
+def data_sharded_training(strategy, pattern, pipeline, full):
+    """tf_keras `fit` under `pipeline` of DATA-sharded global batches until the data runs out:
+    `full` batches (drop_remainder=True: 6 of the 26 records' 7 batches, every worker's share 2
+    records, no worker can run out first) or all 7 (the last one of 2 records, 1 per worker);
+    the records consumed (as `counted_training`), the steps and the collectives a step issued."""
+    dataset = with_policy(read_ids(pattern).map(lambda i: (i, tf.cast(i, tf.float32)))
+                          .batch(GLOBAL_BATCH, drop_remainder=full), POLICIES["DATA"])
+    previous = strategy.pipeline
+    strategy.pipeline = pipeline
+    try:
+        with strategy.scope():
+            model = tf_keras.Sequential([tnp.ShardedEmbedding(64, 2), tf_keras.layers.Dense(1)])
+            model.compile("sgd", "mse", metrics=[IdTotals()])
+        history = model.fit(dataset, epochs=1, verbose=0)
+    finally:
+        strategy.pipeline = previous
+    totals = history.history["id_totals"][-1]
+    stats = model._nestpipe_pipeline.stats  # pylint: disable=protected-access
+    return {"global_sum": int(round(totals[0])), "global_count": int(round(totals[1])),
+            "steps": stats.steps, "collectives": stats.collectives.total}
 
 
 def main():

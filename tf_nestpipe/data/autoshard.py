@@ -11,7 +11,10 @@ fallbacks instead of hangs or silently duplicated samples:
 
 Uneven data (workers whose shards run out at different steps) needs nothing here: the
 distributed iterator agrees across workers whether any has data left, and a worker that has
-none gets empty batches until all are done, so every sample is seen exactly once.
+none gets empty batches until all are done, so every sample is seen exactly once. That agreement
+costs an all-reduce at the start of every step of a finite dataset (and relaxes the batch
+dimension to unknown); `equal_static_shares` says when no worker can run out first, so the
+strategy distributes such a dataset without it.
 """
 import logging
 
@@ -109,3 +112,22 @@ def check_auto_shard(dataset, num_workers, worker_index, agree):
         "AutoShardPolicy.AUTO: fewer input files than the %d workers; sharding by DATA instead "
         "(every worker reads every file and keeps every %d-th record).", num_workers, num_workers)
     return with_policy(dataset, AutoShardPolicy.DATA)
+
+
+def equal_static_shares(dataset, num_replicas):
+    """Whether every replica's share of every element of `dataset`, once distributed, has the
+    same static size, and every worker the same number of elements: DATA sharding of batches of
+    one static size divisible by `num_replicas` (e.g. `batch(global_batch,
+    drop_remainder=True)`). Each global batch is then split into equal pieces and each worker
+    keeps its own piece of every batch, so no worker can run out of data before another."""
+    if not isinstance(dataset, tf.data.Dataset) or num_replicas < 1:
+        return False
+    if dataset.options().experimental_distribute.auto_shard_policy != AutoShardPolicy.DATA:
+        return False
+    sizes = set()
+    for spec in tf.nest.flatten(dataset.element_spec):
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None or shape.rank == 0 or shape[0] is None:
+            return False
+        sizes.add(shape[0])
+    return len(sizes) == 1 and sizes.pop() % num_replicas == 0

@@ -232,12 +232,16 @@ class TrainPipeline:
     def _next_local(self, iterator):
         """Requests the next element without failing at the end of the data: an `_UpcomingRead`.
         An iterator that never ends (a repeated dataset) is read with `next` (no Optional to
-        build and unpack, about 8 ops a step); any other as an Optional."""
+        build and unpack, about 8 ops a step); any other as an Optional: this worker's own when
+        no worker can run out first (no all-reduce, `tf_private.local_next_as_optional`), else
+        the distributed iterator's (which agrees across workers whether any has data left)."""
         if tf_private.iterator_never_ends(iterator):
             element = next(iterator)
             return _UpcomingRead(tf.constant(True), lambda: element, iterator.element_spec,
                                  always=True)
-        optional = iterator.get_next_as_optional()
+        optional = tf_private.local_next_as_optional(iterator)
+        if optional is None:
+            optional = iterator.get_next_as_optional()
         return _UpcomingRead(optional.has_value(), optional.get_value, optional.element_spec,
                              always=False)
 

@@ -22,7 +22,7 @@ from tf_nestpipe.tf_private import reduce_util as _reduce_util
 from tf_nestpipe.tf_private import tfconfig_cluster_resolver
 from tf_nestpipe.tf_private import trackable_base as _trackable_base
 
-from tf_nestpipe.data.autoshard import check_auto_shard
+from tf_nestpipe.data.autoshard import check_auto_shard, equal_static_shares
 from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
@@ -352,14 +352,26 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     # --- input ---------------------------------------------------------------------------
     def _experimental_distribute_dataset(self, dataset, options):
         """Checks the AutoShard policy (clear errors / DATA fallback instead of hangs and
-        silent duplication, see `tf_nestpipe.data.autoshard`), then distributes as MWMS does."""
+        silent duplication, see `tf_nestpipe.data.autoshard`), then distributes as MWMS does,
+        without partial-batch handling where no worker can run out first
+        (`equal_static_shares`)."""
         def agree(status):
             return self._nestpipe_collectives.all_gather(
                 tf.constant([status], tf.int32), "nestpipe/autoshard").numpy().tolist()
 
         dataset = check_auto_shard(dataset, self._num_workers, self._id_in_cluster,
                                              agree)
-        return super()._experimental_distribute_dataset(dataset, options)
+        if not equal_static_shares(dataset, self._num_replicas_in_sync):
+            return super()._experimental_distribute_dataset(dataset, options)
+        # No worker can run out first: without TensorFlow's partial-batch handling, whose
+        # agreement is an all-reduce at the start of every step (and whose batches have an
+        # unknown batch dimension). The flag is read when the dataset is built, here.
+        previous = self.experimental_enable_get_next_as_optional
+        self.experimental_enable_get_next_as_optional = False
+        try:
+            return super()._experimental_distribute_dataset(dataset, options)
+        finally:
+            self.experimental_enable_get_next_as_optional = previous
 
     # --- variables -------------------------------------------------------------------------
     def _create_variable(self, next_creator, **kwargs):
