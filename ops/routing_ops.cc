@@ -606,6 +606,7 @@ REGISTER_KERNEL_BUILDER(Name("NestpipeKeysBlock").Device(DEVICE_CPU), KeysBlockO
 REGISTER_OP("NestpipeRouteCounts")
     .Input("received: int64")
     .Input("counts: int32")
+    .Input("rider_width: int32")
     .Attr("shard_index: int >= 0")
     .Attr("rounds: int >= 1")
     .Attr("capacities: list(int)")
@@ -618,12 +619,15 @@ REGISTER_OP("NestpipeRouteCounts")
     .Output("buckets: rounds * int32")
     .Output("capacity: rounds * int32")
     .Output("keys: rounds * int32")
+    .Output("rider: int64")
+    .Output("keys_received: int64")
     .SetShapeFn([](InferenceContext* c) {
       int rounds;
       TF_RETURN_IF_ERROR(c->GetAttr("rounds", &rounds));
-      ShapeHandle received, counts;
+      ShapeHandle received, counts, rider_width;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &received));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &counts));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 0, &rider_width));
       auto w = c->Dim(counts, 0);
       c->set_output(0, c->Scalar());
       c->set_output(1, c->Matrix(w, rounds));
@@ -636,6 +640,8 @@ REGISTER_OP("NestpipeRouteCounts")
         c->set_output(4 + 3 * rounds + r, c->Scalar());
         c->set_output(4 + 4 * rounds + r, c->Scalar());
       }
+      c->set_output(4 + 5 * rounds, c->Matrix(c->Dim(received, 0), c->UnknownDim()));
+      c->set_output(5 + 5 * rounds, c->Matrix(c->Dim(received, 0), c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -651,6 +657,8 @@ round_capacities[r] / capacity[r]: round r's rows exchange slots per requester, 
   buckets[r] its index.
 shares: each sender's share entry. splits[r]: counts[:, r]; received_counts[r]: sent[:, r];
 keys[r]: the sum of splits[r] (this worker's distinct keys of round r).
+rider: [W, rider_width], the columns right behind each header (row i: sender i's rider);
+keys_received: [W, n - header - rider_width], the columns after them (sender i's keys).
 )doc");
 
 class RouteCountsOp : public OpKernel {
@@ -665,7 +673,11 @@ class RouteCountsOp : public OpKernel {
   void Compute(OpKernelContext* ctx) override {
     const Tensor& received_t = ctx->input(0);
     const Tensor& counts_t = ctx->input(1);
+    const Tensor& rider_width_t = ctx->input(2);
     const int64_t rounds = rounds_;
+    OP_REQUIRES(ctx, TensorShapeUtils::IsScalar(rider_width_t.shape()),
+                errors::InvalidArgument("rider_width must be a scalar, got ",
+                                        rider_width_t.shape().DebugString()));
     OP_REQUIRES(ctx, counts_t.dims() == 2 && counts_t.dim_size(1) == rounds,
                 errors::InvalidArgument("counts must be [W, ", rounds, "], got ",
                                         counts_t.shape().DebugString()));
@@ -679,6 +691,10 @@ class RouteCountsOp : public OpKernel {
                                         "] (each row headed by its sender's counts), got ",
                                         received_t.shape().DebugString()));
     const int64_t n = received_t.dim_size(1);
+    const int64_t rider_width = rider_width_t.scalar<int32>()();
+    OP_REQUIRES(ctx, rider_width >= 0 && header + rider_width <= n,
+                errors::InvalidArgument("rider_width ", rider_width, " does not fit behind the ",
+                                        header, "-column header in ", n, " columns"));
     const int64_t* rec = received_t.flat<int64_t>().data();
     const int32* own = counts_t.flat<int32>().data();
     Tensor *largest_t, *sent_t, *caps_t, *shares_t;
@@ -734,6 +750,20 @@ class RouteCountsOp : public OpKernel {
       bucket_t->scalar<int32>()() = bucket;
       cap_t->scalar<int32>()() = padded;
       keys_t->scalar<int32>()() = static_cast<int32>(total);
+    }
+    // The rider and the keys, each one copy of its columns (no slice ops around the op).
+    const int64_t lead = header + rider_width;
+    Tensor *rider_t, *keys_in_t;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4 + 5 * rounds, TensorShape({w, rider_width}),
+                                             &rider_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(5 + 5 * rounds, TensorShape({w, n - lead}),
+                                             &keys_in_t));
+    int64_t* rider_out = rider_t->flat<int64_t>().data();
+    int64_t* keys_out = keys_in_t->flat<int64_t>().data();
+    for (int64_t i = 0; i < w; ++i) {
+      const int64_t* row = rec + i * n;
+      std::copy(row + header, row + lead, rider_out + i * rider_width);
+      std::copy(row + lead, row + n, keys_out + i * (n - lead));
     }
   }
 

@@ -386,9 +386,10 @@ def test_keys_block_errors():
         ops.keys_block([1, 2], [1, 1], [0], none, [0, 1], capacities)
 
 
-def _route_counts_reference(received, counts, shard_index, capacities):
+def _route_counts_reference(received, counts, shard_index, capacities, rider_width=0):
     """NestpipeRouteCounts in NumPy."""
     w, rounds = counts.shape
+    lead = w * rounds + 1 + rider_width
     every = received[:, :w * rounds].reshape(w, w, rounds)  # [requester, owner, round]
     largest = int(every.sum(axis=2).max())
     sent = every[:, shard_index, :]
@@ -397,12 +398,14 @@ def _route_counts_reference(received, counts, shard_index, capacities):
     return {"largest": largest, "sent": sent, "capacities": np.asarray(capacities)[buckets],
             "shares": received[:, w * rounds], "splits": [counts[:, r] for r in range(rounds)],
             "received": [sent[:, r] for r in range(rounds)], "buckets": list(buckets),
-            "keys": [counts[:, r].sum() for r in range(rounds)]}
+            "keys": [counts[:, r].sum() for r in range(rounds)],
+            "rider": received[:, w * rounds + 1:lead], "keys_received": received[:, lead:]}
 
 
-@pytest.mark.parametrize("workers, rounds, shard_index", [(2, 1, 0), (3, 1, 2), (3, 2, 1),
-                                                         (2, 3, 1)])
-def test_route_counts_matches_numpy(workers, rounds, shard_index):
+@pytest.mark.parametrize("workers, rounds, shard_index, rider_width",
+                         [(2, 1, 0, 0), (3, 1, 2, 0), (3, 2, 1, 0), (2, 3, 1, 0), (2, 1, 1, 3),
+                          (3, 2, 0, 7)])
+def test_route_counts_matches_numpy(workers, rounds, shard_index, rider_width):
     capacities = [1, 4, 9, 16, 30]
     rng = np.random.default_rng(workers * 10 + rounds)
     headers = rng.integers(0, 12, [workers, workers * rounds]).astype(np.int64)
@@ -412,8 +415,11 @@ def test_route_counts_matches_numpy(workers, rounds, shard_index):
     keys = rng.integers(-1, 50, [workers, 7]).astype(np.int64)
     received = np.concatenate([headers, shares, keys], axis=1)
     counts = rng.integers(0, 9, [workers, rounds]).astype(np.int32)
-    got = ops.route_counts(received, counts, shard_index, capacities)
-    expected = _route_counts_reference(received, counts, shard_index, capacities)
+    got = ops.route_counts(received, counts, shard_index, capacities, rider_width)
+    expected = _route_counts_reference(received, counts, shard_index, capacities, rider_width)
+    np.testing.assert_array_equal(got.rider.numpy(), expected["rider"])
+    np.testing.assert_array_equal(got.keys_received.numpy(), expected["keys_received"])
+    assert got.rider.shape == (workers, rider_width)
     assert int(got.largest) == expected["largest"]
     np.testing.assert_array_equal(got.sent.numpy(), expected["sent"])
     np.testing.assert_array_equal(got.capacities.numpy(), expected["capacities"])
@@ -437,10 +443,20 @@ def test_route_counts_errors():
         ops.route_counts(np.array([[0, 10, 1], [0, 0, 1]], np.int64), counts, 0, capacities)
     with pytest.raises(tf.errors.InvalidArgumentError, match="shard_index 2 of 2 workers"):
         ops.route_counts(np.zeros([2, 3], np.int64), counts, 2, capacities)
+    with pytest.raises(tf.errors.InvalidArgumentError,
+                       match="rider_width 2 does not fit behind the 3-column header in 4"):
+        ops.route_counts(np.zeros([2, 4], np.int64), counts, 0, capacities, 2)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="rider_width -1 does not fit"):
+        ops.route_counts(np.zeros([2, 3], np.int64), counts, 0, capacities, -1)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="scalar"):
+        ops.route_counts(np.zeros([2, 3], np.int64), counts, 0, capacities, [0])
+    # The positive control: a rider of 1 column fits there, leaving no key columns.
+    assert ops.route_counts(np.zeros([2, 4], np.int64), counts, 0, capacities,
+                            1).keys_received.shape == (2, 0)
     with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="counts must be"):
         load_op_library().nestpipe_route_counts(np.zeros([2, 3], np.int64),
-                                                np.zeros([2], np.int32), shard_index=0, rounds=1,
-                                                capacities=capacities)
+                                                np.zeros([2], np.int32), 0, shard_index=0,
+                                                rounds=1, capacities=capacities)
     with pytest.raises(ValueError, match="number of rounds statically"):
         tf.function(lambda c: ops.route_counts(np.zeros([2, 3], np.int64), c, 0, capacities),
                     input_signature=[tf.TensorSpec([2, None], tf.int32)]).get_concrete_function()

@@ -103,7 +103,9 @@ class RouteCounts(NamedTuple):
     sent this worker in round r), `capacities` `[rounds]` (each round's rows exchange slots per
     requester), `shares` `[W]` (each sender's share entry), and per round (lists): `splits`
     (this worker's keys per owner), `received` (`sent[:, r]`), `buckets`, `capacity` and
-    `keys` (this worker's distinct keys of the round). All int32."""
+    `keys` (this worker's distinct keys of the round), all int32; then the exchange's columns
+    behind the headers, int64: `rider` `[W, R]` and `keys_received` (each sender's keys and
+    their padding)."""
 
     largest: tf.Tensor
     sent: tf.Tensor
@@ -114,22 +116,25 @@ class RouteCounts(NamedTuple):
     buckets: list
     capacity: list
     keys: list
+    rider: tf.Tensor
+    keys_received: tf.Tensor
 
 
-def route_counts(received, counts, shard_index, capacities):
+def route_counts(received, counts, shard_index, capacities, rider_width=0):
     """One op: a `RouteCounts` from the keys all-to-all as received (`[W, n]` int64, row i
-    headed by sender i's counts `[W, rounds]` flattened owner-major, then its share) and this
-    worker's own `counts` (`[W, rounds]` int32, rounds static); round r's capacity is the
-    bucketed capacity (`capacities`, as `capacity_bucket`) of max(1, the most keys any
-    requester sent any owner in round r)."""
+    headed by sender i's counts `[W, rounds]` flattened owner-major, then its share, then its
+    `rider_width` rider columns, then its keys) and this worker's own `counts` (`[W, rounds]`
+    int32, rounds static); round r's capacity is the bucketed capacity (`capacities`, as
+    `capacity_bucket`) of max(1, the most keys any requester sent any owner in round r)."""
     counts = tf.convert_to_tensor(counts, tf.int32)
     rounds = counts.shape[1]
     if rounds is None:
         raise ValueError("route_counts needs the number of rounds statically (counts' dim 1)")
     out = load_op_library().nestpipe_route_counts(
-        tf.convert_to_tensor(received, tf.int64), counts, shard_index=shard_index,
-        rounds=rounds, capacities=list(capacities))
-    return RouteCounts(*out[:4], *(list(part) for part in out[4:]))
+        tf.convert_to_tensor(received, tf.int64), counts,
+        tf.convert_to_tensor(rider_width, tf.int32), shard_index=shard_index, rounds=rounds,
+        capacities=list(capacities))
+    return RouteCounts(*out[:4], *(list(part) for part in out[4:9]), *out[9:])
 
 
 def bucket_slots(splits, capacity):

@@ -49,7 +49,6 @@ def _send_keys(keys, splits, counts, share_size, layout, collectives, tag, hint,
     num_shards = layout.num_shards
     share = tf.constant(-1, tf.int64) if share_size is None else tf.cast(share_size, tf.int64)
     header = tf.concat([tf.cast(tf.reshape(counts, [-1]), tf.int64), [share]], 0)
-    width = header.shape[0]
     has_rider = rider is not None
     if not has_rider:
         rider_width, rider = 0, tf.zeros([num_shards, 0], tf.int64)
@@ -60,17 +59,18 @@ def _send_keys(keys, splits, counts, share_size, layout, collectives, tag, hint,
     # entries that carry data, the bucket and the keys' capacity.
     first, first_counts, bucket, key_capacity = ops.keys_block(
         keys, splits, header, rider, hint.read_bucket(), EXCHANGE_CAPACITIES)
-    lead = width + rider_width
     # The keys' bytes without the rider's (its sender counts them as its own kind).
     with tf.control_dependencies(wire.count("keys", first, collectives,
                                             first_counts - rider_width, uncounted=rider_width)):
         received_first = collectives.all_to_all(first, tag + "/keys", bucket,
                                                 send_counts=first_counts, fill=-1)
     # One op reads every sender's header: the counts every worker learns alike (so the
-    # overflow decision is the same everywhere), this owner's slots, each round's capacity.
-    arrived = ops.route_counts(received_first, counts, layout.shard_index, EXCHANGE_CAPACITIES)
+    # overflow decision is the same everywhere), this owner's slots, each round's capacity;
+    # and splits off each sender's rider and keys.
+    arrived = ops.route_counts(received_first, counts, layout.shard_index, EXCHANGE_CAPACITIES,
+                               rider_width)
     largest = arrived.largest
-    rider_in = received_first[:, width:lead] if has_rider else None
+    rider_in = arrived.rider if has_rider else None
 
     def overflow():
         by_owner = tf.RaggedTensor.from_row_lengths(keys, tf.cast(splits, tf.int64))
@@ -85,7 +85,7 @@ def _send_keys(keys, splits, counts, share_size, layout, collectives, tag, hint,
     extra = tf.cond(largest > key_capacity, overflow,
                     lambda: tf.fill([num_shards, 0], tf.constant(-1, tf.int64)))
     with tf.control_dependencies([hint.follow(largest)]):
-        keys_in = tf.concat([received_first[:, lead:], extra], axis=1)
+        keys_in = tf.concat([arrived.keys_received, extra], axis=1)
     return arrived, keys_in, rider_in
 
 
