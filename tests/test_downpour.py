@@ -69,7 +69,11 @@ def test_fit_runs_downpour_windows_and_lowers_the_loss(downpour_results):
     result = downpour_results["fit_T3"]
     assert result["update_window"] == 3 and len(result["losses"]) == 6  # 6 epochs of 5 windows
     assert result["moved"] > 1e-2  # the ps values changed
-    assert np.mean(result["losses"][-2:]) < np.mean(result["losses"][:2]) - 0.05
+    # On fixed samples, as `test_windows_train`'s check: the per-epoch fit losses are of
+    # whichever batches each worker's windows drew (a fresh-clone suite of 2026-12-06 saw the
+    # last two epochs' mean 0.672 above the first two's 0.645, where two runs alone gave a
+    # fixed-sample loss of 0.709 -> 0.526 and 0.497).
+    assert result["eval_after"] < result["eval_before"] - 0.05
 
 
 def test_the_pipelined_train_function_alone_refuses_a_downpour_strategy():

@@ -6,8 +6,8 @@ usage: downpour.py OUT_DIR [--ps-failure]
   pulled - sum of the three local-step gradients, computed here by a plain model on the same
   three batches. train_T<T>_<opt>: 90 local steps of each setting; the loss of the ps values on
   a fixed 1024 samples must fall, and the local Adagrad accumulators must live on the workers.
-  fit_T3: tf_keras fit over a T=3 DOWNPOUR strategy (each fit step one window); its loss must
-  fall.
+  fit_T3: tf_keras fit over a T=3 DOWNPOUR strategy (each fit step one window); the loss of the
+  ps values on the same fixed samples must fall.
 """
 import json
 import os
@@ -151,13 +151,19 @@ def fit(out):
         model.compile(optimizer=tf_keras.optimizers.Adagrad(0.5),
                       loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
     before = [v.numpy() for v in model.trainable_variables]
+    # The same values whole, in `make_model`'s order (each variable is partitioned over the ps).
+    before_whole = [tf.convert_to_tensor(w).numpy() for layer in model.layers
+                    for w in ([layer.embeddings] if hasattr(layer, "embeddings")
+                              else [layer.kernel, layer.bias])]
     history = model.fit(tf_keras.utils.experimental.DatasetCreator(dataset_fn), epochs=6,
                         steps_per_epoch=5, verbose=0)
     trainer = model._nestpipe_downpour  # pylint: disable=protected-access
     after = [v.numpy() for v in model.trainable_variables]
     out["fit_T3"] = {"losses": history.history["loss"], "windows_per_epoch": 5,
                      "update_window": trainer.update_window,
-                     "moved": max(float(np.abs(a - b).max()) for a, b in zip(after, before))}
+                     "moved": max(float(np.abs(a - b).max()) for a, b in zip(after, before)),
+                     "eval_before": eval_loss(before_whole),
+                     "eval_after": eval_loss(trainer.global_values())}
 
 
 def ps_failure(out_dir):
