@@ -16,7 +16,7 @@ from tf_nestpipe.launch.allocator import (DEFAULT_TOP_PAD_BYTES, DISABLED, SET, 
                                           keep_freed_memory)
 from tf_nestpipe.launch.local_cluster import free_ports
 
-from conftest import REPO
+from conftest import REPO, through_forkserver
 
 GLIBC = platform.libc_ver()[0] == "glibc"
 
@@ -70,9 +70,12 @@ def test_launcher_environment():
 
 @pytest.mark.skipif(not GLIBC, reason="mallopt is glibc's")
 def test_real_glibc_takes_it():
-    """This process's glibc accepts the call (a fresh interpreter without the variable)."""
+    """This process's glibc accepts the call (a fresh interpreter without the variable; the
+    module alone, loaded from its file: stdlib only, no TensorFlow to import)."""
     env = {k: v for k, v in os.environ.items() if k != TOP_PAD_ENV}
-    code = "from tf_nestpipe.launch import allocator; print(allocator.keep_freed_memory())"
+    code = ("import importlib.util as u; s = u.spec_from_file_location('allocator', %r); "
+            "m = u.module_from_spec(s); s.loader.exec_module(m); print(m.keep_freed_memory())"
+            % allocator.__file__)
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env=env, text=True,
                          capture_output=True, check=True).stdout.split()
     assert out[-1] == SET
@@ -116,7 +119,10 @@ def test_a_serving_task_applies_it(user_value, said):
         env[TOP_PAD_ENV] = user_value
     env["TF_CONFIG"] = json.dumps({"cluster": {"ps": ["127.0.0.1:%d" % free_ports(1)[0]]},
                                    "task": {"type": "ps", "index": 0}})
-    server = subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], cwd=REPO, env=env,
+    # Forked from the suite's fork server (tests/forkserver.py), which applies the variable as a
+    # fresh interpreter's glibc would.
+    server = subprocess.Popen(through_forkserver([sys.executable, "-m", "tf_nestpipe.server"]),
+                              cwd=REPO, env=env,
                               text=True, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
     try:
         # The serving line (it then serves until killed); a task that never prints fails here.
@@ -134,9 +140,9 @@ def test_launched_tasks_get_it_unless_the_user_set_it(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != TOP_PAD_ENV}
 
     def launch(*flags):
-        return subprocess.run([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2",
-                               "--output", "all"] + list(flags) + ["--", sys.executable,
-                                                                   str(script)],
+        return subprocess.run(through_forkserver(
+            [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--output", "all"]
+            + list(flags) + ["--", sys.executable, str(script)]),
                               cwd=REPO, env=env, text=True, capture_output=True, timeout=120)
 
     result = launch()

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, run_command
+from conftest import PROGRAMS, run_command, through_forkserver
 
 
 @pytest.fixture(scope="session")
@@ -285,7 +285,8 @@ def test_a_ps_killed_while_schedule_runs_is_explained_by_schedule(tmp_path):
         return dict(os.environ, TF_CONFIG=json.dumps({"cluster": cluster,
                                                       "task": {"type": role, "index": 0}}))
 
-    servers = [subprocess.Popen([sys.executable, "-m", "tf_nestpipe.server"], env=env(role),
+    servers = [subprocess.Popen(through_forkserver([sys.executable, "-m", "tf_nestpipe.server"]),
+                                env=env(role),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
                for role in ("worker", "ps")]
     try:

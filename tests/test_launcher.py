@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from conftest import run_command
+from conftest import run_command, through_forkserver
 from tf_nestpipe.launch.__main__ import main as launch_main
 from tf_nestpipe.launch.local_cluster import LocalCluster, make_cluster
 
@@ -179,10 +179,10 @@ def _launch_then_sigterm(tmp_path, mode, grace):
     out = tmp_path / mode
     out.mkdir()
     env = dict(os.environ, TF_NESTPIPE_LAUNCH_OUTPUT="all")
-    process = subprocess.Popen(
+    process = subprocess.Popen(through_forkserver(
         [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--restarts", "1",
          "--grace-period", str(grace), "--log-dir", str(tmp_path / ("logs-" + mode)), "--",
-         sys.executable, script, str(out), mode],
+         sys.executable, script, str(out), mode]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines = []
     while sum("ready" in line for line in lines) < 2:
@@ -273,9 +273,9 @@ def test_sigterm_to_the_launcher_makes_every_worker_save_its_preemption_checkpoi
 
     worker = os.path.join(REPO, "bench", "fault_worker.py")
     ckpt, final = str(tmp_path / "ckpt"), str(tmp_path / "final.npz")
-    process = subprocess.Popen(
+    process = subprocess.Popen(through_forkserver(
         [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--output", "all", "--",
-         sys.executable, worker, final, ckpt, "40", "--step-seconds", "0.3"],
+         sys.executable, worker, final, ckpt, "40", "--step-seconds", "0.3"]),
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines = []
     for line in process.stdout:
