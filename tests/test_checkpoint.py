@@ -129,7 +129,7 @@ EXPORTS = [
 ]
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def served_exports(checkpoint_runs):
     """Each export of EXPORTS served in one fresh process that never imports tf_nestpipe (one
     TensorFlow start-up for the three): its output."""
