@@ -34,9 +34,9 @@ def test_a_silent_worker_fails_the_survivor_fast_naming_it(tmp_path):
     cluster = {"worker": ["localhost:%d" % p for p in _free_ports(2)]}
     procs, logs = [], []
     for index in range(2):
-        env = dict(os.environ,
-                   TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS=str(HEARTBEAT_SECONDS), TF_CONFIG=json.dumps(
-            {"cluster": cluster, "task": {"type": "worker", "index": index}}))
+        env = dict(os.environ, TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS=str(HEARTBEAT_SECONDS),
+                   TF_CONFIG=json.dumps({"cluster": cluster,
+                                         "task": {"type": "worker", "index": index}}))
         logs.append(tmp_path / ("worker%d.log" % index))
         procs.append(subprocess.Popen(through_forkserver([sys.executable,
                                                           os.path.join(PROGRAMS, "dead_peer.py")]),
