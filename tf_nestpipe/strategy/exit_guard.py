@@ -15,20 +15,31 @@ import faulthandler
 import sys
 import threading
 
-from tf_nestpipe.strategy.env_settings import seconds_from_env
+from tf_nestpipe import settings
 
 # Seconds a worker's shutdown may take after an uncaught error (TF_NESTPIPE_EXIT_GRACE_SECONDS).
-DEFAULT_GRACE_SECONDS = 15.0
-_ENV = "TF_NESTPIPE_EXIT_GRACE_SECONDS"
+DEFAULT_GRACE_SECONDS = settings.EXIT_GRACE_SECONDS.default
+_ENV = settings.EXIT_GRACE_SECONDS.name
 
 _lock = threading.Lock()
 _installed = {"grace": None, "previous": None}
 
 
 def grace_from_env(default=DEFAULT_GRACE_SECONDS):
-    """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard), else
-    `default`; a value that is not a number >= 0 is refused naming the variable."""
-    return seconds_from_env(_ENV, default, 0, "0 turns the exit guard off")
+    """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard).
+
+    Args:
+        default: The grace period when the variable is unset or empty.
+
+    Returns:
+        Seconds, >= 0.
+
+    Raises:
+        tf_nestpipe.settings.SettingError: The variable is not a number >= 0.
+    """
+    if not settings.EXIT_GRACE_SECONDS.is_set():
+        return float(default)
+    return settings.EXIT_GRACE_SECONDS.value()
 
 
 def _guarded_excepthook(kind, value, traceback):
