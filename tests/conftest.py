@@ -377,7 +377,10 @@ def readme_runs(tmp_path_factory):
     one local worker ("one") and on 2 workers ("two"), the parameter-server block on a chief + 1
     worker + 1 ps cluster ("ps"). Returns each run's CompletedProcess."""
     out = tmp_path_factory.mktemp("readme")
-    runner = [os.path.join(PROGRAMS, "readme_examples.py"), os.path.join(REPO, "README.md")]
+    sys.path.insert(0, PROGRAMS)
+    import readme_examples  # pylint: disable=import-outside-toplevel
+    documents = os.pathsep.join(os.path.join(REPO, p) for p in readme_examples.DOCUMENTS)
+    runner = [os.path.join(PROGRAMS, "readme_examples.py"), documents]
     one, two, ps = run_together(  # independent: at once
         (run_command, [sys.executable] + runner + ["main", str(out / "one")], 600),
         (launch, 2, runner + ["main", str(out / "two")], 900),
