@@ -1,5 +1,5 @@
 """Table placement: the one rule that decides, per embedding table, how it is laid out over the
-workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFlow.
+workers of a `NestPipeStrategy`. Pure arithmetic: imports no TensorFlow.
 
 - `data_parallel`: the table is an ordinary mirrored variable on every worker; lookups are local
   gathers (no all-to-all) and its gradient, made dense, joins the dense gradient all-reduce.

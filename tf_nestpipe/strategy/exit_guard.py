@@ -1,10 +1,9 @@
 """A worker that dies of an uncaught error exits, even when its shutdown would block.
 
-Seen in a loaded full-suite run: worker 1's step raised (an out-of-range id), Python printed the
-traceback, and the process never exited: its shutdown blocked (where was not captured: it did
-not reproduce in 6 reruns; the guard's stack dump names it next time), its socket mesh kept
-sending heartbeats, so worker 0 waited in its exchange and the launcher, which tears the
-cluster down when a task exits, never saw an exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
+A worker whose step raised prints the traceback and starts to shut down; if that shutdown
+blocks (e.g. on a peer's pending collective) while its socket mesh keeps sending heartbeats,
+its peers wait in their exchanges and the launcher, which tears the cluster down when a task
+exits, never sees an exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
 `faulthandler.dump_traceback_later(grace_seconds, exit=True)`, a native watchdog that outlives
 the interpreter's own threads during shutdown. A shutdown that finishes in time is untouched
 (atexit handlers run as usual); one that blocks longer prints every thread's stack (where it
