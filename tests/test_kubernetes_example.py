@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 
 sys.path.insert(0, os.path.join(REPO, "examples", "kubernetes"))
 import render  # noqa: E402

@@ -1,0 +1,273 @@
+"""The transport: how workers exchange tensors, behind one interface, chosen in one place.
+
+`Transport` is what the layers above use (all-to-all, all-gather, all-reduce, streams, a
+timeout, a name, and what the engine can do); each engine implements it:
+
+- `SocketCollectives` ("sockets"): our TCP mesh, authenticated at start-up
+  (`mesh_handshake`), its data plane in `ops/socket_ops.cc`. The CPU default.
+- `Collectives` ("tf"): TensorFlow's collective ops (RING on CPU, NCCL on GPU).
+- `HorovodCollectives` ("horovod"): Horovod's Gloo (or MPI) collectives.
+
+`TransportConfig` says which one a strategy wants and how it behaves under faults;
+`create_transport` (below) is the only place that turns a name into an engine.
+"""
+import dataclasses
+import os
+import warnings
+from typing import Optional
+
+# The names a user may pass; "auto" is the socket mesh on CPU (TensorFlow's collectives where
+# the workers cannot reach each other's mesh ports) and TensorFlow's NCCL collectives on GPU.
+TRANSPORT_NAMES = ("auto", "sockets", "tf", "horovod")
+
+DEFAULT_TIMEOUT_SECONDS = 600.0
+DEFAULT_CONNECT_TIMEOUT_SECONDS = 30.0
+DEFAULT_HELLO_TIMEOUT_SECONDS = 5.0
+DEFAULT_STALL_SECONDS = 20.0
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 32
+DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
+
+# Earlier spellings, read (with a DeprecationWarning) when the new one is unset.
+_OLD_ENV = {"TF_NESTPIPE_TRANSPORT_CONNECT_TIMEOUT": "NESTPIPE_SOCKET_CONNECT_TIMEOUT",
+            "TF_NESTPIPE_TRANSPORT_STALL_SECONDS": "NESTPIPE_SOCKET_STALL_SECONDS"}
+
+SECRET_ENV = "TF_NESTPIPE_TRANSPORT_SECRET"
+SECRET_FILE_ENV = "TF_NESTPIPE_TRANSPORT_SECRET_FILE"
+
+
+class TransportError(RuntimeError):
+    """The transport cannot be set up as configured (the message names the fix)."""
+
+
+def _env_number(name, default, minimum, kind=float):
+    raw = os.environ.get(name, "")
+    if raw.strip() == "":
+        return kind(default)
+    try:
+        value = kind(raw)
+    except ValueError:
+        value = None
+    if value is None or not value >= minimum:
+        raise ValueError("%s must be a number >= %g, got %r" % (name, minimum, raw))
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class TransportConfig:
+    """How the workers of a `NestPipeStrategy` talk to each other.
+
+    Every field left at None is read from its environment variable (`TF_NESTPIPE_TRANSPORT_*`,
+    listed in the docs' configuration table), else its default.
+
+    Attributes:
+      name: "auto" (default), "sockets" (the mesh or an error), "tf" (TensorFlow's
+        collectives) or "horovod".
+      timeout_seconds: how long a collective may wait for a peer that is alive but does not
+        make the matching call (default 600 s, `TF_NESTPIPE_TRANSPORT_TIMEOUT`). Every worker
+        then fails naming that peer and the call. Also TensorFlow's collective timeout.
+      connect_timeout_seconds: how long start-up may take to open every connection (30 s).
+      hello_timeout_seconds: how long one connection may take to authenticate (5 s); a silent
+        or garbling stranger costs only this, never start-up as a whole.
+      stall_seconds: how long a peer may send nothing at all, not even a heartbeat, before it
+        counts as dead (20 s). Any byte counts: a long transfer on a slow link is progress.
+      listen_host: the address the mesh listens on (default: this worker's `TF_CONFIG` host,
+        never every interface unless this says "0.0.0.0").
+      secret: the job's secret (bytes or str; default `TF_NESTPIPE_TRANSPORT_SECRET`, or the
+        file named by `TF_NESTPIPE_TRANSPORT_SECRET_FILE`, e.g. a Kubernetes Secret). Peers
+        prove they hold it before they may join. `python -m tf_nestpipe.launch` makes one.
+      require_secret: refuse to open the mesh without a secret (default False: without one,
+        worker 0 draws a secret and shares it over TensorFlow's own (unauthenticated) gRPC
+        channel, and says so).
+      max_message_bytes: the largest frame a peer may announce (4 GiB).
+      max_buffered_bytes: bytes of frames that arrive before their call starts that a worker
+        buffers in all (1 GiB).
+    """
+
+    name: str = "auto"
+    timeout_seconds: Optional[float] = None
+    connect_timeout_seconds: Optional[float] = None
+    hello_timeout_seconds: Optional[float] = None
+    stall_seconds: Optional[float] = None
+    listen_host: Optional[str] = None
+    secret: Optional[bytes] = dataclasses.field(default=None, repr=False)
+    require_secret: bool = False
+    max_message_bytes: Optional[int] = None
+    max_buffered_bytes: Optional[int] = None
+
+    def __post_init__(self):
+        if self.name not in TRANSPORT_NAMES:
+            raise ValueError("transport must be one of %s, got %r" % (TRANSPORT_NAMES, self.name))
+        for field in ("timeout_seconds", "connect_timeout_seconds", "hello_timeout_seconds",
+                      "stall_seconds", "max_message_bytes", "max_buffered_bytes"):
+            value = getattr(self, field)
+            if value is not None and not value > 0:
+                raise ValueError("TransportConfig.%s must be > 0, got %r" % (field, value))
+
+    def resolved(self):
+        """This config with every unset field filled from the environment or its default.
+
+        Returns:
+          A `TransportConfig` with no None numeric field.
+
+        Raises:
+          ValueError: an environment variable holds something other than a positive number.
+        """
+        def pick(value, env, default, kind=float):
+            if value is not None:
+                return value
+            old = _OLD_ENV.get(env)
+            if old and os.environ.get(old, "").strip() and not os.environ.get(env, "").strip():
+                warnings.warn("%s is deprecated: set %s" % (old, env), DeprecationWarning)
+                env = old
+            return _env_number(env, default, 1e-3, kind)
+
+        return dataclasses.replace(
+            self,
+            timeout_seconds=pick(self.timeout_seconds, "TF_NESTPIPE_TRANSPORT_TIMEOUT",
+                                 DEFAULT_TIMEOUT_SECONDS),
+            connect_timeout_seconds=pick(self.connect_timeout_seconds,
+                                         "TF_NESTPIPE_TRANSPORT_CONNECT_TIMEOUT",
+                                         DEFAULT_CONNECT_TIMEOUT_SECONDS),
+            hello_timeout_seconds=pick(self.hello_timeout_seconds,
+                                       "TF_NESTPIPE_TRANSPORT_HELLO_TIMEOUT",
+                                       DEFAULT_HELLO_TIMEOUT_SECONDS),
+            stall_seconds=pick(self.stall_seconds, "TF_NESTPIPE_TRANSPORT_STALL_SECONDS",
+                               DEFAULT_STALL_SECONDS),
+            max_message_bytes=pick(self.max_message_bytes,
+                                   "TF_NESTPIPE_TRANSPORT_MAX_MESSAGE_BYTES",
+                                   DEFAULT_MAX_MESSAGE_BYTES, int),
+            max_buffered_bytes=pick(self.max_buffered_bytes,
+                                    "TF_NESTPIPE_TRANSPORT_MAX_BUFFERED_BYTES",
+                                    DEFAULT_MAX_BUFFERED_BYTES, int),
+            listen_host=(self.listen_host if self.listen_host is not None
+                         else os.environ.get("TF_NESTPIPE_TRANSPORT_LISTEN_HOST") or None))
+
+    @property
+    def engine_owns_cluster(self):
+        """Whether the engine, not `TF_CONFIG`, says who the workers are (Horovod's rank and
+        size): the strategy then starts no TensorFlow server."""
+        return self.name == "horovod"
+
+    def job_secret(self):
+        """The job's secret: `secret`, else `$TF_NESTPIPE_TRANSPORT_SECRET`, else the contents
+        of `$TF_NESTPIPE_TRANSPORT_SECRET_FILE`.
+
+        Returns:
+          bytes, or None where none is configured.
+
+        Raises:
+          TransportError: the secret file cannot be read or is empty.
+        """
+        if self.secret:
+            return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
+        value = os.environ.get(SECRET_ENV, "")
+        if value:
+            return value.encode()
+        path = os.environ.get(SECRET_FILE_ENV, "")
+        if not path:
+            return None
+        try:
+            with open(path, "rb") as f:
+                data = f.read().strip()
+        except OSError as error:
+            raise TransportError("%s=%s cannot be read: %s; mount the job's secret there or "
+                                 "unset the variable" % (SECRET_FILE_ENV, path, error)) from None
+        if not data:
+            raise TransportError("%s=%s is empty; put the job's secret in it" %
+                                 (SECRET_FILE_ENV, path))
+        return data
+
+
+def as_transport_config(value):
+    """A `TransportConfig` from a strategy argument: a config, or a transport name.
+
+    Raises:
+      ValueError: an unknown name or a value of another type.
+    """
+    if isinstance(value, TransportConfig):
+        return value
+    if isinstance(value, str):
+        return TransportConfig(name=value)
+    raise ValueError("transport must be a TransportConfig or one of %s, got %r"
+                     % (TRANSPORT_NAMES, value))
+
+
+class Transport:
+    """What every engine offers the layers above (see the engines' classes for the calls:
+    `all_to_all`, `all_to_all_differentiable`, `all_gather`, `all_reduce_sum`, `stream`).
+
+    Attributes:
+      name: the engine in use ("sockets", "tf" or "horovod").
+      timeout_seconds: the deadline of a collective (0: TensorFlow's none).
+      sends_real_splits: an all-to-all sends only the entries with data, not its padding.
+      reduces_dense: `all_reduce_sum` sums dense tensors (else TensorFlow's all-reduce does).
+      reduces_sparse: `all_reduce_sum` also sums `IndexedSlices`.
+      gathers: `all_gather` takes tensors whose first dimension differs between workers, and
+        the strategy's cross-worker gathers go through it.
+      broadcasts_initial_values: mirrored variables start from worker 0's value through
+        `broadcast_initial_value` (TensorFlow's own path does it otherwise).
+    """
+
+    name = "abstract"
+    sends_real_splits = False
+    reduces_dense = False
+    reduces_sparse = False
+    gathers = False
+    broadcasts_initial_values = False
+
+    def open(self, host, config):
+        """Connects this worker to its peers where the engine needs it (a no-op otherwise).
+
+        Args:
+          host: this worker's `TF_CONFIG` host.
+          config: the resolved `TransportConfig`.
+
+        Returns:
+          `(opened, reason)`, the same on every worker.
+        """
+        del host, config
+        return True, ""
+
+
+def engine_for(config, device_type):
+    """The engine class `config` asks for on a `device_type` ("CPU" or "GPU") worker, and
+    whether it may fall back to TensorFlow's collectives when the mesh cannot open.
+
+    Returns:
+      `(engine class, may_fall_back)`.
+    """
+    # Imported here: the engines import TensorFlow; this module's config is plain Python.
+    from tf_nestpipe.collectives.communication import Collectives  # pylint: disable=import-outside-toplevel
+    from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives  # pylint: disable=import-outside-toplevel
+    from tf_nestpipe.collectives.sockets import SocketCollectives  # pylint: disable=import-outside-toplevel
+    if config.name == "horovod":
+        return HorovodCollectives, False
+    if config.name == "tf" or (config.name == "auto" and device_type != "CPU"):
+        return Collectives, False
+    return SocketCollectives, config.name == "auto"
+
+
+def create_transport(config, device_type, num_workers, worker_index, device, implementation,
+                     hvd=None):
+    """The engine `config` asks for, not yet opened (see `Transport.open`).
+
+    Args:
+      config: a resolved `TransportConfig`.
+      device_type: "CPU" or "GPU", this worker's.
+      num_workers: the number of workers.
+      worker_index: this worker's index.
+      device: this worker's device.
+      implementation: TensorFlow's `CommunicationImplementation` for its collectives.
+      hvd: the initialised `horovod.tensorflow` module, for "horovod".
+
+    Returns:
+      `(transport, may_fall_back)`: whether a mesh that cannot open falls back to TensorFlow's
+      collectives ("auto") instead of failing ("sockets").
+    """
+    engine, may_fall_back = engine_for(config, device_type)
+    if config.engine_owns_cluster:
+        return engine(hvd, num_workers=num_workers, worker_index=worker_index, device=device,
+                      timeout_seconds=config.timeout_seconds), False
+    return engine(num_workers=num_workers, worker_index=worker_index, device=device,
+                  implementation=implementation,
+                  timeout_seconds=config.timeout_seconds), may_fall_back
