@@ -39,9 +39,9 @@ def _int_as_ipv4(address):
     return socket.inet_ntoa(int(address).to_bytes(4, "big"))
 
 
-def _listen(worker_index, host, listen_host):
+def _listen(worker_index, host, listen_host, listen_port=0):
     """Listens for the mesh on `listen_host` if given, else on `host` (this worker's TF_CONFIG
-    host). Returns `(socket or None, address as int, port, reason)`: the address peers dial
+    host), at `listen_port` (0: any free port). Returns `(socket or None, address as int, port, reason)`: the address peers dial
     (the TF_CONFIG host's), and a reason when it cannot listen."""
     address = _ipv4_as_int(host)
     if address < 0:
@@ -50,15 +50,15 @@ def _listen(worker_index, host, listen_host):
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((bind_host, 0))
+        listener.bind((bind_host, listen_port))
         listener.listen(1024)
     except OSError as error:
         listener.close()
         hint = ("" if listen_host else "; where the TF_CONFIG host is a relay, NAT or service "
                 "address, set TF_NESTPIPE_TRANSPORT_LISTEN_HOST (or TransportConfig.listen_host) "
                 "to an address of this machine")
-        return None, -1, -1, "worker %d cannot listen on %s: %s%s" % (
-            worker_index, bind_host, error.strerror or error, hint)
+        return None, -1, -1, "worker %d cannot listen on %s:%d: %s%s" % (
+            worker_index, bind_host, listen_port, error.strerror or error, hint)
     return listener, address, listener.getsockname()[1], ""
 
 
@@ -89,7 +89,7 @@ def open_socket_mesh(collectives, host, config):
             "worker %d has no transport secret and TransportConfig(require_secret=True): set "
             "TF_NESTPIPE_TRANSPORT_SECRET or TF_NESTPIPE_TRANSPORT_SECRET_FILE on every worker "
             "(python -m tf_nestpipe.launch sets one; on Kubernetes mount a Secret)" % me)
-    listener, address, port, reason = _listen(me, host, config.listen_host)
+    listener, address, port, reason = _listen(me, host, config.listen_host, config.listen_port)
     drawn = os.urandom(8 * _SECRET_WORDS)
     row = np.concatenate([[address, port, int(secret is not None)], _secret_words(drawn)])
     table = collectives.all_gather(tf.constant(row[np.newaxis], tf.int64),
