@@ -202,7 +202,7 @@ def single(args):
 def cluster(args):
     """Collective sweeps on every worker, then concurrent compute-only training; prints RESULT."""
     load_before = os.getloadavg()[0]
-    strategy = tnp.NestPipeStrategy(collectives=args.collectives)
+    strategy = tnp.NestPipeStrategy(transport=args.collectives)
     collectives = strategy.extended.collectives
     workers = strategy.num_workers
 

@@ -15,8 +15,8 @@ from conftest import through_forkserver
 from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.cluster_check import ClusterMismatchError, agree_on_cluster
 from tf_nestpipe.launch.local_cluster import free_ports
-from tf_nestpipe.launch.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
 from tf_nestpipe.settings import SettingError
+from tf_nestpipe.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
 
 
 def _cluster(workers, ports=None):

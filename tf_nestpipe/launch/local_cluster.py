@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -39,6 +40,7 @@ from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 from tf_nestpipe.launch import cpu_pinning
 from tf_nestpipe.launch import threads as thread_pools
 from tf_nestpipe.launch.allocator import allocator_env
+from tf_nestpipe.transport_config import SECRET_ENV, SECRET_FILE_ENV
 
 _PR_SET_PDEATHSIG = 1
 OUTPUT_ENV = settings.LAUNCH_OUTPUT.name
@@ -186,6 +188,11 @@ class LocalCluster:
         self.max_worker_restarts = 3  # per worker server, parameter-server mode only
         self._restarts: Dict[str, int] = {}
         self.env = dict(env or {})
+        # One secret per job, the same in every task (restarts included), unless the caller's
+        # environment brings one: the socket transport's peers prove they hold it.
+        if not (self.env.get(SECRET_ENV) or os.environ.get(SECRET_ENV)
+                or self.env.get(SECRET_FILE_ENV) or os.environ.get(SECRET_FILE_ENV)):
+            self.env[SECRET_ENV] = secrets.token_hex(32)
         num_tasks = sum(len(addresses) for addresses in self.cluster.values())
         if pin_cpus is None:
             pin_cpus = threads_per_task is None and not self.parameter_server_mode
