@@ -13,14 +13,17 @@ import pytest
 from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "tf_nestpipe")
-# Imported by every layer: the environment variables, the private-API gateway, trace names.
-EVERYWHERE = {"settings", "tf_private", "tracing"}
+# Imported by every layer: the environment variables, the private-API gateway, trace names, the
+# cluster description (TF_CONFIG) and the transport's configuration (no TensorFlow in either).
+EVERYWHERE = {"settings", "tf_private", "tracing", "tf_config", "transport_config"}
 # Each package or top-level module (a file's name without .py) and the parts of tf_nestpipe it
 # may import besides itself and EVERYWHERE. The planner (plan) sits above the layers it plans:
 # the strategy asks it, the layers never do. The launcher imports no TensorFlow layer (only the
 # Horovod install hint from collectives); data (input pipelines) needs no distribution layer.
 ALLOWED = {
     "settings": set(),
+    "tf_config": set(),
+    "transport_config": set(),
     "tf_private": set(),
     "tracing": set(),
     "ops": set(),

@@ -37,15 +37,16 @@ class Setting:
         meaning: One sentence: what the value does.
         set_by: "user" for a variable a user sets; otherwise who sets it (e.g. "launcher"),
             for variables tf_nestpipe passes between its own processes.
-        legacy: Whether the variable was once spelled `NESTPIPE_<suffix>`.
+        legacy: The variable's deprecated former name (still read for one release), or True for
+            `NESTPIPE_<suffix>`, or None.
         default_text: The default as the docs show it, where `default` depends on the machine.
     """
 
     def __init__(self, suffix: str, type_name: str, parse: Callable[[str], Any], default: Any,
-                 meaning: str, set_by: str = "user", legacy: bool = False,
+                 meaning: str, set_by: str = "user", legacy=None,
                  default_text: Optional[str] = None):
         self.name = PREFIX + suffix
-        self.legacy_name = LEGACY_PREFIX + suffix if legacy else None
+        self.legacy_name = LEGACY_PREFIX + suffix if legacy is True else legacy
         self.type_name = type_name
         self._parse = parse
         self._default = default
@@ -257,6 +258,69 @@ BIND_PORT = register(
     "BIND_PORT", port, None,
     "The port whose wildcard bind the interposer narrows to `TF_NESTPIPE_BIND_HOST`.",
     set_by="launcher", legacy=True)
+
+
+def positive_number(kind=float):
+    """A parser of a number > 0 of type `kind` (float or int)."""
+    def parse(text: str):
+        try:
+            number = kind(text)
+        except ValueError:
+            number = None
+        if number is None or not number > 0 or (kind is float and math.isinf(number)):
+            raise ValueError("must be %s > 0" % ("a number" if kind is float else "an integer"))
+        return number
+    parse.type_name = "%s > 0" % ("number" if kind is float else "integer")
+    return parse
+
+
+def port_or_any(text: str) -> int:
+    """A TCP port number, or 0 for any free port."""
+    if not text.isdigit() or not 0 <= int(text) <= 65535:
+        raise ValueError("must be a TCP port number 0-65535 (0: any free port)")
+    return int(text)
+
+
+port_or_any.type_name = "port"
+
+# The transport between the workers (read by `tf_nestpipe.transport_config.TransportConfig`,
+# whose fields override them).
+TRANSPORT_TIMEOUT = register(
+    "TRANSPORT_TIMEOUT", seconds(0, strict=True), 600.0,
+    "How long a collective may wait for a peer that is alive but does not make the matching "
+    "call; every worker then fails naming that peer and the call.")
+TRANSPORT_CONNECT_TIMEOUT = register(
+    "TRANSPORT_CONNECT_TIMEOUT", seconds(0, strict=True), 30.0,
+    "How long start-up may take to open every connection of the socket mesh.",
+    legacy="NESTPIPE_SOCKET_CONNECT_TIMEOUT")
+TRANSPORT_HELLO_TIMEOUT = register(
+    "TRANSPORT_HELLO_TIMEOUT", seconds(0, strict=True), 5.0,
+    "How long one mesh connection may take to authenticate.")
+TRANSPORT_STALL_SECONDS = register(
+    "TRANSPORT_STALL_SECONDS", seconds(0, strict=True), 20.0,
+    "How long a peer may send nothing at all, not even a heartbeat, before it counts as dead.",
+    legacy="NESTPIPE_SOCKET_STALL_SECONDS")
+TRANSPORT_MAX_MESSAGE_BYTES = register(
+    "TRANSPORT_MAX_MESSAGE_BYTES", positive_number(int), 1 << 32,
+    "The largest frame a peer may announce.")
+TRANSPORT_MAX_BUFFERED_BYTES = register(
+    "TRANSPORT_MAX_BUFFERED_BYTES", positive_number(int), 1 << 30,
+    "Bytes of frames arriving before their call starts that a worker buffers in all.")
+TRANSPORT_PORT = register(
+    "TRANSPORT_PORT", port_or_any, 0,
+    "The port the socket mesh listens on (0: any free port); fix it where a firewall or a "
+    "Kubernetes NetworkPolicy admits only known ports.")
+TRANSPORT_LISTEN_HOST = register(
+    "TRANSPORT_LISTEN_HOST", text_value, None,
+    "The address the socket mesh listens on (unset: this worker's `TF_CONFIG` host).")
+TRANSPORT_SECRET = register(
+    "TRANSPORT_SECRET", text_value, None,
+    "The job's secret, which mesh peers prove they hold before they may join; "
+    "`python -m tf_nestpipe.launch` makes one per job.")
+TRANSPORT_SECRET_FILE = register(
+    "TRANSPORT_SECRET_FILE", path, None,
+    "A file holding the job's secret (e.g. a mounted Kubernetes Secret), where "
+    "`TF_NESTPIPE_TRANSPORT_SECRET` is unset.")
 
 
 def markdown_table(set_by: Optional[str] = None) -> str:
