@@ -19,6 +19,11 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The launcher shows only the first task's output by default; tests read every task's lines.
 os.environ.setdefault("TF_NESTPIPE_LAUNCH_OUTPUT", "all")
+# The placement planner plans with the package's default costs, never with a calibration the
+# developer's machine holds (tests that calibrate name their own file).
+os.environ["TF_NESTPIPE_PLAN_COSTS"] = os.path.join(tempfile.gettempdir(),
+                                                    "tf_nestpipe-tests-no-calibration.json")
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")

@@ -246,6 +246,11 @@ CACHE = register(
     "CACHE", path, lambda: os.path.join(os.path.expanduser("~"), ".cache", "tf_nestpipe"),
     "Where downloaded data sets (MovieLens) and this machine's calibrated costs are kept.",
     default_text="~/.cache/tf_nestpipe")
+PLAN_COSTS = register(
+    "PLAN_COSTS", path, lambda: os.path.join(CACHE.value(), "plan_costs.json"),
+    "The collective costs file `python -m tf_nestpipe.plan calibrate` writes and the placement "
+    "planner prefers to the package's defaults (e.g. a file on a volume every host mounts).",
+    default_text="$TF_NESTPIPE_CACHE/plan_costs.json")
 RESTARTED_TASK = register(
     "RESTARTED_TASK", flag, False,
     "Marks a worker server the launcher restarted, which skips the start-up cluster check "

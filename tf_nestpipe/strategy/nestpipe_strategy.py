@@ -29,7 +29,7 @@ from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
-from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear,
+from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear, costs_source,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
@@ -143,15 +143,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._nestpipe_plan_costs = self._agreed_plan_costs()
         self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
                                          collectives=self._nestpipe_plan_costs,
-                                         transport=self._nestpipe_collectives.name)
+                                         transport=self._nestpipe_collectives.name,
+                                         costs_source=self._nestpipe_costs_source)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
 
     def _agreed_plan_costs(self):
         """The planner's collective costs, worker 0's on every worker (one all-gather at
         start-up): placement decides which variables each worker creates, so every worker must
-        plan alike even where its costs file differs or is missing."""
+        plan alike even where its calibration differs or is missing."""
         costs = default_collectives(self._nestpipe_collectives.name)
+        # Worker 0 prints the plan, so its own source names the costs every worker uses.
+        self._nestpipe_costs_source = costs_source(self._nestpipe_collectives.name)
         if self._num_workers <= 1:
             return costs
         mine = tf.constant([linear_costs(costs, self._num_workers)], tf.float64)
@@ -199,8 +202,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_plan_reported = True
         plans = self._nestpipe_planner.plans
         if plans and self._num_workers > 1 and self._id_in_cluster == 0:
-            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport),
-                  flush=True)
+            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport,
+                              self._nestpipe_planner.costs_source), flush=True)
 
     @staticmethod
     def _dense_gradient(value):
