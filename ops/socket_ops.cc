@@ -430,7 +430,8 @@ class Mesh {
       }
       for (int i = 0; i < n && !failed_.load(); ++i) {
         Status status = ReadFrom(static_cast<Peer*>(events[i].data.ptr));
-        if (!status.ok()) Fail(status, status.code() != absl::StatusCode::kAborted);
+        // A peer that stopped the job told every worker itself: no need to tell them again.
+        if (!status.ok()) Fail(status, !abort_received_.load());
       }
       Watch();
     }
@@ -549,9 +550,10 @@ class Mesh {
     if (frame.type == kAbort) {
       // The peer failed and says why; this worker fails with its reason (and tells nobody:
       // the peer told every worker itself).
-      return errors::Aborted("nestpipe sockets: worker ", peer->index, " (", peer->address,
-                             ") stopped the job: ",
-                             std::string(peer->buffered.begin(), peer->buffered.end()));
+      abort_received_.store(true);
+      return errors::Unavailable("nestpipe sockets: worker ", peer->index, " (", peer->address,
+                                 ") stopped the job: ",
+                                 std::string(peer->buffered.begin(), peer->buffered.end()));
     }
     std::unique_ptr<Exchange> complete;
     {
@@ -813,6 +815,7 @@ class Mesh {
   std::mutex setup_mu_;
   std::atomic<bool> connected_{false};
   std::atomic<bool> failed_{false};
+  std::atomic<bool> abort_received_{false};
   int index_ = 0;
   int num_workers_ = 0;
   Options options_;

@@ -4,13 +4,14 @@ exchange at once, a stopped one after the stall timeout, a live one that skips a
 call timeout, each naming the worker (and the call); a cancelled exchange fails its step at once;
 a cluster where one worker cannot take part agrees to fall back to TensorFlow's collectives."""
 import os
+import sys
 import time
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
-from conftest import PROGRAMS, launch
+from conftest import PROGRAMS, launch, run_command
 from tf_nestpipe.collectives import sockets as mesh
 from tf_nestpipe.collectives.transport import TransportConfig, TransportError
 from tf_nestpipe.ops.sockets import socket_all_to_all
@@ -149,3 +150,34 @@ class _Socket:
 def _token():
     from tensorflow.python.ops import resource_variable_ops  # pylint: disable=import-outside-toplevel
     return resource_variable_ops.ResourceVariable(0.0)
+
+
+FRAMES = os.path.join(PROGRAMS, "socket_frames.py")
+
+
+@pytest.mark.parametrize("case, error", [
+    ("garbage", "DataLossError: .*worker 1 \\(peer:1\\) sent a frame without the tf_nestpipe magic"),
+    ("bad_version", "DataLossError: .*a frame of protocol version 3 \\(this worker speaks 2\\)"),
+    ("huge", "ResourceExhaustedError: .*announced a 1099511627776-byte frame, over this "
+             "worker's limit .*TF_NESTPIPE_TRANSPORT_MAX_MESSAGE_BYTES"),
+    ("flood", "ResourceExhaustedError: .*for exchanges worker 0 has not started, over its limit "
+              "of 1048576 bytes \\(TF_NESTPIPE_TRANSPORT_MAX_BUFFERED_BYTES\\)"),
+    ("oversized", "InternalError: .*sent 4 entries .* into call 'frames/9' of capacity 3"),
+    ("cut", "UnavailableError: .*worker 1 \\(peer:1\\)"),
+])
+def test_the_data_plane_refuses_bad_frames_at_once_naming_the_sender(case, error):
+    import re  # pylint: disable=import-outside-toplevel
+    result = run_command([sys.executable, FRAMES, case], timeout=120)
+    out = result.stdout
+    assert result.returncode == 0, out[-3000:]
+    line = next(l for l in out.splitlines() if l.startswith("%s failed after" % case))
+    assert re.search(error, line), line
+    assert float(line.split("after ")[1].split(" s")[0]) < 5, line
+    growth = next(l for l in out.splitlines() if l.startswith("%s rss growth" % case))
+    assert int(growth.split()[3]) < 16 * 1024, growth  # KiB: nothing sized by the sender
+
+
+def test_the_data_plane_delivers_good_frames_whenever_they_arrive():
+    # Positive control of the refusals above: the same program, well-formed frames.
+    result = run_command([sys.executable, FRAMES, "good"], timeout=120)
+    assert result.returncode == 0 and "good ok" in result.stdout, result.stdout[-3000:]

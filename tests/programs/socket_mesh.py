@@ -121,6 +121,8 @@ def skip(collectives, me, num_workers):
     except tf.errors.OpError as error:
         print("worker %d failed after %.1f s: %s: %s" % (
             me, time.time() - started, type(error).__name__, error.message), flush=True)
+        if me == 0:
+            time.sleep(3)  # the launcher stops the cluster when one task fails: let 1 report
         raise
 
 

@@ -8,8 +8,8 @@ cluster (its size and a fingerprint of the address table) and is the worker it c
 Start-up cannot be held up from outside: every connection, ours or a stranger's, is handled on
 its own by one event loop (`selectors`) with its own short deadline (`hello_timeout`), so a
 silent, slow or garbling connection costs only itself; connects are non-blocking with the same
-deadline; and a bounded number of unauthenticated connections are held at once (the rest are
-closed as they arrive). Strangers are refused and reported, never waited on.
+deadline; and a bounded number of unauthenticated connections are held at once (the
+oldest dropped as new ones arrive). Strangers are refused and reported, never waited on.
 
 Returns plain connected sockets (their file descriptors go to the C++ data plane,
 `ops/socket_ops.cc`).
@@ -34,6 +34,8 @@ _ACK = b"\x01"
 _RETRY_SECONDS = 0.05
 # Unauthenticated connections held at once, beyond one per expected peer.
 _SPARE_PENDING = 64
+# Refusals printed as they happen (all of them are counted).
+_REFUSALS_SHOWN = 10
 
 
 class HandshakeError(RuntimeError):
@@ -188,8 +190,9 @@ class Handshake:
 
     def _refuse(self, conn, reason):
         self.refused.append(Refusal(conn.address, reason))
-        print("tf_nestpipe: worker %d refused a connection from %s: %s"
-              % (self.index, conn.address, reason), file=sys.stderr, flush=True)
+        if len(self.refused) <= _REFUSALS_SHOWN:  # a flood is summed up in the error instead
+            print("tf_nestpipe: worker %d refused a connection from %s: %s"
+                  % (self.index, conn.address, reason), file=sys.stderr, flush=True)
         self._drop(conn)
 
     def _drop(self, conn):
@@ -224,8 +227,11 @@ class Handshake:
             address = "%s:%d" % addr[:2]
             conn = _Conn(sock, address, min(deadline, time.monotonic() + self.hello_timeout))
             if len(self._pending_inbound) >= self.num_workers + _SPARE_PENDING:
-                self._refuse(conn, "too many unauthenticated connections at once")
-                continue
+                # Full: the oldest goes, so that strangers holding connections open cannot keep
+                # a real peer (which proves itself in milliseconds) out until they time out.
+                oldest = min(self._pending_inbound, key=lambda c: c.deadline)
+                self._refuse(oldest, "too many unauthenticated connections at once (it was the "
+                                     "oldest)")
             sock.setblocking(False)
             conn.state = "read_hello"
             self._pending_inbound.add(conn)
