@@ -1,4 +1,4 @@
-"""Per-stage costs of one NestPipe training step, for the scaling model (`python -m tf_nestpipe.plan`).
+"""Per-stage costs of one NestPipe training step, for the scaling model (`python -m bench.scaling_model`).
 
     python bench/stage_costs.py single [--global-batch 512]                     # one process
     python -m tf_nestpipe.launch --workers W -- python bench/stage_costs.py cluster [--global-batch 512]

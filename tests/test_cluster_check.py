@@ -15,6 +15,7 @@ from conftest import through_forkserver
 from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.cluster_check import ClusterMismatchError, agree_on_cluster
 from tf_nestpipe.launch.local_cluster import free_ports
+from tf_nestpipe.settings import SettingError
 from tf_nestpipe.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
 
 
@@ -157,7 +158,7 @@ def test_an_address_listed_twice_is_refused():
 
 def test_timeout_setting_is_validated(monkeypatch):
     monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "abc")
-    with pytest.raises(ClusterMismatchError, match="not a number"):
+    with pytest.raises(SettingError, match="TF_NESTPIPE_STARTUP_TIMEOUT must be a number of seconds > 0, got 'abc'"):
         cluster_check.startup_timeout()
     monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "7")
     assert cluster_check.startup_timeout() == 7.0 and cluster_check.startup_timeout(2) == 2.0

@@ -38,14 +38,15 @@ import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
+from tf_nestpipe import settings
 from tf_nestpipe.transport_config import TransportConfig, TransportError
 
-STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
-DEFAULT_STARTUP_TIMEOUT = 30.0
+STARTUP_TIMEOUT_ENV = settings.STARTUP_TIMEOUT.name
+DEFAULT_STARTUP_TIMEOUT = settings.STARTUP_TIMEOUT.default
 TRAINING_ROLES = ("chief", "worker")
 PS_MODE_ROLES = ("chief", "worker", "ps")  # parameter-server mode: every task reports
 # Set by the launcher for a worker server it restarted: the cluster was checked when it started.
-RESTARTED_ENV = "TF_NESTPIPE_RESTARTED_TASK"
+RESTARTED_ENV = settings.RESTARTED_TASK.name
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
 _VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
@@ -60,14 +61,20 @@ class ClusterMismatchError(RuntimeError):
 
 
 def startup_timeout(value: Optional[float] = None) -> float:
-    """`value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s."""
+    """The start-up timeout: `value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s.
+
+    Args:
+        value: Seconds, or None to read the environment.
+
+    Returns:
+        Seconds, > 0.
+
+    Raises:
+        tf_nestpipe.settings.SettingError: The variable is not a number > 0.
+        ClusterMismatchError: `value` is <= 0.
+    """
     if value is None:
-        text = os.environ.get(STARTUP_TIMEOUT_ENV, "")
-        try:
-            value = float(text) if text.strip() else DEFAULT_STARTUP_TIMEOUT
-        except ValueError:
-            raise ClusterMismatchError("%s=%r is not a number of seconds"
-                                       % (STARTUP_TIMEOUT_ENV, text)) from None
+        value = settings.STARTUP_TIMEOUT.value()
     if value <= 0:
         raise ClusterMismatchError("the start-up timeout must be > 0 seconds, got %r" % (value,))
     return float(value)
@@ -452,7 +459,7 @@ def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: 
     (`$TF_NESTPIPE_RESTARTED_TASK`: the cluster was checked when it first started)."""
     me = (task_type, int(task_index))
     tasks = training_tasks(cluster, roles)
-    if len(tasks) < 2 or me not in tasks or os.environ.get(RESTARTED_ENV) == "1":
+    if len(tasks) < 2 or me not in tasks or settings.RESTARTED_TASK.value():
         return
     timeout = startup_timeout(timeout)
     if me == leader_of(cluster):

@@ -2,7 +2,7 @@
 
 Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredStrategy` (one
 replica per worker). Each `tf_nestpipe.ShardedEmbedding` table is placed by the planner
-(issue 15, `placement="auto"` by default). A table placed `row_wise` (or `table_wise`) is a *row
+(`placement="auto"` by default). A table placed `row_wise` (or `table_wise`) is a *row
 shard*: a plain worker-local variable holding only the rows this worker owns; its optimizer
 slots are worker-local too, and its gradient bypasses the dense all-reduce because the lookup's
 backward all-to-all already delivered each owner the summed gradient of its rows. A table placed
@@ -29,7 +29,7 @@ from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
-from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear,
+from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear, costs_source,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
@@ -52,7 +52,7 @@ from tf_nestpipe import tf_private
 
 
 
-# --- start-up checks (issue 17) -------------------------------------------------------------
+# --- start-up checks -------------------------------------------------------------
 _checked_clusters = set()
 
 
@@ -134,7 +134,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
 
-    # --- table placement (issue 15) -----------------------------------------------------------
+    # --- table placement -----------------------------------------------------------
     def set_placement(self, placement, memory_budget_bytes):
         """A new planner for the tables built from now on (checks `placement` at once)."""
         # Costed with the collectives of the transport in use (the socket mesh once open), as
@@ -143,15 +143,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._nestpipe_plan_costs = self._agreed_plan_costs()
         self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
                                          collectives=self._nestpipe_plan_costs,
-                                         transport=self._nestpipe_collectives.name)
+                                         transport=self._nestpipe_collectives.name,
+                                         costs_source=self._nestpipe_costs_source)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
 
     def _agreed_plan_costs(self):
         """The planner's collective costs, worker 0's on every worker (one all-gather at
         start-up): placement decides which variables each worker creates, so every worker must
-        plan alike even where its costs file differs or is missing."""
+        plan alike even where its calibration differs or is missing."""
         costs = default_collectives(self._nestpipe_collectives.name)
+        # Worker 0 prints the plan, so its own source names the costs every worker uses.
+        self._nestpipe_costs_source = costs_source(self._nestpipe_collectives.name)
         if self._num_workers <= 1:
             return costs
         mine = tf.constant([linear_costs(costs, self._num_workers)], tf.float64)
@@ -199,8 +202,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_plan_reported = True
         plans = self._nestpipe_planner.plans
         if plans and self._num_workers > 1 and self._id_in_cluster == 0:
-            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport),
-                  flush=True)
+            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport,
+                              self._nestpipe_planner.costs_source), flush=True)
 
     @staticmethod
     def _dense_gradient(value):
@@ -215,7 +218,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return value
     # --- end of table placement --------------------------------------------------------------
 
-    # --- equal shares of the global batch (issue 17) ---------------------------------------
+    # --- equal shares of the global batch ---------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
         """Runs `fn`, noting the size of this worker's share of the step's batch (its first
         argument) when it is not static, for `_equal_shares_check` (see `equal_shares`)."""
@@ -446,7 +449,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._report_placement()
         pairs = [(self._dense_gradient(v) if replicated_table_name(d) else v, d)
                  for v, d in pairs]
-        check = self._equal_shares_check(pairs)  # issue 17: no update from unequal shares
+        check = self._equal_shares_check(pairs)  # no update from unequal shares
         pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
@@ -658,7 +661,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     dataset batched without `drop_remainder=True`) is refused on every worker before it runs
     (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
     differ from one process's.
-    `placement` says how each `ShardedEmbedding` table is laid out (issue 15, see
+    `placement` says how each `ShardedEmbedding` table is laid out (see
     `tf_nestpipe.plan.placement`): "auto" (default: the planner picks data_parallel or row_wise
     per table from its size and the collective costs of the transport in use, worker 0's on
     every worker), "row_wise" (row-sharded, looked up through the fused exchange),
@@ -672,7 +675,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     not fit, and a table that does not fit even so is refused with its name, its bytes and what
     to change. The plan is printed on worker 0 at the first training step (`placement_plan()`
     returns it).
-    `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
+    `wire_dtype` compresses the embedding exchanges (docs/guides/compressed_exchanges.md): a string
     for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
     "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
     `malloc_top_pad_bytes` (default 64 MiB; 0: leave the allocator alone) is the freed memory
@@ -714,7 +717,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
-        # --- issue 19: compressed exchanges (checked before the cluster starts) ---
+        # --- compressed exchanges (checked before the cluster starts) ---
         self.wire_dtype = parse_wire_dtype(wire_dtype)
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
@@ -743,9 +746,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
                                           check_equal_shares))
         if transport.engine_owns_cluster:  # after hvd.init() checked Horovod's size and rank
             check_horovod_cluster(config, startup_timeout_seconds)
-        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
+        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)
         self._placement, self._memory_budget_bytes = placement, memory_budget_bytes
-        self.extended.set_placement(placement, memory_budget_bytes)  # issue 15
+        self.extended.set_placement(placement, memory_budget_bytes)
 
     @property
     def placement(self):
