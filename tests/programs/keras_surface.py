@@ -359,8 +359,7 @@ def main():
         other.load_weights(os.path.join(reference, "w0.h5"))
         results.update(state(other, "h5_ref/"))
     with strategy.scope():
-        loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"),
-                                            custom_objects={"ShardedEmbedding": tnp.ShardedEmbedding})
+        loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"))  # no custom_objects
     results.update(state(loaded, "keras_own/"))
     results.update(table_slots(model, "trained/"))
     results.update(table_slots(loaded, "keras_own/"))

@@ -46,6 +46,8 @@ def table_owner_of(strategy, layer):
     return strategy.extended.table_owner(layer)
 
 
+# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
+@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
 class ShardedEmbedding(tf_keras.layers.Layer):
     """Embedding table placed over the workers of a `NestPipeStrategy` by its planner: row-sharded
     (owner = id mod W), whole on one worker, or replicated (see `self.placement`).
