@@ -216,6 +216,27 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     return history.history, lrs, evaluation
 
 
+def mixed_precision_run(strategy, x, y):
+    """Fits the ranker for STEPS steps under the mixed_bfloat16 policy (row-sharded tables:
+    their exchange groups by the rows' stored dtype); returns its loss history and tables."""
+    tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        tf_keras.utils.set_random_seed(11)
+        with strategy.scope():
+            model = ranker(seed=60)
+        initial = {table: model.get_layer(table).full_table() for table in ("table_a", "table_b")}
+        history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=1,
+                            steps_per_epoch=STEPS, verbose=0)
+        out = {"bf16/loss": np.array(history.history["loss"]),
+               "bf16/output_dtype": np.array(model.get_layer("table_a").compute_dtype)}
+        for table in ("table_a", "table_b"):
+            out["bf16/" + table] = model.get_layer(table).full_table()
+            out["bf16/initial/" + table] = initial[table]
+        return out
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -319,6 +340,7 @@ def main():
     for key in ("loss", "auc"):
         results["history/" + key] = np.array(history.history[key])
     results.update(metric_reads(strategy, model))
+    results.update(mixed_precision_run(strategy, x, y))
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
