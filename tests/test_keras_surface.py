@@ -428,3 +428,17 @@ def test_mixed_bfloat16_with_row_sharded_tables_fits_as_one_process(surface):
                                        rtol=0, atol=1e-6)
             # Positive control: the fit moved the tables well beyond that tolerance.
             assert np.abs(run["bf16/" + table] - run["bf16/initial/" + table]).max() > 5e-3
+
+
+def test_export_of_a_model_with_lookup_layers_serves_on_every_worker(surface):
+    """StringLookup / IntegerLookup hash tables go into the export: it serves the model's
+    predictions (unknown strings and ids included) and returns normally on every worker."""
+    for rank in (0, 1):
+        assert str(surface[rank]["string_export"]) == "ok", str(surface[rank]["string_export"])
+    assert float(surface[0]["string_export/served_diff"]) < 1e-6
+
+
+def test_an_export_that_fails_to_write_fails_on_every_worker(surface):
+    assert "Error" in str(surface[0]["failed_export"])  # the writer's own error
+    assert str(surface[1]["failed_export"]).startswith(
+        "RuntimeError: export_saved_model: worker 0 failed to write the SavedModel")

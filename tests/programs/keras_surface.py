@@ -45,6 +45,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 
@@ -237,6 +238,45 @@ def mixed_precision_run(strategy, x, y):
         tf_keras.mixed_precision.set_global_policy("float32")
 
 
+def string_lookup_export(strategy, out):
+    """Exports (on every worker) a model whose ids come from a StringLookup and an adapted
+    IntegerLookup (a static and a mutable hash table the SavedModel must hold); worker 0 serves
+    it in this process against the model's predictions. Then an export whose writing worker
+    fails (its path is under a file): every worker must raise."""
+    with strategy.scope():
+        user = tf_keras.Input((), dtype=tf.string, name="user")
+        item = tf_keras.Input((), dtype=tf.int64, name="item")
+        items = tf_keras.layers.IntegerLookup()
+        items.adapt(np.array([7, 9, 11, 9], np.int64))
+        users = tf_keras.layers.StringLookup(vocabulary=["ann", "bob", "cy"])
+        h = tf_keras.layers.Concatenate()([
+            tnp.ShardedEmbedding(4, DIM, name="users")(users(user)),
+            tnp.ShardedEmbedding(items.vocabulary_size(), DIM, name="items")(items(item))])
+        model = tf_keras.Model({"user": user, "item": item}, tf_keras.layers.Dense(1)(h))
+    features = {"user": tf.constant(["bob", "zed", "ann"]), "item": tf.constant([9, 11, 5], tf.int64)}
+    expected = model.predict(features, verbose=0)
+    directory = tempfile.mkdtemp(prefix="string_export")
+    results = {}
+    try:
+        tnp.export_saved_model(model, os.path.join(directory, "export"))
+        results["string_export"] = "ok"
+        if strategy.worker_index == 0:
+            served = tf.saved_model.load(os.path.join(directory, "export"))
+            outputs = served.signatures["serving_default"](**features)["outputs"].numpy()
+            results["string_export/served_diff"] = np.abs(outputs - expected).max()
+    except Exception as error:  # pylint: disable=broad-except
+        results["string_export"] = "error: %r" % error
+    with open(os.path.join(directory, "a_file"), "w"):
+        pass
+    try:  # worker 0 cannot write under a file: no worker may return as if exported
+        tnp.export_saved_model(model, os.path.join(directory, "a_file", "export"))
+        results["failed_export"] = "no error"
+    except Exception as error:  # pylint: disable=broad-except
+        results["failed_export"] = "%s: %s" % (type(error).__name__, error)
+    shutil.rmtree(directory)
+    return results
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -360,6 +400,7 @@ def main():
         shutil.rmtree(os.path.join(out, "scratch%d" % rank))
     tnp.export_saved_model(model, os.path.join(out, "export"))
     results["files"] = np.array(sorted(os.listdir(out)))
+    results.update(string_lookup_export(strategy, out))
     if rank == 0:  # the saves are complete: a run given this one as its reference may read them
         open(os.path.join(out, "w0.h5.done"), "w").close()
 
