@@ -139,9 +139,8 @@ class DCNRanker(tfrs.Model):
         self.table = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="t")
         self.deep = tf_keras.layers.Dense(
             1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=6),
-            # TFRS adds self.losses unscaled on every worker (as under MultiWorkerMirrored): a
-            # regularizer scaled by 1/W sums to one process's over the workers.
-            kernel_regularizer=tf_keras.regularizers.L2(0.01 / num_workers))
+            # Unscaled: the strategy divides TFRS's regularization by the workers, as compile.
+            kernel_regularizer=tf_keras.regularizers.L2(0.01))
         self.task = tfrs.tasks.Ranking(
             loss=tf_keras.losses.BinaryCrossentropy(
                 from_logits=True, reduction=tf_keras.losses.Reduction.SUM),
