@@ -442,3 +442,18 @@ def test_an_export_that_fails_to_write_fails_on_every_worker(surface):
     assert "Error" in str(surface[0]["failed_export"])  # the writer's own error
     assert str(surface[1]["failed_export"]).startswith(
         "RuntimeError: export_saved_model: worker 0 failed to write the SavedModel")
+
+
+def test_metrics_updated_inside_call_train_as_one_process(surface):
+    """`self.add_metric(...)` and a metric's `update_state` inside call() (the route pass
+    traces call(): its metric updates must neither run twice nor merge_call in a nested
+    function): the loss and the batch-mean metric equal one process's. The max metric is a
+    per-worker statistic (the mean of each worker's batch max, as under MultiWorkerMirrored)."""
+    ref = surface["ref"]
+    for rank in (0, 1):
+        run = surface[rank]
+        for key in ("loss", "mean_logit"):
+            np.testing.assert_allclose(run["call_metrics/" + key], ref["call_metrics/" + key],
+                                       rtol=1e-5, atol=1e-6, err_msg=key)
+        assert "call_metrics/largest_logit" in run.files
+    assert ref["call_metrics/mean_logit"][0] != ref["call_metrics/mean_logit"][1]  # it moved

@@ -168,3 +168,21 @@ def test_keras_files_of_unregistered_layers_fail_to_load(strategy, tmp_path):
     with pytest.raises((TypeError, ValueError)):
         with strategy.scope():
             tf_keras.models.load_model(path)
+
+
+def test_metric_updates_trace_to_nothing_only_within_untouched_metrics():
+    """The route pass's quiet metrics: inside the context neither `metric(value)` nor the
+    model's metrics' `update_state` change a state; outside (positive control) both do."""
+    from tf_nestpipe.pipeline.quiet_metrics import untouched_metrics
+
+    model = tf_keras.Sequential([tf_keras.layers.Dense(1)])
+    tracked = tf_keras.metrics.Sum(name="tracked")
+    model.tracked = tracked
+    loose = tf_keras.metrics.Sum(name="loose")
+    with untouched_metrics(model):
+        tracked.update_state(5.0)
+        loose(3.0)
+    assert float(tracked.result()) == 0.0 and float(loose.result()) == 0.0
+    tracked.update_state(5.0)
+    loose(3.0)
+    assert float(tracked.result()) == 5.0 and float(loose.result()) == 3.0

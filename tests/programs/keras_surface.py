@@ -276,6 +276,41 @@ def string_lookup_export(strategy, out):
     return results
 
 
+class CallMetrics(tf_keras.Model):
+    """A model that updates metrics inside call(): `self.add_metric` and a metric object's
+    `update_state` (as tf_keras' own distribution tests do)."""
+
+    def __init__(self):
+        super().__init__()
+        init = tf_keras.initializers.RandomUniform(-0.2, 0.2, seed=70)
+        self.table = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="t")
+        self.out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(71))
+        self.largest = tf_keras.metrics.Mean(name="largest_logit")
+
+    def call(self, features):
+        logits = self.out(tf.concat([self.table(features["a"]), features["dense"]], axis=1))
+        self.add_metric(tf.reduce_mean(logits), name="mean_logit")
+        self.largest.update_state(tf.reduce_max(logits))
+        return logits
+
+
+def call_metrics_run(strategy, x, y):
+    """Fits CallMetrics (pipeline "none": micro-batches would see each part's metrics);
+    returns its history."""
+    pipeline, strategy.pipeline = strategy.pipeline, "none"
+    try:
+        tf_keras.utils.set_random_seed(12)
+        with strategy.scope():
+            model = CallMetrics()
+            model.compile(optimizer=tf_keras.optimizers.SGD(0.5),
+                          loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=2,
+                            steps_per_epoch=STEPS, verbose=0)
+        return {"call_metrics/" + key: np.array(values) for key, values in history.history.items()}
+    finally:
+        strategy.pipeline = pipeline
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -380,6 +415,7 @@ def main():
         results["history/" + key] = np.array(history.history[key])
     results.update(metric_reads(strategy, model))
     results.update(mixed_precision_run(strategy, x, y))
+    results.update(call_metrics_run(strategy, x, y))
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
