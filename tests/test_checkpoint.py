@@ -177,10 +177,12 @@ def test_a_dual_buffer_run_resumes_exactly_on_other_workers(checkpoint_runs):
 def test_reshard_rows_against_numpy():
     table = np.arange(11 * 2, dtype=np.float32).reshape(11, 2)
     old = [table[k::3] for k in range(3)]  # id k on shard k mod 3 at row k // 3
+    written = ShardLayout(11, 1, 3)
     for new_workers in (1, 2, 4):
         for rank in range(new_workers):
             layout = ShardLayout(11, 2, new_workers, rank)
-            np.testing.assert_array_equal(_reshard_rows(old, layout), table[rank::new_workers])
+            np.testing.assert_array_equal(_reshard_rows(old, written, layout),
+                                          table[rank::new_workers])
 
 
 def test_reshard_rows_from_and_to_table_wise_against_numpy():
@@ -189,17 +191,19 @@ def test_reshard_rows_from_and_to_table_wise_against_numpy():
     empty = table[:0]
     for owner in range(3):
         old = [table if k == owner else empty for k in range(3)]
+        written = ShardLayout(11, 1, 3, owner_shard=owner)
         for new_workers in (1, 2, 4):
             for rank in range(new_workers):
                 layout = ShardLayout(11, 2, new_workers, rank)
-                np.testing.assert_array_equal(_reshard_rows(old, layout),
+                np.testing.assert_array_equal(_reshard_rows(old, written, layout),
                                               table[rank::new_workers])
                 whole = ShardLayout(11, 2, new_workers, rank, owner_shard=new_workers - 1)
-                np.testing.assert_array_equal(_reshard_rows(old, whole),
+                np.testing.assert_array_equal(_reshard_rows(old, written, whole),
                                               table if rank == new_workers - 1 else empty)
     row_wise = [table[k::2] for k in range(2)]  # positive control: row-wise files stay row-wise
     np.testing.assert_array_equal(
-        _reshard_rows(row_wise, ShardLayout(11, 2, 2, 0, owner_shard=0)), table)
+        _reshard_rows(row_wise, ShardLayout(11, 1, 2), ShardLayout(11, 2, 2, 0, owner_shard=0)),
+        table)
 
 
 def test_missing_and_incomplete_checkpoints_are_reported(tmp_path):

@@ -413,3 +413,47 @@ def test_check_exactness_refuses_other_strategies():
     with pytest.raises(ValueError, match="needs a tnp.NestPipeStrategy"):
         tnp.check_exactness(lambda: None, lambda context: None, steps=1,
                             strategy=tf.distribute.OneDeviceStrategy("/cpu:0"))
+
+
+def test_mixed_bfloat16_with_row_sharded_tables_fits_as_one_process(surface):
+    """mixed_bfloat16 with row-sharded tables trains on 2 workers as in one process: the
+    float32 tables equal, the bfloat16 loss within one bfloat16 rounding of its reduction."""
+    for rank in (0, 1):
+        run = surface[rank]
+        assert str(run["bf16/output_dtype"]) == "bfloat16"
+        np.testing.assert_allclose(run["bf16/loss"], surface["ref"]["bf16/loss"], atol=4e-3)
+        for table in ("table_a", "table_b"):
+            assert run["bf16/" + table].dtype == np.float32
+            np.testing.assert_allclose(run["bf16/" + table], surface["ref"]["bf16/" + table],
+                                       rtol=0, atol=1e-6)
+            # Positive control: the fit moved the tables well beyond that tolerance.
+            assert np.abs(run["bf16/" + table] - run["bf16/initial/" + table]).max() > 5e-3
+
+
+def test_export_of_a_model_with_lookup_layers_serves_on_every_worker(surface):
+    """StringLookup / IntegerLookup hash tables go into the export: it serves the model's
+    predictions (unknown strings and ids included) and returns normally on every worker."""
+    for rank in (0, 1):
+        assert str(surface[rank]["string_export"]) == "ok", str(surface[rank]["string_export"])
+    assert float(surface[0]["string_export/served_diff"]) < 1e-6
+
+
+def test_an_export_that_fails_to_write_fails_on_every_worker(surface):
+    assert "Error" in str(surface[0]["failed_export"])  # the writer's own error
+    assert str(surface[1]["failed_export"]).startswith(
+        "RuntimeError: export_saved_model: worker 0 failed to write the SavedModel")
+
+
+def test_metrics_updated_inside_call_train_as_one_process(surface):
+    """`self.add_metric(...)` and a metric's `update_state` inside call() (the route pass
+    traces call(): its metric updates must neither run twice nor merge_call in a nested
+    function): the loss and the batch-mean metric equal one process's. The max metric is a
+    per-worker statistic (the mean of each worker's batch max, as under MultiWorkerMirrored)."""
+    ref = surface["ref"]
+    for rank in (0, 1):
+        run = surface[rank]
+        for key in ("loss", "mean_logit"):
+            np.testing.assert_allclose(run["call_metrics/" + key], ref["call_metrics/" + key],
+                                       rtol=1e-5, atol=1e-6, err_msg=key)
+        assert "call_metrics/largest_logit" in run.files
+    assert ref["call_metrics/mean_logit"][0] != ref["call_metrics/mean_logit"][1]  # it moved

@@ -17,6 +17,7 @@ REFUSED = {"whole_into_200": "the checkpoint holds a table of 100 rows, this mod
                               "60 rows x [4]",
            "sharded_into_101": "a table of 100 rows x [4], this model's table has 101 rows",
            "sharded_into_200": "a table of 100 rows x [4], this model's table has 200 rows",
+           "sharded_into_50": "a table of 100 rows x [4], this model's table has 50 rows",
            # restored on creation (deferred): a 100-row table equals a 200-row table's shard
            "deferred_into_200": "holds a table of 100 rows, this model's table has 200 rows"}
 

@@ -181,3 +181,28 @@ def test_the_data_plane_delivers_good_frames_whenever_they_arrive():
     # Positive control of the refusals above: the same program, well-formed frames.
     result = run_command([sys.executable, FRAMES, "good"], timeout=120)
     assert result.returncode == 0 and "good ok" in result.stdout, result.stdout[-3000:]
+
+
+def _can_make_networks():
+    import shutil  # pylint: disable=import-outside-toplevel
+    return os.geteuid() == 0 and shutil.which("ip") and shutil.which("tc")
+
+
+@pytest.mark.cluster
+@pytest.mark.skipif(not _can_make_networks(), reason="needs root, ip and tc (network namespaces)")
+def test_a_long_transfer_on_a_slow_link_is_progress_not_a_dead_peer():
+    """10 MB each way at 10 Mbit/s takes ~8 s: longer than both the 3 s stall limit and the 4 s
+    call timeout, which only silence (see the "stop" and "skip" cases) may trip."""
+    sys.path.insert(0, os.path.join(os.path.dirname(PROGRAMS), "..", "bench"))
+    from netem import EmulatedNetwork  # pylint: disable=import-outside-toplevel
+    with EmulatedNetwork({"worker": 2}, rate="10mbit", prefix="npt") as net:
+        argv = ([sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", "--no-pin-cpus"]
+                + net.launcher_flags() + ["--", sys.executable, PROGRAM, "slow"])
+        result = run_command(argv, timeout=240, fresh=True,  # forked tasks would share our netns
+                             env={"TF_NESTPIPE_TRANSPORT_STALL_SECONDS": "3",
+                                  "TF_NESTPIPE_TRANSPORT_TIMEOUT": "4"})
+    out = result.stdout
+    assert result.returncode == 0, out[-4000:]
+    took = [float(l.split(" in ")[1].split(" s")[0]) for l in out.splitlines()
+            if "slow exchange ok in" in l]
+    assert len(took) == 2 and min(took) > 4, took  # it really outlasted both limits

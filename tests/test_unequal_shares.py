@@ -65,3 +65,26 @@ def test_fit_reads_the_share_sizes_from_the_keys_exchange(share_results):
     for case in ("static", "uneven", "uneven:dbp", "uneven:fwp", "uneven:nested"):
         assert share_results[case, 0]["checks"] > 0 and share_results[case, 0]["gathered_checks"] == 0
     assert share_results["loop", 0]["gathered_checks"] > 0
+
+
+@pytest.mark.parametrize("size,workers,shares,advice", [(63, 2, "32 + 31", "e.g. 62 or 64"),
+                                                        (10, 4, "3 + 3 + 2 + 2", "e.g. 8 or 12"),
+                                                        (3, 4, "1 + 1 + 1 + 0", "e.g. 4")])
+def test_a_global_batch_not_divisible_by_the_workers_is_refused_naming_divisible_sizes(
+        size, workers, shares, advice):
+    """`batch(63, drop_remainder=True)` on 2 workers: refused when the dataset is distributed
+    (not at a step, and not with advice to add the drop_remainder=True that is there)."""
+    import tensorflow as tf
+    from tf_nestpipe.strategy.equal_shares import UnequalSharesError, check_global_batch
+
+    dataset = tf.data.Dataset.range(100).map(lambda i: {"ids": i, "label": 1.0}).batch(
+        size, drop_remainder=True)
+    with pytest.raises(UnequalSharesError) as error:
+        check_global_batch(dataset, workers)
+    message = str(error.value)
+    assert "global batch of %d samples" % size in message and "(%s samples)" % shares in message
+    assert advice in message and "drop_remainder" not in message
+    # Positive controls: a divisible static batch, and a dynamic one (its steps are checked).
+    check_global_batch(tf.data.Dataset.range(100).batch(size - size % workers or workers,
+                                                        drop_remainder=True), workers)
+    check_global_batch(tf.data.Dataset.range(100).batch(size), workers)

@@ -8,6 +8,8 @@ of one job each:
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
 - checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
+- losses a model's own step calls (TFRS tasks): reduced over the global batch as compile
+  reduces its loss (`pipeline.task_losses`);
 - metric results: a train / test step's reads of the metrics' states (tf_keras'
   `get_metrics_result`, a TFRS `train_step`'s `m.result()`) come from one packed sum, riding on
   the gradients' all-reduce when it can (`strategy.summed_reads`), instead of one collective per
@@ -25,7 +27,7 @@ import threading
 import tensorflow as tf
 import tf_keras
 
-from tf_nestpipe.pipeline import keras_outputs
+from tf_nestpipe.pipeline import keras_outputs, task_losses
 from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
@@ -79,6 +81,9 @@ def _with_model_context(make_function):
             if self.train_function is None or force:
                 self.train_function = downpour_fit.downpour_train_function(self)
             return self.train_function
+        if _is_nestpipe(self.distribute_strategy):
+            # Losses the model's own step calls (TFRS tasks): reduced as compile reduces.
+            task_losses.reduce_like_compile(self)
         function = make_function(self, force)
         if function is None or getattr(function, _HOOKED, False):
             return function

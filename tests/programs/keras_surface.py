@@ -45,6 +45,7 @@ import dataclasses
 import os
 import shutil
 import sys
+import tempfile
 import time
 import warnings
 
@@ -138,9 +139,8 @@ class DCNRanker(tfrs.Model):
         self.table = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="t")
         self.deep = tf_keras.layers.Dense(
             1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=6),
-            # TFRS adds self.losses unscaled on every worker (as under MultiWorkerMirrored): a
-            # regularizer scaled by 1/W sums to one process's over the workers.
-            kernel_regularizer=tf_keras.regularizers.L2(0.01 / num_workers))
+            # Unscaled: the strategy divides TFRS's regularization by the workers, as compile.
+            kernel_regularizer=tf_keras.regularizers.L2(0.01))
         self.task = tfrs.tasks.Ranking(
             loss=tf_keras.losses.BinaryCrossentropy(
                 from_logits=True, reduction=tf_keras.losses.Reduction.SUM),
@@ -214,6 +214,101 @@ def tfrs_run(strategy, x, y, test_x, test_y, reduction=None):
     evaluation = model.evaluate(per_worker_dataset(strategy, test_x, test_y, False),
                                 steps=2, return_dict=True, verbose=0)
     return history.history, lrs, evaluation
+
+
+def mixed_precision_run(strategy, x, y):
+    """Fits the ranker for STEPS steps under the mixed_bfloat16 policy (row-sharded tables:
+    their exchange groups by the rows' stored dtype); returns its loss history and tables."""
+    tf_keras.mixed_precision.set_global_policy("mixed_bfloat16")
+    try:
+        tf_keras.utils.set_random_seed(11)
+        with strategy.scope():
+            model = ranker(seed=60)
+        initial = {table: model.get_layer(table).full_table() for table in ("table_a", "table_b")}
+        history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=1,
+                            steps_per_epoch=STEPS, verbose=0)
+        out = {"bf16/loss": np.array(history.history["loss"]),
+               "bf16/output_dtype": np.array(model.get_layer("table_a").compute_dtype)}
+        for table in ("table_a", "table_b"):
+            out["bf16/" + table] = model.get_layer(table).full_table()
+            out["bf16/initial/" + table] = initial[table]
+        return out
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")
+
+
+def string_lookup_export(strategy, out):
+    """Exports (on every worker) a model whose ids come from a StringLookup and an adapted
+    IntegerLookup (a static and a mutable hash table the SavedModel must hold); worker 0 serves
+    it in this process against the model's predictions. Then an export whose writing worker
+    fails (its path is under a file): every worker must raise."""
+    with strategy.scope():
+        user = tf_keras.Input((), dtype=tf.string, name="user")
+        item = tf_keras.Input((), dtype=tf.int64, name="item")
+        items = tf_keras.layers.IntegerLookup()
+        items.adapt(np.array([7, 9, 11, 9], np.int64))
+        users = tf_keras.layers.StringLookup(vocabulary=["ann", "bob", "cy"])
+        h = tf_keras.layers.Concatenate()([
+            tnp.ShardedEmbedding(4, DIM, name="users")(users(user)),
+            tnp.ShardedEmbedding(items.vocabulary_size(), DIM, name="items")(items(item))])
+        model = tf_keras.Model({"user": user, "item": item}, tf_keras.layers.Dense(1)(h))
+    features = {"user": tf.constant(["bob", "zed", "ann"]), "item": tf.constant([9, 11, 5], tf.int64)}
+    expected = model.predict(features, verbose=0)
+    directory = tempfile.mkdtemp(prefix="string_export")
+    results = {}
+    try:
+        tnp.export_saved_model(model, os.path.join(directory, "export"))
+        results["string_export"] = "ok"
+        if strategy.worker_index == 0:
+            served = tf.saved_model.load(os.path.join(directory, "export"))
+            outputs = served.signatures["serving_default"](**features)["outputs"].numpy()
+            results["string_export/served_diff"] = np.abs(outputs - expected).max()
+    except Exception as error:  # pylint: disable=broad-except
+        results["string_export"] = "error: %r" % error
+    with open(os.path.join(directory, "a_file"), "w"):
+        pass
+    try:  # worker 0 cannot write under a file: no worker may return as if exported
+        tnp.export_saved_model(model, os.path.join(directory, "a_file", "export"))
+        results["failed_export"] = "no error"
+    except Exception as error:  # pylint: disable=broad-except
+        results["failed_export"] = "%s: %s" % (type(error).__name__, error)
+    shutil.rmtree(directory)
+    return results
+
+
+class CallMetrics(tf_keras.Model):
+    """A model that updates metrics inside call(): `self.add_metric` and a metric object's
+    `update_state` (as tf_keras' own distribution tests do)."""
+
+    def __init__(self):
+        super().__init__()
+        init = tf_keras.initializers.RandomUniform(-0.2, 0.2, seed=70)
+        self.table = tnp.ShardedEmbedding(VOCAB_A, DIM, embeddings_initializer=init, name="t")
+        self.out = tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(71))
+        self.largest = tf_keras.metrics.Mean(name="largest_logit")
+
+    def call(self, features):
+        logits = self.out(tf.concat([self.table(features["a"]), features["dense"]], axis=1))
+        self.add_metric(tf.reduce_mean(logits), name="mean_logit")
+        self.largest.update_state(tf.reduce_max(logits))
+        return logits
+
+
+def call_metrics_run(strategy, x, y):
+    """Fits CallMetrics (pipeline "none": micro-batches would see each part's metrics);
+    returns its history."""
+    pipeline, strategy.pipeline = strategy.pipeline, "none"
+    try:
+        tf_keras.utils.set_random_seed(12)
+        with strategy.scope():
+            model = CallMetrics()
+            model.compile(optimizer=tf_keras.optimizers.SGD(0.5),
+                          loss=tf_keras.losses.BinaryCrossentropy(from_logits=True))
+        history = model.fit(per_worker_dataset(strategy, x, y, True), epochs=2,
+                            steps_per_epoch=STEPS, verbose=0)
+        return {"call_metrics/" + key: np.array(values) for key, values in history.history.items()}
+    finally:
+        strategy.pipeline = pipeline
 
 
 def read_counts(strategy, before, prefix):
@@ -319,6 +414,8 @@ def main():
     for key in ("loss", "auc"):
         results["history/" + key] = np.array(history.history[key])
     results.update(metric_reads(strategy, model))
+    results.update(mixed_precision_run(strategy, x, y))
+    results.update(call_metrics_run(strategy, x, y))
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
@@ -338,6 +435,7 @@ def main():
         shutil.rmtree(os.path.join(out, "scratch%d" % rank))
     tnp.export_saved_model(model, os.path.join(out, "export"))
     results["files"] = np.array(sorted(os.listdir(out)))
+    results.update(string_lookup_export(strategy, out))
     if rank == 0:  # the saves are complete: a run given this one as its reference may read them
         open(os.path.join(out, "w0.h5.done"), "w").close()
 
@@ -359,8 +457,7 @@ def main():
         other.load_weights(os.path.join(reference, "w0.h5"))
         results.update(state(other, "h5_ref/"))
     with strategy.scope():
-        loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"),
-                                            custom_objects={"ShardedEmbedding": tnp.ShardedEmbedding})
+        loaded = tf_keras.models.load_model(os.path.join(out, "m0.keras"))  # no custom_objects
     results.update(state(loaded, "keras_own/"))
     results.update(table_slots(model, "trained/"))
     results.update(table_slots(loaded, "keras_own/"))

@@ -1,14 +1,16 @@
 """The socket mesh's collectives on a real cluster, checked against NumPy on every worker (each
 worker rebuilds every worker's inputs from seeds), then an optional fault.
 
-usage: socket_mesh.py [die|stop|skip|cancel]
+usage: socket_mesh.py [die|stop|skip|cancel|slow]
   (no fault) prints "socket mesh ok W" after the checks, and the mesh's counters;
   die:    worker 1 exits abruptly inside a step; worker 0 must fail at once naming it;
   stop:   worker 1 stops (SIGSTOP) inside a step; worker 0 must fail after the stall timeout;
   skip:   worker 1 skips one call and makes another; every worker must fail within the
           transport's timeout, naming worker 1 and the call it did not make;
   cancel: worker 0's step fails while its exchange waits for worker 1 (which never makes the
-          call): TensorFlow cancels the exchange, the step fails at once, and worker 1 is told.
+          call): TensorFlow cancels the exchange, the step fails at once, and worker 1 is told;
+  slow:   every worker sends 10 MB to the other in one all-to-all (on a slow link its transfer
+          outlasts the stall and call timeouts: progress keeps it alive), checked against NumPy.
 """
 import os
 import signal
@@ -157,13 +159,26 @@ def cancel(collectives, me, num_workers):
         raise
 
 
+def slow(collectives, me, num_workers):
+    """One all-to-all of 10 MB per peer, its arrival checked, and how long it took."""
+    entries = 10 * 1024 * 1024 // 4
+    values = np.stack([np.full(entries, 1000 * me + j, np.float32) for j in range(num_workers)])
+    exchange = tf.function(lambda v: collectives.all_to_all(v, "mesh/slow"))
+    exchange(tf.zeros([num_workers, 4], tf.float32)).numpy()  # traced, the path is warm
+    started = time.time()
+    got = exchange(tf.constant(values)).numpy()
+    for j in range(num_workers):
+        assert (got[j] == 1000 * j + me).all(), (j, got[j][:4])
+    print("worker %d slow exchange ok in %.1f s" % (me, time.time() - started), flush=True)
+
+
 def main():
     strategy = tnp.NestPipeStrategy()
     collectives = strategy.extended.collectives
     me, num_workers = strategy.worker_index, strategy.num_workers
     assert strategy.collectives_backend == "sockets", strategy.collectives_backend
     if len(sys.argv) > 1:
-        {"skip": skip, "cancel": cancel}.get(
+        {"skip": skip, "cancel": cancel, "slow": slow}.get(
             sys.argv[1], lambda *a: fault(*a, sys.argv[1]))(collectives, me, num_workers)
         return
     check_all_to_all(collectives, me, num_workers)

@@ -1,5 +1,5 @@
 """A TFRS DCN ranking model (tfrs.layers.dcn.Cross + tfrs.tasks.Ranking) on ShardedEmbedding
-tables, trained with tf_keras fit and evaluated; worker 0 writes history, metrics and weights.
+tables, written as the TFRS tutorials write it (default loss reduction, no route method), trained with tf_keras fit and evaluated; worker 0 writes history, metrics and weights.
 
 usage: tfrs_fit.py OUT.npz
 """
@@ -24,7 +24,7 @@ def make_data(n, seed):
     cat = np.minimum(rng.zipf(1.4, size=(n, NUM_FIELDS)) - 1, VOCAB - 1).astype(np.int64)
     dense = rng.normal(size=(n, NUM_DENSE)).astype(np.float32)
     label = ((cat[:, 0] % 3 == 0) ^ (dense[:, 0] > 0.3)).astype(np.float32)[:, None]
-    return {"cat": cat, "dense": dense}, label
+    return {"cat": cat, "dense": dense, "label": label}
 
 
 class DCNRanker(tfrs.Model):
@@ -39,24 +39,23 @@ class DCNRanker(tfrs.Model):
         self.deep = tf_keras.Sequential([
             tf_keras.layers.Dense(16, activation="relu", kernel_initializer=tf_keras.initializers.GlorotUniform(seed=41)),
             tf_keras.layers.Dense(1, kernel_initializer=tf_keras.initializers.GlorotUniform(seed=42))])
-        # Under tf.distribute, TFRS tasks need SUM reduction; scale by the global batch ourselves.
+        # As the TFRS tutorials write it: the task's default loss reduction, an unscaled
+        # regularizer, no route method (the strategy reduces and routes it as one process).
         self.task = tfrs.tasks.Ranking(
-            loss=tf_keras.losses.BinaryCrossentropy(from_logits=True, reduction=tf_keras.losses.Reduction.SUM),
+            loss=tf_keras.losses.BinaryCrossentropy(from_logits=True),
             metrics=[tf_keras.metrics.AUC(from_logits=True, name="auc")])
+        self.head = tf_keras.layers.Dense(
+            1, kernel_regularizer=tf_keras.regularizers.L2(0.01),
+            kernel_initializer=tf_keras.initializers.GlorotUniform(seed=43))
 
     def call(self, features):
         x = tf.concat([t(features["cat"][:, i]) for i, t in enumerate(self.tables)]
                       + [features["dense"]], axis=1)
-        return self.deep(self.cross(x, x))
-
-    def nestpipe_route(self, inputs):
-        """What the train step looks up (for the fused exchange and the pipelines)."""
-        features, _ = inputs
-        self(features)
+        return self.deep(self.cross(x, x)) + self.head(features["dense"])
 
     def compute_loss(self, inputs, training=False):
-        features, labels = inputs
-        return self.task(labels=labels, predictions=self(features)) / GLOBAL_BATCH
+        labels = inputs.pop("label")  # as the tutorials do: the route pass gets its own copy
+        return self.task(labels=labels, predictions=self(inputs))
 
 
 def main():
@@ -64,24 +63,24 @@ def main():
     # row_wise: the fused exchange the run counts ("auto" would replicate these tables).
     strategy = tnp.NestPipeStrategy(placement="row_wise")
     rank, workers = strategy.worker_index, strategy.num_workers
-    train_x, train_y = make_data(GLOBAL_BATCH * STEPS, 0)
-    test_x, test_y = make_data(GLOBAL_BATCH * 4, 1)
+    train = make_data(GLOBAL_BATCH * STEPS, 0)
+    test = make_data(GLOBAL_BATCH * 4, 1)
 
-    def dataset_fn(x, y, repeat):
+    def dataset_fn(features, repeat):
         def fn(context):
             per = GLOBAL_BATCH // context.num_input_pipelines
-            ds = tf.data.Dataset.from_tensor_slices((x, y)).batch(GLOBAL_BATCH)
+            ds = tf.data.Dataset.from_tensor_slices(features).batch(GLOBAL_BATCH)
             # keep this worker's contiguous slice of each global batch
-            ds = ds.map(lambda f, l: tf.nest.map_structure(
-                lambda t: t[context.input_pipeline_id * per:(context.input_pipeline_id + 1) * per], (f, l)))
+            ds = ds.map(lambda f: tf.nest.map_structure(
+                lambda t: t[context.input_pipeline_id * per:(context.input_pipeline_id + 1) * per], f))
             return ds.repeat() if repeat else ds
         return fn
 
     with strategy.scope():
         model = DCNRanker()
         model.compile(optimizer=tf_keras.optimizers.Adagrad(0.1))
-    train = strategy.distribute_datasets_from_function(dataset_fn(train_x, train_y, repeat=True))
-    test = strategy.distribute_datasets_from_function(dataset_fn(test_x, test_y, repeat=False))
+    train = strategy.distribute_datasets_from_function(dataset_fn(train, repeat=True))
+    test = strategy.distribute_datasets_from_function(dataset_fn(test, repeat=False))
     history = model.fit(train, epochs=2, steps_per_epoch=STEPS, verbose=0)
     evaluation = model.evaluate(test, steps=4, return_dict=True, verbose=0)
     print("history", history.history, "evaluate", evaluation, flush=True)
@@ -91,7 +90,9 @@ def main():
         pipeline = getattr(model, "_nestpipe_pipeline", None)
         fused = {} if pipeline is None else {"exchanges": pipeline.stats.exchanges}
         np.savez(out_path, **fused, train_auc=history.history["auc"], train_loss=history.history["loss"],
-                 eval_auc=evaluation["auc"], eval_loss=evaluation["loss"], **tables, **dense)
+                 train_regularization=history.history["regularization_loss"],
+                 eval_auc=evaluation["auc"], eval_loss=evaluation["loss"],
+                 eval_regularization=evaluation["regularization_loss"], **tables, **dense)
     print("workers", workers, "done", flush=True)
 
 

@@ -158,7 +158,7 @@ class Handshake:
                 for key, events in self._selector.select(max(0.0, min(wait, 0.5))):
                     if key.data is None:
                         self._accept(deadline)
-                    else:
+                    elif key.data.sock.fileno() >= 0:  # not dropped earlier in this round
                         self._step(key.data, events)
                 self._expire(time.monotonic())
         finally:

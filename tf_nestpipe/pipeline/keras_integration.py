@@ -19,8 +19,10 @@ update instead of after (same values: they read only y and y_pred), so the metri
 on the dense gradients' all-reduce and their results need no collective of their own.
 
 With `cluster_samples=True` the micro-batches are formed by key-centric clustering of the
-batch's integer features. A model that overrides `train_step` (TFRS) can define `nestpipe_route(data)`, looking up what
-its train step looks up (e.g. calling its towers on the features): it becomes the route pass.
+batch's integer features. A TFRS model that keeps `tfrs.Model`'s train step is routed through
+its `compute_loss`; a model that overrides `train_step` otherwise can define
+`nestpipe_route(data)`, looking up what its train step looks up (e.g. calling its towers on the
+features): it becomes the route pass.
 Keras's own train function stays for one worker under "none" and "auto", for a `train_step`
 override without `nestpipe_route` under "none" and "auto" (a route pass could not know what it
 looks up, so each table keeps its own exchange), and for `steps_per_execution > 1`, `run_eagerly` or a cluster
@@ -37,6 +39,8 @@ from tf_nestpipe.pipeline.auto import AutoPipeline, auto_candidates
 from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
 from tf_nestpipe.pipeline.modes import LOOKAHEAD, MICRO_BATCHED
+from tf_nestpipe.pipeline.quiet_metrics import untouched_metrics
+from tf_nestpipe.pipeline.task_losses import tfrs_base_step
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 from tf_nestpipe import tf_private
 
@@ -50,20 +54,28 @@ def _standard_train_step(model):
 
 def _routable(model):
     """Whether a route pass can trace what `model`'s train step looks up: tf_keras's standard
-    train step (it calls the model on the inputs) or a model with `nestpipe_route(data)`."""
-    return _standard_train_step(model) or callable(getattr(model, "nestpipe_route", None))
+    train step (it calls the model on the inputs), TFRS's (it calls `compute_loss`) or a model
+    with `nestpipe_route(data)`."""
+    return (_standard_train_step(model) or tfrs_base_step(model, "train_step")
+            or callable(getattr(model, "nestpipe_route", None)))
 
 
 def _route_of(model):
-    """The route pass of `model`'s train step: `model.nestpipe_route(data)` if it has one, else
-    the model called on the batch's inputs (what the standard train step looks up)."""
+    """The route pass of `model`'s train step: `model.nestpipe_route(data)` if it has one; for
+    TFRS's train step its `compute_loss` on a copy of the batch's structure (it may pop the
+    labels); else the model called on the batch's inputs (what the standard train step looks
+    up). Metric updates on the way trace to nothing (`quiet_metrics`)."""
     route = getattr(model, "nestpipe_route", None)
     if callable(route):
         return route
 
     def route_fn(data):
-        x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
-        model(x, training=False)
+        with untouched_metrics(model):
+            if tfrs_base_step(model, "train_step"):
+                model.compute_loss(tf.nest.map_structure(lambda t: t, data), training=False)
+                return
+            x, _, _ = tf_keras.utils.unpack_x_y_sample_weight(data)
+            model(x, training=False)
 
     return route_fn
 
@@ -129,7 +141,7 @@ def _train_pipeline(model, strategy, pipeline, micro_batches=None):
             model, lambda data: _frozen_window_train_step(model, data, micro_batches, cluster))
 
         def route_fn(data):
-            with frozen_window():
+            with frozen_window(), untouched_metrics(model):
                 for part, _ in _micro_batches(data, micro_batches, cluster)[1]:
                     model(part["x"], training=False)
     else:

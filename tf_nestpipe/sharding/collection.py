@@ -12,6 +12,8 @@ import tf_keras
 from tf_nestpipe.sharding.embedding import ShardedEmbedding
 
 
+# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
+@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
 class ShardedEmbeddingCollection(tf_keras.layers.Layer):
     """Embeds `ids[:, f]` in table f (sizes `table_sizes`) for `[batch, F]` int ids -> `[batch, F, dim]`.
 

@@ -45,6 +45,8 @@ def string_ids(strings):
     return tf.strings.to_hash_bucket_fast(strings, STRING_HASH_BUCKETS)
 
 
+# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
+@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
 class DynamicEmbedding(tf_keras.layers.Layer):
     """Embedding of raw int64 / string ids with admission and eviction (see module).
 

@@ -46,6 +46,8 @@ def table_owner_of(strategy, layer):
     return strategy.extended.table_owner(layer)
 
 
+# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
+@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
 class ShardedEmbedding(tf_keras.layers.Layer):
     """Embedding table placed over the workers of a `NestPipeStrategy` by its planner: row-sharded
     (owner = id mod W), whole on one worker, or replicated (see `self.placement`).
@@ -76,6 +78,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
                  invalid_id_policy="error", **kwargs):
+        # As tf_keras' Embedding: under a mixed precision policy the table stays in its variable
+        # dtype (every lookup path, local or exchanged, reads the same rows), and the output is
+        # cast to the compute dtype.
+        kwargs.setdefault("autocast", False)
         super().__init__(**kwargs)
         if combiner not in COMBINERS:
             raise ValueError("combiner must be one of %s, got %r" % (COMBINERS, combiner))
@@ -111,7 +117,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             # Created in the scope: the strategy shards it over the ps tasks.
             self.embeddings = self.add_weight(name="embeddings", shape=(self.vocab_size, self.dim),
                                               initializer=self.embeddings_initializer,
-                                              trainable=True)
+                                              trainable=True, experimental_autocast=False)
             super().build(input_shape)
             return
         if self._strategy is None and embedding_exchange_of(tf.distribute.get_strategy()):
@@ -137,7 +143,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             self.embeddings = self.add_weight(
                 name="embeddings", shape=(self.layout.local_rows, self.dim),
                 initializer=RowShardInitializer(self.embeddings_initializer, self.layout),
-                trainable=True)
+                trainable=True, experimental_autocast=False)
         if self.placement == DATA_PARALLEL:
             mark_replicated_table(self.embeddings, self.name)
         if self.exchanged:
@@ -223,7 +229,10 @@ class ShardedEmbedding(tf_keras.layers.Layer):
                                               self._ps_row_order)
 
     def call(self, inputs):
-        return self._embed(inputs)
+        out = self._embed(inputs)
+        if out.dtype != self.compute_dtype:
+            out = tf.cast(out, self.compute_dtype)
+        return out
 
     def _embed(self, inputs):
         if isinstance(inputs, tf.RaggedTensor):

@@ -84,8 +84,10 @@ class EmbeddingExchange:
 
     @staticmethod
     def group_key(layer):
-        """The name of the exchange group `layer`'s table belongs to (its dim and dtype)."""
-        return "d%d_%s" % (layer.dim, layer.embeddings.dtype.name)
+        """The name of the exchange group `layer`'s table belongs to (its dim and the dtype its
+        rows are stored in: a mixed precision policy's variable dtype, whatever dtype the table
+        reads as where it is looked up)."""
+        return "d%d_%s" % (layer.dim, tf.as_dtype(layer.dtype).name)
 
     def register(self, layer):
         """Adds a built row-wise table to its group (idempotent)."""

@@ -12,7 +12,11 @@ and their optimizer slots) is rebuilt from the rows of all old shards (row-wise,
 k mod W, local row k // W; table_wise, every id on the one worker whose file holds all rows) into
 its new layout (`ShardLayout`), dynamic tables re-hash every old worker's ids onto their new
 owners with their rows, optimizer slots and counters (`sharding.dynamic_state`), and every other
-variable is read from worker 0's file. Build the model and the
+variable is read from worker 0's file. The manifest records how each row-shard variable was
+laid out when written (its table's rows, the worker count, the owner of a table_wise table;
+every other variable was written whole), and a restore reads each file by that record: a file's
+row count never decides whether it holds a whole table or one shard of a larger one. Build the
+model and the
 optimizer (`optimizer.build(model.trainable_variables)` inside `strategy.scope()`, so the slots
 of row shards are row shards too) before a resharding restore.
 """
@@ -32,6 +36,8 @@ from tf_nestpipe.sharding.dynamic_state import (STATE_KEYS, DynamicTableSaveable
 from tf_nestpipe.strategy.row_shard_saving import local_shard_serialization
 
 MANIFEST = "manifest.json"
+# Manifests of this format record each row-shard variable's layout ("layouts"); format 1 did not.
+LAYOUT_FORMAT = 2
 
 
 def _step_dir(directory, step):
@@ -107,7 +113,8 @@ class ShardedCheckpoint:
             self.checkpoint.write(prefix)
         self._barrier("nestpipe/checkpoint_saved")
         if rank == 0:
-            manifest = {"step": int(step), "num_workers": workers, "format": 1}
+            manifest = {"step": int(step), "num_workers": workers, "format": LAYOUT_FORMAT,
+                        "layouts": _written_layouts(self.checkpoint)}
             with tf.io.gfile.GFile(os.path.join(_step_dir(directory, step), MANIFEST), "w") as f:
                 f.write(json.dumps(manifest))
         self._barrier("nestpipe/checkpoint_manifest")
@@ -136,20 +143,22 @@ class ShardedCheckpoint:
         if not tf.io.gfile.exists(manifest_path):
             raise FileNotFoundError("checkpoint step %d in %s is incomplete (no %s): a worker did "
                                     "not finish writing it" % (step, directory, MANIFEST))
-        saved_workers = read_manifest(manifest_path)["num_workers"]
+        manifest = read_manifest(manifest_path)
+        saved_workers = manifest["num_workers"]
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         readers = [tf.train.load_checkpoint(_worker_prefix(directory, step, k, saved_workers))
                    for k in range(saved_workers)]
+        shapes = [reader.get_variable_to_shape_map() for reader in readers]
+        variables = _variable_keys(self.checkpoint)
+        saved = _saved_layouts(manifest, variables, shapes, manifest_path)
         # Every worker checks every table against all files before reading any: a table of
         # another size is refused on all of them (never restored wrongly on some).
-        _check_table_sizes(_variable_keys(self.checkpoint), readers, step, directory)
-        variables = _variable_keys(self.checkpoint)
-        if saved_workers == workers and _same_placement(variables, readers[rank]):
+        _check_table_sizes(variables, saved, shapes, step, directory)
+        if saved_workers == workers and _same_placement(variables, saved, shapes[rank]):
             with local_shard_serialization():
                 self.checkpoint.read(_worker_prefix(directory, step, rank, workers)).assert_consumed()
             return step
-        available = set(readers[0].get_variable_to_shape_map())
-        shapes = [reader.get_variable_to_shape_map() for reader in readers]
+        available = set(shapes[0])
         # Dynamic tables: every old worker's ids re-hashed onto this run (see dynamic_state).
         tables = {id(saveable._layer): (saveable, whole_state([  # pylint: disable=protected-access
             {name: reader.get_tensor(trackable_utils.checkpoint_key(path, name))
@@ -167,17 +176,15 @@ class ShardedCheckpoint:
                 variable.assign(restored_rows(table, variable, state_row_keys(state),
                                               tf.constant(whole)))
                 continue
-            layout = row_shard_layout(variable)
-            if layout is None and _saved_row_sharded(variable, key, shapes):
-                # A replicated (data-parallel) table written row-wise: its whole value.
-                layout = ShardLayout(int(variable.shape[0]), 1)
-            if layout is None:
+            layout, old = row_shard_layout(variable), saved.get(key)
+            if old is None:  # written whole: worker 0's file holds the value
                 value = readers[0].get_tensor(key)
-            elif _saved_whole(key, shapes, layout):
-                # A table written replicated, restored row-wise: this worker's rows of it.
-                value = readers[0].get_tensor(key)[layout.global_ids()]
+                if layout is not None:  # a replicated table restored row-wise: this worker's rows
+                    value = value[layout.global_ids()]
             else:
-                value = _reshard_rows([reader.get_tensor(key) for reader in readers], layout)
+                if layout is None:  # row shards restored into a replicated table: every row
+                    layout = ShardLayout(old.vocab_size, 1)
+                value = _reshard_rows([reader.get_tensor(key) for reader in readers], old, layout)
             variable.assign(value)
         for saveable, state in tables.values():
             saveable._restore_from_tensors(  # pylint: disable=protected-access
@@ -186,6 +193,69 @@ class ShardedCheckpoint:
             raise ValueError("variables %s are not in checkpoint step %d of %s (a model or "
                              "optimizer of another shape?)" % (missing, step, directory))
         return step
+
+
+def _written_layouts(root):
+    """{checkpoint key: {"vocab_size", "num_shards", "owner_shard"}} of every row-shard
+    variable (table or optimizer slot) reachable from `root`, as this save writes it; every
+    other variable is written whole. Dynamic tables restore by their ids, not by a layout."""
+    layouts = {}
+    for variable, key in _variable_keys(root):
+        layout = row_shard_layout(variable)
+        if layout is not None and dynamic_table_of(variable) is None:
+            layouts[key] = {"vocab_size": layout.vocab_size, "num_shards": layout.num_shards,
+                            "owner_shard": layout.owner_shard}
+    return layouts
+
+
+def _saved_layouts(manifest, variables, shapes, manifest_path):
+    """{checkpoint key: ShardLayout (shard 0) it was written with} of every variable written as
+    row shards; a key not in it was written whole.
+
+    A manifest without layouts (format 1) records no layout: files of unequal row counts are
+    row shards; a row shard whose files all hold its current shard's rows resumes in place; any
+    other row shard whose files hold equal row counts (a whole table, or shards of a table that
+    many times larger: the files cannot tell) is refused, naming the way to restore it."""
+    if "layouts" in manifest:
+        return {key: ShardLayout(int(spec["vocab_size"]), 1, int(spec["num_shards"]), 0,
+                                 owner_shard=spec["owner_shard"])
+                for key, spec in manifest["layouts"].items()}
+    layouts = {}
+    for variable, key in variables:
+        if dynamic_table_of(variable) is not None or any(key not in s for s in shapes) or \
+                variable.shape.rank is None or variable.shape.rank < 1:
+            continue
+        rows = _saved_rows(key, shapes)
+        if len(rows) == 1:
+            continue  # one worker: its file holds the whole table either way
+        if len(set(rows)) > 1:
+            layouts[key] = _format1_layout(rows)
+        elif row_shard_layout(variable) is not None:
+            current = row_shard_layout(variable)
+            if (current.num_shards, current.local_rows) == (len(rows), rows[0]) and \
+                    not current.table_wise and current.vocab_size % len(rows) == 0:
+                # The layout this run writes itself (same workers, same shard rows): the
+                # per-worker files resume as they are.
+                layouts[key] = ShardLayout(current.vocab_size, 1, len(rows), 0)
+                continue
+            raise ValueError(
+                "cannot restore %s from %s: the checkpoint was written by a tf_nestpipe that "
+                "did not record table layouts, and each of its %d files holds %d rows (a whole "
+                "replicated table, or row shards of a table of %d rows). Restore it with a "
+                "tf_nestpipe of that version on the worker count and placement it was written "
+                "with, then save it again." % (variable.name, manifest_path, len(rows), rows[0],
+                                               rows[0] * len(rows)))
+    return layouts
+
+
+def _format1_layout(rows):
+    """The layout of row shards of unequal row counts `rows` (one per old worker): one file
+    holding every row is a table_wise table on that worker, anything else row-wise."""
+    total = sum(rows)
+    owner = rows.index(max(rows))
+    if rows[owner] == total:
+        return ShardLayout(total, 1, len(rows), 0, owner_shard=owner)
+    return ShardLayout(max(total, 1), 1, len(rows), 0)
 
 
 def read_manifest(path):
@@ -209,78 +279,60 @@ def read_manifest(path):
     return manifest
 
 
-def _same_placement(variables, reader):
-    """Whether every variable has the shape this worker's file holds for it (the tables were
-    placed as when written, so the file restores as it is)."""
-    shapes = reader.get_variable_to_shape_map()
-    return all(key not in shapes or list(shapes[key]) == variable.shape.as_list()
-               for variable, key in variables)
+def _same_placement(variables, saved, shapes):
+    """Whether every variable is laid out as when written (same table size, worker count and
+    owner, or whole then and now) and has the shape this worker's file holds for it, so the
+    file restores as it is."""
+    for variable, key in variables:
+        if key not in shapes:
+            continue
+        layout, old = row_shard_layout(variable), saved.get(key)
+        if dynamic_table_of(variable) is None and not _same_layout(layout, old):
+            return False
+        if list(shapes[key]) != variable.shape.as_list():
+            return False
+    return True
+
+
+def _same_layout(layout, old):
+    if layout is None or old is None:
+        return layout is None and old is None
+    return (layout.vocab_size, layout.num_shards, layout.owner_shard) == (
+        old.vocab_size, old.num_shards, old.owner_shard)
 
 
 def _saved_rows(key, shapes):
     return [int(shape[key][0]) if shape[key] else 0 for shape in shapes]
 
 
-def _saved_whole(key, shapes, layout):
-    """Whether a table (or slot) of `layout.vocab_size` rows was written whole by every
-    worker (a replicated, data-parallel table) rather than as row shards."""
-    rows = _saved_rows(key, shapes)
-    return len(rows) > 1 and all(r == layout.vocab_size for r in rows)
-
-
-def _saved_row_sharded(variable, key, shapes):
-    """Whether a whole (mirrored) variable was written as row shards: a replicated table (or
-    slot) whose table was row-wise when the checkpoint was written."""
-    if variable.shape.rank is None or variable.shape.rank < 1 or not all(
-            key in shape for shape in shapes):
-        return False
-    rows = _saved_rows(key, shapes)
-    return len(rows) > 1 and rows[0] != int(variable.shape[0]) and sum(rows) == int(
-        variable.shape[0])
-
-
-def _check_table_sizes(variables, readers, step, directory):
-    """Refuses to restore a row-shard variable (table or slot) from a checkpoint of a table of
-    another size: the old table's rows are the sum of its per-worker shards' rows."""
-    shapes = [reader.get_variable_to_shape_map() for reader in readers]
+def _check_table_sizes(variables, saved, shapes, step, directory):
+    """Refuses to restore a table (or slot) from a checkpoint of a table of another size: a
+    table written as row shards has the rows its manifest records, one written whole the rows
+    of its file."""
     for variable, key in variables:
-        layout = row_shard_layout(variable)
-        if layout is None or any(key not in shape for shape in shapes):
-            continue  # missing keys are reported by the restore itself
+        layout, old = row_shard_layout(variable), saved.get(key)
+        if layout is None and old is None or any(key not in shape for shape in shapes):
+            continue  # whole then and now: TensorFlow checks the shape; missing keys: restore
         if dynamic_table_of(variable) is not None:
             continue  # re-hashed by id: its owners' capacities are checked then
-        old_rows = sum(_saved_rows(key, shapes))
-        if _saved_whole(key, shapes, layout):
-            old_rows = layout.vocab_size  # written replicated: every file holds the table
+        old_rows = old.vocab_size if old is not None else (
+            int(shapes[0][key][0]) if shapes[0][key] else 0)
+        new_rows = layout.vocab_size if layout is not None else (
+            int(variable.shape[0]) if variable.shape.rank else 0)
         old_tail = list(shapes[0][key][1:])
         new_tail = variable.shape.as_list()[1:]
-        if old_rows != layout.vocab_size or old_tail != new_tail:
+        if old_rows != new_rows or old_tail != new_tail:
             raise ValueError(
                 "cannot restore %s from checkpoint step %d of %s: it was written for a table of "
                 "%d rows x %s, this model's table has %d rows x %s. Build the model with the "
                 "table size the checkpoint was written with." % (
-                    variable.name, step, directory, old_rows, old_tail, layout.vocab_size,
-                    new_tail))
+                    variable.name, step, directory, old_rows, old_tail, new_rows, new_tail))
 
 
-def _saved_layout(old_shards):
-    """The layout the row shards `old_shards` (one per old worker) were written with: one
-    worker's file holding every row and the others none is a table_wise table on that worker
-    (for a one-row table that is also the row-wise layout: the same rows), anything else
-    row-wise."""
-    rows = [int(shard.shape[0]) for shard in old_shards]
-    total = sum(rows)
-    owner = rows.index(max(rows))
-    if len(rows) > 1 and rows[owner] == total:
-        return ShardLayout(total, 1, len(rows), 0, owner_shard=owner)
-    return ShardLayout(max(total, 1), 1, len(rows), 0)
-
-
-def _reshard_rows(old_shards, layout):
-    """This worker's rows under `layout` from the row shards of an old layout over
-    `len(old_shards)` workers (row-wise: id k lived on old shard k mod W at row k // W;
-    table_wise: every id on its owner, see `_saved_layout`)."""
-    old = _saved_layout(old_shards)
+def _reshard_rows(old_shards, old, layout):
+    """This worker's rows under `layout` from the row shards `old_shards` (one per old worker)
+    written under the layout `old` (row-wise: id k on old shard k mod W at row k // W;
+    table_wise: every id on its owner)."""
     ids = layout.global_ids()
     rows = np.zeros((len(ids),) + old_shards[0].shape[1:], old_shards[0].dtype)
     owners = old.owner(ids)

@@ -25,15 +25,49 @@ class UnequalSharesError(ValueError):
     """Workers got shares of different sizes of one global batch (see the module docstring)."""
 
 
+_OPT_OUT = ("Pass check_equal_shares=False to NestPipeStrategy (or set "
+            "strategy.check_equal_shares = False) to train anyway.")
+
+
 def _message(sizes):
     return ("the workers' shares of this global batch differ in size (%s): each worker "
             "averages over its own share, so the update would differ from one process on the "
-            "global batch. Batch the dataset with drop_remainder=True (e.g. "
-            "dataset.batch(global_batch, drop_remainder=True), or "
+            "global batch. If this is the dataset's last, partial batch, batch the dataset with "
+            "drop_remainder=True (e.g. dataset.batch(global_batch, drop_remainder=True), or "
             "input_context.get_per_replica_batch_size(...) with drop_remainder=True in a "
-            "dataset_fn) so that every step's global batch is full. Pass "
-            "check_equal_shares=False to NestPipeStrategy (or set strategy.check_equal_shares = "
-            "False) to train anyway." % (sizes,))
+            "dataset_fn) so that every step's global batch is full. If every batch splits so, "
+            "the global batch is not divisible by the number of workers: use one that is. %s"
+            % (sizes, _OPT_OUT))
+
+
+def static_batch_size(dataset):
+    """The batch size every element of `dataset` has statically (the first dimension of all
+    its tensors), else None."""
+    sizes = set()
+    for spec in tf.nest.flatten(getattr(dataset, "element_spec", None)):
+        shape = getattr(spec, "shape", None)
+        if shape is None or shape.rank is None or shape.rank == 0 or shape[0] is None:
+            return None
+        sizes.add(int(shape[0]))
+    return sizes.pop() if len(sizes) == 1 else None
+
+
+def check_global_batch(dataset, num_workers):
+    """Refuses, before any step, a dataset of global batches whose static size does not split
+    evenly over `num_workers` (e.g. `batch(63, drop_remainder=True)` on 2 workers: every step
+    32 + 31 samples), naming the sizes to use."""
+    size = static_batch_size(dataset)
+    if size is None or size % num_workers == 0:
+        return
+    lower, upper = size - size % num_workers, size + num_workers - size % num_workers
+    raise UnequalSharesError(
+        "the dataset's global batch of %d samples does not split evenly over %d workers: "
+        "every step's shares would differ in size (%s samples), and each worker averages over "
+        "its own share, so the updates would differ from one process's. Use a global batch "
+        "divisible by %d (e.g. %s%d). %s" % (
+            size, num_workers, " + ".join(
+                str(size // num_workers + (k < size % num_workers)) for k in range(num_workers)),
+            num_workers, "%d or " % lower if lower else "", upper, _OPT_OUT))
 
 
 def leading_size(args):

@@ -103,6 +103,15 @@ def _flat_signature(input_signature):
     return flat
 
 
+def tracked_resources(model):
+    """Every resource other than a variable that `model` tracks (the lookup tables of
+    `StringLookup` / `IntegerLookup` / `Hashing`-style layers, `tf.lookup` hash tables, ...):
+    the serving function captures them, so the SavedModel must hold them too."""
+    objects, _ = tf_private.graph_view.ObjectGraphView(model).breadth_first_traversal()
+    return [obj for obj in objects
+            if isinstance(obj, tf.saved_model.experimental.TrackableResource)]
+
+
 def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs: inputs):
     """A tf.Module tracking the model's dense variables and the full tables (not the Keras
     model itself: saving it would trace its distributed call), with a `serve` function."""
@@ -111,6 +120,7 @@ def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs:
     shards |= {id(layer.rows) for layer in _dynamic_layers(model)}
     module.dense_variables = [v for v in model.variables if id(v) not in shards]
     module.tables = list(tables_by_layer.values())
+    module.resources = tracked_resources(model)
     names = sorted(input_signature)
     ragged = {n for n in names if isinstance(input_signature[n], tf.RaggedTensorSpec)}
 
@@ -190,12 +200,33 @@ def export_saved_model(model, path, input_signature=None, strategy=None):
     if strategy is None:
         strategy = getattr(model, "distribute_strategy", None)
     worker = getattr(strategy, "worker_index", 0)
-    if worker != 0:
-        return path
     tables = {id(layer): tf.Variable(table, trainable=False, name=layer.name + "_full_table")
               for layer, table in zip(layers, full)}
     tables.update({id(layer): _dynamic_serving_table(layer, ids, rows)
                    for layer, (ids, rows) in dynamic})
     module = _serving_module(model, tables, input_signature, pack)
-    tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+    # Every worker traces the serving function, so a model that cannot be served fails on
+    # every worker alike, not on the writing one only.
+    module.serve.get_concrete_function()
+    failure = None
+    if worker == 0:
+        try:
+            tf.saved_model.save(module, path, signatures={"serving_default": module.serve})
+        except Exception as error:  # pylint: disable=broad-except
+            failure = error
+    _agree_on_write(strategy, failure, path)
     return path
+
+
+def _agree_on_write(strategy, failure, path):
+    """Raises on every worker when the writing worker failed (its own error there)."""
+    collectives = getattr(getattr(strategy, "extended", None), "collectives", None)
+    if collectives is not None and getattr(strategy, "num_workers", 1) > 1:
+        failed = collectives.all_gather(tf.constant([int(failure is not None)], tf.int32),
+                                        "nestpipe/export_written")
+        if failure is None and int(tf.reduce_max(failed)):
+            raise RuntimeError(
+                "export_saved_model: worker 0 failed to write the SavedModel %s; its log has "
+                "the error" % path)
+    if failure is not None:
+        raise failure

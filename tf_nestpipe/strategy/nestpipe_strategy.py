@@ -360,6 +360,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
 
         dataset = check_auto_shard(dataset, self._num_workers, self._id_in_cluster,
                                              agree)
+        if self._num_workers > 1 and self._nestpipe_check_shares:
+            equal_shares.check_global_batch(dataset, self._num_workers)
         if not equal_static_shares(dataset, self._num_replicas_in_sync):
             return super()._experimental_distribute_dataset(dataset, options)
         # No worker can run out first: without TensorFlow's partial-batch handling, whose
