@@ -167,6 +167,9 @@ FAMILIES: Dict[str, Family] = {
                                                       "--dim", "16", "--repeats", "10")),
     "collective_latency": Family("TensorFlow's CPU collectives' latency by size, 2 workers",
                                  "collective_latency.py", output_flag=None, launcher_workers=2),
+    "transport_engines": Family(
+        "CPU collective engines (Gloo, MPI, oneCCL, TensorFlow's) against the socket mesh",
+        "transport_engines.py", output_flag=None),
     "long_run": Family("long DBP runs on 2 workers: exactness and step time over 1500 steps",
                        "long_run.py", args=("--runs", "3", "--workers", "2", "--steps", "1500",
                                             "--pipeline", "dbp"),
