@@ -12,6 +12,7 @@ every other one connected, so the cluster agrees on the transport: where one can
 NAT address, a firewall or a Kubernetes NetworkPolicy that admits only TensorFlow's port), all
 fall back to TensorFlow's collectives (transport "auto") or fail (transport "sockets").
 """
+import atexit
 import os
 import socket
 import sys
@@ -22,7 +23,7 @@ import tensorflow as tf
 from tf_nestpipe.collectives.communication import Collectives
 from tf_nestpipe.collectives.mesh_handshake import Handshake, HandshakeError
 from tf_nestpipe.collectives.transport import TransportError
-from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all
+from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all, socket_finish
 
 _SECRET_WORDS = 4  # a drawn secret travels as 4 int64 words (32 bytes)
 
@@ -130,6 +131,9 @@ def open_socket_mesh(collectives, host, config):
     fds = [peers[j].detach() if j != me else -1 for j in range(workers)]
     socket_adopt(me, fds, ["%s:%d" % a for a in addresses], config.timeout_seconds,
                  config.stall_seconds, config.max_message_bytes, config.max_buffered_bytes)
+    # At the program's end the frames still queued (e.g. of the last step's exchange, which a
+    # slower peer still waits for) go out before the process exits, then a goodbye.
+    atexit.register(socket_finish, config.stall_seconds)
     return True, ""
 
 
