@@ -59,6 +59,12 @@ class TransportConfig:
       max_message_bytes: the largest frame a peer may announce (4 GiB).
       max_buffered_bytes: bytes of frames that arrive before their call starts that a worker
         buffers in all (1 GiB).
+      hierarchical: "auto" (default: from 64 workers on, where several share a host), "on" or
+        "off": whether an all-to-all goes within each host first, then across hosts between
+        workers of the same local rank (H-1 frames cross hosts per worker instead of W-L).
+        Needs workers numbered host by host, the same number on every host.
+      local_workers: workers per host (default: those whose `TF_CONFIG` hosts resolve to the
+        same address).
     """
 
     name: str = "auto"
@@ -72,12 +78,18 @@ class TransportConfig:
     require_secret: bool = False
     max_message_bytes: Optional[int] = None
     max_buffered_bytes: Optional[int] = None
+    hierarchical: Optional[str] = None
+    local_workers: Optional[int] = None
 
     def __post_init__(self):
         if self.name not in TRANSPORT_NAMES:
             raise ValueError("transport must be one of %s, got %r" % (TRANSPORT_NAMES, self.name))
+        if self.hierarchical not in (None, "auto", "on", "off"):
+            raise ValueError("TransportConfig.hierarchical must be 'auto', 'on' or 'off', got %r"
+                             % (self.hierarchical,))
         for field in ("timeout_seconds", "connect_timeout_seconds", "hello_timeout_seconds",
-                      "stall_seconds", "max_message_bytes", "max_buffered_bytes"):
+                      "stall_seconds", "max_message_bytes", "max_buffered_bytes",
+                      "local_workers"):
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError("TransportConfig.%s must be > 0, got %r" % (field, value))
@@ -106,7 +118,9 @@ class TransportConfig:
             max_buffered_bytes=pick(self.max_buffered_bytes,
                                     settings.TRANSPORT_MAX_BUFFERED_BYTES),
             listen_port=pick(self.listen_port, settings.TRANSPORT_PORT),
-            listen_host=pick(self.listen_host, settings.TRANSPORT_LISTEN_HOST))
+            listen_host=pick(self.listen_host, settings.TRANSPORT_LISTEN_HOST),
+            hierarchical=pick(self.hierarchical, settings.TRANSPORT_HIERARCHICAL),
+            local_workers=pick(self.local_workers, settings.TRANSPORT_LOCAL_WORKERS))
 
     @property
     def engine_owns_cluster(self):
