@@ -99,7 +99,8 @@ def markdown(command, rows, paper_rows, load):
     lines += ["", "Bytes sent per worker per step stay near 2n whatever W (the dense all-reduce "
               "is a reduce-scatter and an all-gather on the mesh; the embedding exchange adds "
               "the rows and gradients of this worker's lookups). Threads per process are "
-              "TensorFlow's own pools plus the mesh's 2; sockets grow by one per peer.", "",
+              "TensorFlow's own pools plus the mesh's 2; sockets grow by two per peer (one of the mesh, "
+              "one of TensorFlow's gRPC channel).", "",
               "## On paper (the same model at W workers, %d workers per host)" % WORKERS_PER_HOST,
               "", "| W | all-reduce bytes / worker now | before | frames per all-to-all flat | "
               "hierarchical (host, then across hosts) | mesh I/O threads (before) | mesh sockets "
@@ -111,11 +112,11 @@ def markdown(command, rows, paper_rows, load):
             r["mesh_io_threads"], r["mesh_threads_before"], r["mesh_sockets"]))
     lines += ["", "What bounds it at 1,536 workers: a full mesh holds W-1 sockets per process "
               "(1,535, within a raised `ulimit -n`) and W(W-1)/2 connections in the cluster "
-              "(about 1.2 million), each opened and authenticated at start-up, and every "
-              "all-to-all sends W-1 frames per worker (most of them small at this W). The "
-              "hierarchical all-to-all (not built yet) would cut the frames that cross hosts to "
-              "H-1; connections across hosts would then also only be needed between workers of "
-              "the same local rank.", ""]
+              "(about 1.2 million), each opened and authenticated at start-up. The hierarchical "
+              "all-to-all (`TransportConfig(hierarchical=...)`, on by default from 64 workers "
+              "sharing hosts) cuts the frames a worker sends across hosts per all-to-all to H-1; "
+              "it then only uses same-host and same-rank connections, so opening only those "
+              "(not built) is what would bound the connections too.", ""]
     return "\n".join(lines)
 
 
@@ -123,7 +124,15 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workers", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--report-only", action="store_true",
+                        help="rewrite the .md from the .json of the last run")
     args = parser.parse_args()
+    if args.report_only:
+        with open(RESULTS + ".json") as f:
+            saved = json.load(f)
+        with open(RESULTS + ".md", "w") as f:
+            f.write(markdown(saved["command"], saved["measured"], saved["paper"], saved["load"]))
+        return
     with open("/proc/loadavg") as f:
         load = " ".join(f.read().split()[:3])
     rows = []
