@@ -82,16 +82,18 @@ def check_gather_and_sum(collectives, me, num_workers):
     """all_gather and all_reduce_sum against NumPy; the sum bitwise equal on every worker."""
     rows = collectives.all_gather(tf.constant([[me, 10 * me]], tf.int64), "mesh/gather").numpy()
     np.testing.assert_array_equal(rows, [[w, 10 * w] for w in range(num_workers)])
-    parts = [np.random.default_rng(w).standard_normal(1001).astype(np.float32)
+    # 100,001 floats: over the direct sum's limit, so a reduce-scatter + all-gather with an
+    # uneven last chunk on 3 workers; the int64 one goes direct.
+    parts = [np.random.default_rng(w).standard_normal(100_001).astype(np.float32)
              for w in range(num_workers)]
-    mine = [tf.constant(parts[me][:1000].reshape(10, 100)), tf.constant(parts[me][1000:]),
-            tf.constant([me + 1], tf.int64)]
+    mine = [tf.constant(parts[me][:100_000].reshape(1000, 100)),
+            tf.constant(parts[me][100_000:]), tf.constant([me + 1], tf.int64)]
     summed = collectives.all_reduce_sum(mine, "mesh/sum")
     total = parts[0].copy()
     for p in parts[1:]:
-        total = total + p
-    np.testing.assert_array_equal(summed[0].numpy().ravel(), total[:1000])
-    np.testing.assert_array_equal(summed[1].numpy(), total[1000:])
+        total = total + p  # in worker order, as the mesh adds
+    np.testing.assert_array_equal(summed[0].numpy().ravel(), total[:100_000])
+    np.testing.assert_array_equal(summed[1].numpy(), total[100_000:])
     assert summed[2].numpy().tolist() == [num_workers * (num_workers + 1) // 2]
     gathered = collectives.all_gather(tf.reshape(summed[0], [1, -1]), "mesh/same").numpy()
     assert (gathered == gathered[0]).all(), "workers computed different sums"

@@ -28,6 +28,10 @@ from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all, socket_fini
 _SECRET_WORDS = 4  # a drawn secret travels as 4 int64 words (32 bytes)
 # Below this many workers a flat all-to-all's W-1 frames cost less than a second hop.
 _HIERARCHICAL_FROM_WORKERS = 64
+# A dense sum whose W-1 whole copies take at most this many bytes goes in one round (every
+# worker sends its vector to every peer) instead of two (reduce-scatter + all-gather): a round
+# trip costs more than the extra bytes. With 2 workers both send the same bytes.
+_DIRECT_SUM_BYTES = 256 << 10
 
 
 def host_layout(addresses, config):
@@ -329,14 +333,36 @@ class SocketCollectives(Collectives):
             gathered.set_shape([tensor.shape[0] * self.num_workers] + tensor.shape[1:].as_list())
         return gathered
 
+    def _sums_directly(self, flat):
+        """Whether the dense sum of `flat` goes in one round (see `all_reduce_sum`)."""
+        if self.num_workers == 2:
+            return True
+        elements = flat.shape.num_elements()
+        return (elements is not None
+                and (self.num_workers - 1) * elements * flat.dtype.size <= _DIRECT_SUM_BYTES)
+
+    def _reduce_scatter_gather(self, flat, tag):
+        """The sum of `flat` over the workers in two rounds (see `all_reduce_sum`)."""
+        workers = self.num_workers
+        size = tf.size(flat)
+        chunk = (size + workers - 1) // workers
+        chunks = tf.reshape(tf.pad(flat, [[0, chunk * workers - size]]), [workers, chunk])
+        mine = self.all_to_all(chunks, tag + "/scatter")
+        total = mine[0]
+        for j in range(1, workers):
+            total = total + mine[j]
+        return tf.reshape(self.all_gather(total[tf.newaxis], tag + "/gather"), [-1])[:size]
+
     def all_reduce_sum(self, tensors, tag):
         """Sums each dense tensor of `tensors` over all workers.
 
         Per dtype, the tensors are packed flat and cut into W chunks: a reduce-scatter (worker j
         receives every worker's chunk j and adds them in worker order) then an all-gather of the
         summed chunks, two all-to-alls that send 2(W-1)/W of the vector per worker, whatever W.
-        Each chunk is summed once, so every worker holds bitwise the same sums. Runs on its own
-        stream ("all_reduce"), not behind the step's embedding exchanges.
+        Each chunk is summed once, so every worker holds bitwise the same sums. A small vector
+        (or any, with 2 workers) goes in one round instead: every worker sends it whole to every
+        peer and adds the W vectors in worker order, the same arithmetic. Runs on its own stream
+        ("all_reduce"), not behind the step's embedding exchanges.
 
         Args:
           tensors: dense tensors (this worker's values).
@@ -359,16 +385,14 @@ class SocketCollectives(Collectives):
         with self.stream("all_reduce"):
             for dtype, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
                 flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
-                size = tf.size(flat)
-                chunk = (size + workers - 1) // workers
-                padded = tf.pad(flat, [[0, chunk * workers - size]])
-                chunks = tf.reshape(padded, [workers, chunk])
-                mine = self.all_to_all(chunks, "%s/%s/scatter" % (tag, dtype.name))
-                total = mine[0]
-                for j in range(1, workers):
-                    total = total + mine[j]
-                summed = self.all_gather(total[tf.newaxis], "%s/%s/gather" % (tag, dtype.name))
-                summed = tf.reshape(summed, [-1])[:size]
+                if self._sums_directly(flat):
+                    rows = self.all_to_all(tf.repeat(flat[tf.newaxis], workers, axis=0),
+                                           "%s/%s" % (tag, dtype.name))
+                    summed = rows[0]
+                    for j in range(1, workers):
+                        summed = summed + rows[j]
+                else:
+                    summed = self._reduce_scatter_gather(flat, "%s/%s" % (tag, dtype.name))
                 sizes = [tf.size(tensors[i]) for i in indices]
                 for i, part in zip(indices, tf.split(summed, tf.stack(sizes), num=len(indices))):
                     out[i] = tf.reshape(part, tf.shape(tensors[i]))
