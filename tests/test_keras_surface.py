@@ -457,3 +457,11 @@ def test_metrics_updated_inside_call_train_as_one_process(surface):
                                        rtol=1e-5, atol=1e-6, err_msg=key)
         assert "call_metrics/largest_logit" in run.files
     assert ref["call_metrics/mean_logit"][0] != ref["call_metrics/mean_logit"][1]  # it moved
+
+
+def test_a_table_built_outside_the_scope_of_two_workers_is_refused(surface):
+    for rank in (0, 1):
+        message = str(surface[rank]["outside_scope"])
+        assert "outside the scope of the 2-worker NestPipeStrategy" in message, message
+        assert "inside `with strategy.scope():`" in message
+    assert str(surface["ref"]["outside_scope"]) == "built"  # one process: an ordinary embedding

@@ -186,3 +186,25 @@ def test_metric_updates_trace_to_nothing_only_within_untouched_metrics():
     tracked.update_state(5.0)
     loose(3.0)
     assert float(tracked.result()) == 5.0 and float(loose.result()) == 3.0
+
+
+def test_a_table_built_outside_a_multi_worker_scope_is_refused(strategy):
+    """With a strategy of several workers in the process, a table built outside any strategy
+    scope is refused with the fix; inside a scope, or with no such strategy, it builds."""
+    from tf_nestpipe.sharding import embedding
+
+    class TwoWorkers:  # stands for a 2-worker NestPipeStrategy of this process
+        num_workers = 2
+
+    layer = tnp.ShardedEmbedding(10, 3, name="outside")
+    layer.build((None,))  # positive control: no multi-worker strategy yet
+    two = TwoWorkers()
+    embedding.register_multi_worker_strategy(two)
+    try:
+        with pytest.raises(ValueError, match="'outside2' is built outside the scope of the "
+                                             "2-worker TwoWorkers.*inside `with strategy.scope"):
+            tnp.ShardedEmbedding(10, 3, name="outside2").build((None,))
+        with strategy.scope():
+            tnp.ShardedEmbedding(10, 3).build((None,))  # in a scope: built
+    finally:
+        embedding._multi_worker_strategies.discard(two)  # pylint: disable=protected-access

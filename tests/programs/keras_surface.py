@@ -416,6 +416,11 @@ def main():
     results.update(metric_reads(strategy, model))
     results.update(mixed_precision_run(strategy, x, y))
     results.update(call_metrics_run(strategy, x, y))
+    try:  # outside the scope: each worker would train its own model
+        tf_keras.Sequential([tnp.ShardedEmbedding(VOCAB_A, DIM)]).build((None,))
+        results["outside_scope"] = "built"
+    except ValueError as error:
+        results["outside_scope"] = str(error)
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)

@@ -30,6 +30,7 @@ from tf_nestpipe.pipeline.modes import PIPELINES
 from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
+from tf_nestpipe.sharding.embedding import register_multi_worker_strategy
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
                                             row_shard_being_created, row_shard_layout)
@@ -731,6 +732,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
         self._placement, self._memory_budget_bytes = placement, memory_budget_bytes
         self.extended.set_placement(placement, memory_budget_bytes)  # issue 15
+        register_multi_worker_strategy(self)  # a table built outside its scope is refused
 
     @property
     def placement(self):
