@@ -208,3 +208,29 @@ def test_a_table_built_outside_a_multi_worker_scope_is_refused(strategy):
             tnp.ShardedEmbedding(10, 3).build((None,))  # in a scope: built
     finally:
         embedding._multi_worker_strategies.discard(two)  # pylint: disable=protected-access
+
+
+class _TwoIdenticalWorkers:
+    """A stand-in for a 2-worker strategy whose workers hold the same predictions."""
+    num_workers = 2
+
+    @staticmethod
+    def gather(value, axis):
+        return tf.concat([value, value], axis=axis)
+
+
+@pytest.mark.parametrize("value", [np.arange(6, dtype=np.float32).reshape(3, 2),
+                                   np.arange(3, dtype=np.float32), np.float32(4.0)])
+def test_predictions_of_unknown_rank_are_concatenated(value):
+    """`predict` of a model whose output has unknown rank (traced with an unknown-rank
+    signature): every worker's rows in worker order, as for a known rank (positive control)."""
+    from tf_nestpipe.pipeline.keras_outputs import concat_predictions
+
+    def concat(v):
+        return concat_predictions(_TwoIdenticalWorkers, v)
+
+    unknown = tf.function(concat, input_signature=[tf.TensorSpec(None, tf.float32)])
+    known = tf.function(concat)
+    want = np.concatenate([np.reshape(value, (-1,) + np.shape(value)[1:])] * 2)
+    np.testing.assert_array_equal(unknown(value).numpy(), want)
+    np.testing.assert_array_equal(known(value).numpy(), want)
