@@ -465,3 +465,15 @@ def test_a_table_built_outside_the_scope_of_two_workers_is_refused(surface):
         assert "outside the scope of the 2-worker NestPipeStrategy" in message, message
         assert "inside `with strategy.scope():`" in message
     assert str(surface["ref"]["outside_scope"]) == "built"  # one process: an ordinary embedding
+
+
+def test_get_and_set_weights_hold_whole_tables(surface):
+    """get_weights() gives whole tables on every worker (as one process), set_weights() takes
+    them: the copy predicts as the trained model; a table of another size is refused."""
+    for run in (surface[0], surface[1], surface["ref"]):
+        assert list(run["get_weights/shapes"]) == [VOCAB_A, VOCAB_B]
+        np.testing.assert_allclose(run["set_weights/predict"], run["predict"], rtol=0, atol=1e-6)
+        assert str(run["set_weights/wrong"]) != "no error"
+    for rank in (0, 1):
+        message = str(surface[rank]["set_weights/wrong"])
+        assert "whole table, %d rows" % (VOCAB_A + 2) in message, message

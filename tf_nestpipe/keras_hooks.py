@@ -7,6 +7,7 @@ of one job each:
 - saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
+- `get_weights` / `set_weights`: whole tables (`strategy.keras_weights`);
 - checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
 - losses a model's own step calls (TFRS tasks): reduced over the global batch as compile
   reduces its loss (`pipeline.task_losses`);
@@ -28,7 +29,7 @@ import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import keras_outputs, task_losses
-from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
+from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving, keras_weights
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
@@ -171,6 +172,14 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
+    # get_weights / set_weights: whole tables (strategy.keras_weights).
+    layer = tf_keras.layers.Layer
+    if not getattr(layer.get_weights, _HOOKED, False):
+        for name, wrap in (("get_weights", keras_weights.whole_get_weights),
+                           ("set_weights", keras_weights.whole_set_weights)):
+            wrapped = wrap(getattr(layer, name))
+            setattr(wrapped, _HOOKED, True)
+            setattr(layer, name, wrapped)
     # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
     for name in ("save", "save_weights", "load_weights"):
         setattr(model, name, _wrap_saving(name, getattr(model, name)))

@@ -311,6 +311,25 @@ def call_metrics_run(strategy, x, y):
         strategy.pipeline = pipeline
 
 
+def weight_copy(strategy, model, predict_ds):
+    """Keras's weight-copy idiom: a fresh ranker given the trained one's get_weights() (whole
+    tables on every worker count) predicts as it does; a table of another size is refused."""
+    weights = model.get_weights()
+    out = {"get_weights/shapes": np.array([w.shape[0] for w in weights[:2]])}
+    with strategy.scope():
+        copy = ranker(seed=80)
+    copy.set_weights(weights)
+    out["set_weights/predict"] = copy.predict(predict_ds, verbose=0)
+    with strategy.scope():
+        wrong = ranker(vocab_a=VOCAB_A + 2, seed=81)
+    try:
+        wrong.set_weights(weights)
+        out["set_weights/wrong"] = "no error"
+    except ValueError as error:
+        out["set_weights/wrong"] = str(error)
+    return out
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -424,6 +443,7 @@ def main():
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
+    results.update(weight_copy(strategy, model, predict_ds))
     if rank == 0:
         np.savez(os.path.join(out, "x_predict.npz"), **px)
 
