@@ -477,3 +477,14 @@ def test_get_and_set_weights_hold_whole_tables(surface):
     for rank in (0, 1):
         message = str(surface[rank]["set_weights/wrong"])
         assert "whole table, %d rows" % (VOCAB_A + 2) in message, message
+
+
+def test_a_worker_loads_the_path_it_just_saved_to(surface):
+    """A shared disk: every worker loads the chief's complete file right after the save. A
+    disk of its own: the non-chief's load says why the file is not there (positive control:
+    the chief loads its own)."""
+    for rank in (0, 1):
+        assert str(surface[rank]["load_after_save/shared"]) == "ok"
+    assert str(surface[0]["load_after_save/own"]) == "ok"
+    message = str(surface[1]["load_after_save/own"])
+    assert message.startswith("FileNotFoundError") and "only the chief (worker 0) writes" in message

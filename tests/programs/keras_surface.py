@@ -330,6 +330,26 @@ def weight_copy(strategy, model, predict_ds):
     return out
 
 
+def load_after_save(model, out):
+    """Every worker loads the path it just saved to: on a disk every worker shares (the
+    chief's file is complete when the save returns), and on a disk of its own (a non-chief
+    finds no file there: an error saying why)."""
+    results = {}
+    shared = os.path.join(out, "later.h5")  # after the listing of out
+    model.save_weights(shared)
+    model.load_weights(shared)
+    results["load_after_save/shared"] = "ok"
+    own = tempfile.mkdtemp(prefix="own_disk")
+    try:
+        model.save_weights(os.path.join(own, "w.h5"))
+        model.load_weights(os.path.join(own, "w.h5"))
+        results["load_after_save/own"] = "ok"
+    except Exception as error:  # pylint: disable=broad-except
+        results["load_after_save/own"] = "%s: %s" % (type(error).__name__, error)
+    shutil.rmtree(own)
+    return results
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -461,6 +481,7 @@ def main():
     tnp.export_saved_model(model, os.path.join(out, "export"))
     results["files"] = np.array(sorted(os.listdir(out)))
     results.update(string_lookup_export(strategy, out))
+    results.update(load_after_save(model, out))
     if rank == 0:  # the saves are complete: a run given this one as its reference may read them
         open(os.path.join(out, "w0.h5.done"), "w").close()
 
