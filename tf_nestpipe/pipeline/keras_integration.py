@@ -127,7 +127,9 @@ def make_train_function(self, force=False):
             agree=lambda times: _slowest_worker(strategy, times),
             warmup_steps=strategy.auto_warmup_steps, timed_steps=strategy.auto_timed_steps,
             rounds=strategy.auto_probe_rounds, log=lambda text: _log(strategy, text),
-            epoch_steps=lambda: fit_epoch_steps(self),
+            epoch_steps=(None if getattr(strategy, "auto_probe_budget", None) is None
+                         else lambda: fit_epoch_steps(self)),
+            budget=getattr(strategy, "auto_probe_budget", None) or 0.05,
             agree_budget=lambda values: _slowest_worker(strategy, values, "nestpipe/auto_budget"))
     else:
         pipeline = _train_pipeline(self, strategy, strategy.pipeline)

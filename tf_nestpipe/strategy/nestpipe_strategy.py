@@ -616,7 +616,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
     steps per candidate, after `auto_warmup_steps` untimed ones in the first round and one in
     later ones; every step is exact training) and continues with the fastest by median (another
     mode than none only if it is more than 5% faster on the slowest worker), logging the
-    timings (see `tf_nestpipe.pipeline.auto`).
+    timings (see `tf_nestpipe.pipeline.auto`). The probe stops early, keeping the best
+    candidate timed so far, where going on would cost more than `strategy.auto_probe_budget`
+    (default 0.05; None: no limit) of fit's first epoch.
     `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
     Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
     `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
@@ -706,6 +708,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.auto_warmup_steps = int(auto_warmup_steps)
         self.auto_timed_steps = int(auto_timed_steps)
         self.auto_probe_rounds = int(auto_probe_rounds)
+        # The fraction of fit's first epoch auto's probe may cost (None: probe every round).
+        self.auto_probe_budget = 0.05
         self.auto_micro_batches = tuple(int(m) for m in auto_micro_batches)
         self.micro_batches = int(micro_batches)
         self.cluster_samples = bool(cluster_samples)
