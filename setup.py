@@ -51,6 +51,8 @@ setup(
     version="0.1.0",
     description="NestPipe distribution strategy for TensorFlow recommendation models",
     packages=find_packages(include=["tf_nestpipe", "tf_nestpipe.*"]),
+    # The placement planner's default collective costs (tf_nestpipe/plan/collective_costs.py).
+    package_data={"tf_nestpipe.plan": ["default_costs.json"]},
     python_requires=">=3.9",
     install_requires=[
         "tensorflow==2.21.*",

@@ -357,7 +357,7 @@ def run_fit(args, data):
                    "auto_timed_steps": args.auto_timed_steps}
         if args.auto_probe_rounds:
             options["auto_probe_rounds"] = args.auto_probe_rounds
-        options["collectives"] = args.collectives  # sockets, tf or horovod (issue 7)
+        options["transport"] = args.collectives  # sockets, tf or horovod (issue 7)
         if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}

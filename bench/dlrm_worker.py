@@ -68,7 +68,7 @@ def main():
         # may replicate the small tables).
         strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches,
                                         cluster_samples=args.cluster_samples,
-                                        collectives=args.collectives, placement="row_wise")
+                                        transport=args.collectives, placement="row_wise")
         emulated_latency.install_from_env(strategy)
         kind = "per_table" if args.mode == "nestpipe_per_table" else "fused"
         rank = max(rank, strategy.worker_index)

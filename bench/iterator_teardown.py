@@ -1,6 +1,6 @@
 """How long deleting a distributed iterator takes on a 2-worker cluster, ours beside
-MultiWorkerMirroredStrategy (TF 2.21 can block there on tf.data's autotuning thread; README,
-"Fewer stalls when an iterator is deleted").
+MultiWorkerMirroredStrategy (TF 2.21 can block there on tf.data's autotuning thread;
+docs/guides/reliability.md, "Fewer stalls when an iterator is deleted").
 
 usage: python bench/iterator_teardown.py [--runs N] [--seconds S] [--source-autotune on|off]
                                          [--output NAME]

@@ -1,4 +1,4 @@
-"""Per-stage costs of one NestPipe training step, for the scaling model (`python -m tf_nestpipe.plan`).
+"""Per-stage costs of one NestPipe training step, for the scaling model (`python -m bench.scaling_model`).
 
     python bench/stage_costs.py single [--global-batch 512]                     # one process
     python -m tf_nestpipe.launch --workers W -- python bench/stage_costs.py cluster [--global-batch 512]
@@ -202,7 +202,7 @@ def single(args):
 def cluster(args):
     """Collective sweeps on every worker, then concurrent compute-only training; prints RESULT."""
     load_before = os.getloadavg()[0]
-    strategy = tnp.NestPipeStrategy(collectives=args.collectives)
+    strategy = tnp.NestPipeStrategy(transport=args.collectives)
     collectives = strategy.extended.collectives
     workers = strategy.num_workers
 

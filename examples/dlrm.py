@@ -157,7 +157,7 @@ def movielens_data(name, global_batch):
     options.experimental_distribute.auto_shard_policy = tf.data.experimental.AutoShardPolicy.DATA
     # Without tf.data autotuning: on TF 2.21 in a cluster its thread can sleep through the
     # deletion of the iterator, stalling the end of `fit` for about as long as the iterator
-    # lived (README, "Fewer stalls when an iterator is deleted").
+    # lived (docs/guides/reliability.md, "Fewer stalls when an iterator is deleted").
     train = tnp.data.without_autotuning(make_dataset(
         split_files(data_dir, "train", metadata), schema, global_batch, shuffle=True, seed=1,
         drop_remainder=True).map(to_model_inputs).with_options(options))

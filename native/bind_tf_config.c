@@ -3,7 +3,7 @@
  * TensorFlow's gRPC server binds its port on every interface (0.0.0.0 / [::]); the address in
  * TF_CONFIG only chooses the port. Preloaded into a task started by `python -m tf_nestpipe.launch`
  * (or `python -m tf_nestpipe.launch.task`), this replaces such a wildcard bind() of the task's
- * port by a bind to the host in TF_CONFIG, given here by NESTPIPE_BIND_PORT and NESTPIPE_BIND_HOST
+ * port by a bind to the host in TF_CONFIG, given here by TF_NESTPIPE_BIND_PORT and TF_NESTPIPE_BIND_HOST
  * (a numeric IPv4 or IPv6 address). Every other bind() is passed through unchanged. When that
  * host is not an address of this machine (a relay, NAT, or a Kubernetes service address), the
  * narrowed bind fails with EADDRNOTAVAIL: the server then binds as TensorFlow asked (every
@@ -36,14 +36,14 @@ static int bind_narrowed(bind_fn real_bind, int fd, const struct sockaddr *narro
 }
 
 static int wanted_port(void) {
-  const char *port = getenv("NESTPIPE_BIND_PORT");
+  const char *port = getenv("TF_NESTPIPE_BIND_PORT");
   return port ? atoi(port) : -1;
 }
 
 int bind(int fd, const struct sockaddr *addr, socklen_t len) {
   static bind_fn real_bind = NULL;
   if (real_bind == NULL) real_bind = (bind_fn)dlsym(RTLD_NEXT, "bind");
-  const char *host = getenv("NESTPIPE_BIND_HOST");
+  const char *host = getenv("TF_NESTPIPE_BIND_HOST");
   int port = wanted_port();
   if (host == NULL || port <= 0 || addr == NULL) return real_bind(fd, addr, len);
 

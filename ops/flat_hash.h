@@ -1,8 +1,7 @@
 // An open-addressing hash map from int64 keys to int32 values, for the per-step dedup and
 // membership tests of the routing and pipeline ops. It is sized once for the number of keys an
 // op will insert (at most half full), probes linearly and never erases, so an insert or a lookup
-// touches one or two adjacent cache lines; std::unordered_map allocated a node per key and cost
-// 70-140 us per step on a few thousand ids (bench profile, issue 14).
+// touches one or two adjacent cache lines, where std::unordered_map allocates a node per key.
 #ifndef TF_NESTPIPE_OPS_FLAT_HASH_H_
 #define TF_NESTPIPE_OPS_FLAT_HASH_H_
 

@@ -1,41 +1,55 @@
-// A direct TCP mesh between the workers for the embedding exchange's all-to-alls (DESIGN.md
-// section 10): TensorFlow's CPU collectives cost ~1-3 ms each whatever their size (a gRPC round
-// trip through the collective executor), a message on an open socket a few tens of microseconds.
+// The data plane of the socket transport (docs/transport.md): all-to-alls between the workers on
+// TCP connections that the Python layer (tf_nestpipe/collectives/mesh_handshake.py) opened and
+// authenticated at start-up. A TensorFlow CPU collective costs a gRPC round trip through the
+// collective executor; a frame on an open connection costs a system call or two.
 //
-// - NestpipeSocketListen(host) -> port: binds a listening socket on this worker's address (port 0:
-//   the kernel picks a free one) and starts accepting peers. Called once per process.
-// - NestpipeSocketConnect(index, hosts, ports, nonce, timeout_seconds, stall_seconds): dials every
-//   lower-index worker, waits for every higher-index one, each side checking a hello (magic, the
-//   cluster's nonce, sender index, worker count), then starts one receiver thread per peer and a
-//   heartbeat thread. Fails within `timeout_seconds`, naming the workers it could not reach.
-// - NestpipeSocketAllToAll(input [W, n, ...], send_counts [W], fill, key) -> (output, recv_counts):
-//   sends the first send_counts[j] entries of input[j] to worker j (queued for that peer's sender
-//   thread: the op never blocks on the network), returns [W, n, ...] whose row i
-//   holds the entries worker i sent (recv_counts[i] of them, then `fill`). Messages are matched by
-//   (key, sequence number of this key's calls in this process): every worker issues a key's calls
-//   in the same order (the Python layer chains each stream's exchanges), so the i-th call of a
-//   key pairs with the i-th call of the same key on every peer, and a call never takes another
-//   call's data: a mismatch waits and then fails, it never mixes.
+// - NestpipeSocketAdopt(index, fds, addresses): takes ownership of one connected, authenticated
+//   socket per peer and starts the two I/O threads of the process (one sends, one receives, for
+//   any number of peers). Called once per process.
+// - NestpipeSocketAllToAll(input [G, n, ...], send_counts [G], fill, key, ordering_token)
+//   -> (output, recv_counts): sends the first send_counts[j] entries of input[j] to the j-th
+//   member of the exchange's group (every worker unless the `group` attr lists them), returns
+//   [G, n, ...] whose row i holds the entries member i sent (recv_counts[i] of them, then
+//   `fill`). Calls pair across workers by (key, how many calls of key this process made
+//   before): every worker issues a key's calls in the same order (the Python layer chains each
+//   stream's exchanges), so a call never takes another call's data.
+// - NestpipeSocketStats() -> [bytes sent, bytes received, frames sent, frames received, peers,
+//   I/O threads].
 //
-// Faults: a peer whose socket closes (its process died) fails every pending and later exchange at
-// once (Unavailable, naming the worker and its address). A peer that is alive but sends nothing,
-// not even the heartbeat every 0.5 s, for `stall_seconds` while an exchange waits on it (stopped,
-// or its machine gone) fails that exchange (DeadlineExceeded). After a failure the mesh stays
-// failed: a half-done exchange cannot be repaired, the process must restart, as with TensorFlow's
-// collectives.
+// Wire format: every frame starts with a 40-byte little-endian header (magic "NPS2", protocol
+// version, frame type, key, sequence number, entry count, payload bytes). A frame's payload is
+// checked against what the receiver expects before any memory is given to it: a data frame for
+// an exchange this worker already started lands directly in the op's output (its row's
+// capacity bounds it); one that arrives before its exchange starts is buffered, up to
+// `max_buffered_bytes` for the whole process.
+//
+// Faults, every one failing every pending and later exchange of this process with the reason,
+// which is also sent to every peer (an abort frame) so that every worker names the same cause:
+// - a peer whose connection closes or breaks: Unavailable, naming it;
+// - a peer that sends nothing at all (no data, no heartbeat: heartbeats go out every 0.5 s on an
+//   idle connection) for `stall_seconds` while an exchange waits on it: DeadlineExceeded. Any
+//   byte of any frame counts, so a long message on a slow link keeps the peer alive;
+// - a peer that is alive but does not make a call this worker waits in for `call_timeout_seconds`
+//   (no data byte from it meanwhile): DeadlineExceeded, naming the peer and the call;
+// - a malformed frame, a frame larger than `max_message_bytes`, or early frames beyond
+//   `max_buffered_bytes`: DataLoss / ResourceExhausted, naming the peer;
+// - TensorFlow cancelling a pending exchange (its step was aborted): Cancelled.
+// After a failure the mesh stays failed: a half-done exchange cannot be repaired, the process
+// must restart, as with TensorFlow's collectives.
 #include <arpa/inet.h>
+#include <endian.h>
 #include <fcntl.h>
-#include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
 #include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
 #include <cstring>
 #include <deque>
@@ -61,326 +75,225 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr uint32_t kMagic = 0x4E50534Bu;  // "NPSK"
-constexpr uint32_t kData = 1;
-constexpr uint32_t kHeartbeat = 2;
+constexpr uint32_t kFrameMagic = 0x3253504Eu;  // "NPS2" as little-endian bytes
+constexpr uint16_t kProtocolVersion = 2;
+constexpr uint16_t kData = 1;
+constexpr uint16_t kHeartbeat = 2;
+constexpr uint16_t kAbort = 3;
+constexpr size_t kHeaderBytes = 40;
+constexpr int64_t kMaxAbortBytes = 4096;
 constexpr double kHeartbeatSeconds = 0.5;
+constexpr int kWatchMillis = 100;
 
-struct Hello {
-  uint32_t magic;
-  uint32_t index;
-  uint32_t num_workers;
-  uint32_t reserved;
-  uint64_t nonce;
+struct Frame {
+  uint16_t type = 0;
+  int64_t key = 0;
+  int64_t seq = 0;
+  int64_t count = 0;
+  int64_t nbytes = 0;
 };
 
-struct MessageHeader {
+void EncodeHeader(const Frame& frame, char* out) {
+  uint32_t magic = htole32(kFrameMagic);
+  uint16_t version = htole16(kProtocolVersion), type = htole16(frame.type);
+  uint64_t fields[4] = {htole64(static_cast<uint64_t>(frame.key)),
+                        htole64(static_cast<uint64_t>(frame.seq)),
+                        htole64(static_cast<uint64_t>(frame.count)),
+                        htole64(static_cast<uint64_t>(frame.nbytes))};
+  std::memcpy(out, &magic, 4);
+  std::memcpy(out + 4, &version, 2);
+  std::memcpy(out + 6, &type, 2);
+  std::memcpy(out + 8, fields, 32);
+}
+
+// Decodes a header; an empty string when it is well formed, else what is wrong with it.
+std::string DecodeHeader(const char* in, Frame* frame) {
   uint32_t magic;
-  uint32_t type;
-  int64_t key;
-  int64_t seq;
-  int64_t count;   // entries
-  int64_t nbytes;  // payload bytes
-};
-
-bool WriteAll(int fd, const struct iovec* iov_in, int iovcnt) {
-  std::vector<struct iovec> iov(iov_in, iov_in + iovcnt);
-  size_t first = 0;
-  while (first < iov.size()) {
-    struct msghdr message = {};
-    message.msg_iov = &iov[first];
-    message.msg_iovlen = iov.size() - first;
-    // MSG_NOSIGNAL: a peer that died gives EPIPE here, not a SIGPIPE that kills this process.
-    ssize_t sent = ::sendmsg(fd, &message, MSG_NOSIGNAL);
-    if (sent < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    size_t left = static_cast<size_t>(sent);
-    while (first < iov.size() && left >= iov[first].iov_len) {
-      left -= iov[first].iov_len;
-      ++first;
-    }
-    if (first < iov.size()) {
-      iov[first].iov_base = static_cast<char*>(iov[first].iov_base) + left;
-      iov[first].iov_len -= left;
-    }
+  uint16_t version, type;
+  uint64_t fields[4];
+  std::memcpy(&magic, in, 4);
+  std::memcpy(&version, in + 4, 2);
+  std::memcpy(&type, in + 6, 2);
+  std::memcpy(fields, in + 8, 32);
+  if (le32toh(magic) != kFrameMagic) return "a frame without the tf_nestpipe magic";
+  if (le16toh(version) != kProtocolVersion) {
+    return "a frame of protocol version " + std::to_string(le16toh(version)) + " (this worker "
+           "speaks " + std::to_string(kProtocolVersion) + "): every worker must run the same "
+           "tf_nestpipe";
   }
-  return true;
-}
-
-bool ReadAll(int fd, void* data, size_t size) {
-  char* out = static_cast<char*>(data);
-  while (size > 0) {
-    ssize_t got = ::recv(fd, out, size, 0);
-    if (got == 0) return false;
-    if (got < 0) {
-      if (errno == EINTR) continue;
-      return false;
-    }
-    out += got;
-    size -= static_cast<size_t>(got);
+  frame->type = le16toh(type);
+  frame->key = static_cast<int64_t>(le64toh(fields[0]));
+  frame->seq = static_cast<int64_t>(le64toh(fields[1]));
+  frame->count = static_cast<int64_t>(le64toh(fields[2]));
+  frame->nbytes = static_cast<int64_t>(le64toh(fields[3]));
+  if (frame->type != kData && frame->type != kHeartbeat && frame->type != kAbort) {
+    return "a frame of unknown type " + std::to_string(frame->type);
   }
-  return true;
-}
-
-// Reads exactly `size` bytes before `deadline` (used for the hello only).
-bool ReadAllBefore(int fd, void* data, size_t size, Clock::time_point deadline) {
-  char* out = static_cast<char*>(data);
-  while (size > 0) {
-    int wait_ms = static_cast<int>(
-        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
-    if (wait_ms <= 0) return false;
-    struct pollfd p = {fd, POLLIN, 0};
-    int ready = ::poll(&p, 1, wait_ms);
-    if (ready < 0 && errno == EINTR) continue;
-    if (ready <= 0) return false;
-    ssize_t got = ::recv(fd, out, size, 0);
-    if (got <= 0) return false;
-    out += got;
-    size -= static_cast<size_t>(got);
+  if (frame->count < 0 || frame->nbytes < 0 || frame->seq < 0) {
+    return "a frame header with a negative count or length";
   }
-  return true;
+  return "";
 }
 
-void TuneSocket(int fd) {
-  int one = 1;
-  ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
-  ::setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
-  int buffer = 4 << 20;
-  ::setsockopt(fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
-  ::setsockopt(fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+int64_t NowNanos() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch())
+      .count();
 }
+
+double SecondsSince(int64_t nanos) { return (NowNanos() - nanos) * 1e-9; }
 
 // One pending all-to-all: where its received rows go and what is still missing.
 struct Exchange {
-  char* output = nullptr;        // [W, capacity, entry_bytes]
+  std::string label;               // the call's name, for errors
+  int64_t key = 0, seq = 0;
+  int64_t started_nanos = 0;
+  std::vector<int> members;        // worker index of each row
+  std::vector<int> row_of;         // worker index -> row, -1 for non-members
+  char* output = nullptr;          // [G, capacity, entry_bytes]
   int32_t* recv_counts = nullptr;
+  // The outputs' buffers, kept alive while a receive may still write into them.
+  std::shared_ptr<Tensor> output_keep, counts_keep;
   int64_t capacity = 0;
   int64_t entry_bytes = 0;
-  std::vector<char> fill;        // one entry of `fill`
-  std::vector<bool> received;
-  int missing = 0;         // peers whose row has not arrived
-  bool self_done = false;  // this worker's own row written and its messages queued
+  std::vector<char> fill;          // one element of `fill`
+  std::vector<bool> received;      // by row
+  std::vector<bool> arriving;      // by row: its frame is being read into `output`
+  int missing = 0;                 // rows that have not fully arrived
+  bool self_done = false;          // this worker's own row written and its frames queued
   Status status;
   std::function<void(Status)> done;
+  CancellationManager* cancellation = nullptr;
+  CancellationToken token = CancellationManager::kInvalidToken;
 };
 
-// A message waiting in a peer's send queue; `keep` holds its payload's memory (the op's input
+// A frame waiting in a peer's send queue; `keep` holds its payload's memory (the op's input
 // tensor) alive until it is written.
 struct Outgoing {
-  MessageHeader header;
-  const char* data;
-  size_t size;
+  char header[kHeaderBytes];
+  const char* data = nullptr;
+  size_t size = 0;
   std::shared_ptr<const void> keep;
 };
 
-class Peer {
- public:
-  Peer(int index, int fd, std::string address)
-      : index_(index), fd_(fd), address_(std::move(address)), last_heard_(Clock::now()) {}
-  ~Peer() { ::close(fd_); }
+struct Peer {
+  int index = -1;
+  int fd = -1;
+  std::string address;
 
-  int index() const { return index_; }
-  int fd() const { return fd_; }
-  const std::string& address() const { return address_; }
+  // Send side: `queue` under `send_mu`; `written` (bytes of the front frame already sent) and
+  // `watching_out` belong to the send thread.
+  std::mutex send_mu;
+  std::deque<Outgoing> queue;
+  size_t written = 0;
+  bool watching_out = false;
+  int64_t last_sent_nanos = 0;
 
-  // Starts the thread that writes the queued messages in order; `on_failure(errno)` is called
-  // once if a write fails (the peer's process died, or the mesh was shut down).
-  void StartSender(std::function<void(int)> on_failure) {
-    std::thread([this, on_failure] {
-      while (true) {
-        Outgoing message;
-        {
-          std::unique_lock<std::mutex> lock(queue_mu_);
-          queue_cv_.wait(lock, [this] { return !queue_.empty(); });
-          message = std::move(queue_.front());
-          queue_.pop_front();
-        }
-        struct iovec iov[2] = {{&message.header, sizeof(message.header)},
-                               {const_cast<char*>(message.data), message.size}};
-        if (!WriteAll(fd_, iov, message.size > 0 ? 2 : 1)) {
-          on_failure(errno);
-          return;
-        }
-      }
-    }).detach();
-  }
+  // Receive side, the receive thread's alone.
+  char header[kHeaderBytes];
+  size_t header_got = 0;
+  bool in_payload = false;
+  Frame frame;
+  char* target = nullptr;          // where the payload goes
+  int64_t payload_got = 0;
+  std::vector<char> buffered;      // an early frame's payload, or an abort's reason
+  std::shared_ptr<Tensor> target_keep;
+  Exchange* target_exchange = nullptr;  // a pending exchange being written directly
 
-  // Queues a message for the sender thread and returns at once: the op that posts it never
-  // blocks its (TensorFlow inter-op) thread on the network, so ops keep running while a large
-  // message drains through a slow link. Messages to a peer are written in posting order.
-  void Post(const MessageHeader& header, const char* data, size_t size,
-            std::shared_ptr<const void> keep) {
-    {
-      std::lock_guard<std::mutex> lock(queue_mu_);
-      queue_.push_back(Outgoing{header, data, size, std::move(keep)});
-    }
-    queue_cv_.notify_one();
-  }
+  std::atomic<int64_t> last_heard_nanos{0};  // any byte
+  std::atomic<int64_t> last_data_nanos{0};   // any byte of a data frame
+};
 
-  void Heard() { last_heard_.store(Clock::now()); }
-  double SilentSeconds() const {
-    return std::chrono::duration<double>(Clock::now() - last_heard_.load()).count();
-  }
-  void Shutdown() { ::shutdown(fd_, SHUT_RDWR); }
-
- private:
-  int index_;
-  int fd_;
-  std::string address_;
-  std::mutex queue_mu_;
-  std::condition_variable queue_cv_;
-  std::deque<Outgoing> queue_;
-  std::atomic<Clock::time_point> last_heard_;
+struct EarlyFrame {
+  int64_t count;
+  std::vector<char> payload;
 };
 
 // The process's mesh (one per process: a worker belongs to one cluster).
 class Mesh {
  public:
   static Mesh* Get() {
-    static Mesh* mesh = new Mesh();  // never destroyed: threads may outlive static destruction
+    static Mesh* mesh = new Mesh();  // never destroyed: its threads may outlive static destruction
     return mesh;
   }
 
-  Status Listen(const std::string& host, int* port) {
-    std::lock_guard<std::mutex> lock(setup_mu_);
-    if (listen_fd_ >= 0) {
-      *port = listen_port_;
-      return absl::OkStatus();
-    }
-    struct addrinfo hints = {}, *found = nullptr;
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    int rc = ::getaddrinfo(host.c_str(), "0", &hints, &found);
-    if (rc != 0 || found == nullptr) {
-      return errors::InvalidArgument("nestpipe sockets: cannot resolve this worker's host '",
-                                     host, "': ", gai_strerror(rc));
-    }
-    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    int one = 1;
-    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof(one));
-    if (::bind(fd, found->ai_addr, found->ai_addrlen) != 0 || ::listen(fd, 64) != 0) {
-      int err = errno;
-      ::freeaddrinfo(found);
-      ::close(fd);
-      return errors::Unavailable("nestpipe sockets: cannot listen on ", host, ": ",
-                                 strerror(err));
-    }
-    ::freeaddrinfo(found);
-    struct sockaddr_in bound = {};
-    socklen_t len = sizeof(bound);
-    ::getsockname(fd, reinterpret_cast<struct sockaddr*>(&bound), &len);
-    listen_fd_ = fd;
-    listen_port_ = ntohs(bound.sin_port);
-    *port = listen_port_;
-    return absl::OkStatus();
-  }
+  struct Options {
+    double call_timeout_seconds = 600;
+    double stall_seconds = 20;
+    int64_t max_message_bytes = int64_t{1} << 32;
+    int64_t max_buffered_bytes = int64_t{1} << 30;
+  };
 
-  Status Connect(int index, const std::vector<std::string>& hosts, const std::vector<int>& ports,
-                 uint64_t nonce, double timeout_seconds, double stall_seconds) {
-    std::lock_guard<std::mutex> lock(setup_mu_);
-    const int num_workers = static_cast<int>(hosts.size());
+  Status Adopt(int index, const std::vector<int>& fds, const std::vector<std::string>& addresses,
+               const Options& options) {
+    std::lock_guard<std::mutex> setup(setup_mu_);
+    const int num_workers = static_cast<int>(fds.size());
     if (connected_) {
       // A second strategy in the process: TensorFlow's server (so the cluster) cannot change in
-      // a process, so the mesh is reused (every worker creates its strategies in the same order,
-      // so the per-key call counts stay paired).
+      // a process, so the mesh is reused; the new sockets are not needed.
+      for (int fd : fds) {
+        if (fd >= 0) ::close(fd);
+      }
       if (num_workers == num_workers_ && index == index_) return absl::OkStatus();
       return errors::FailedPrecondition(
           "nestpipe sockets: this process is already connected to a cluster of ", num_workers_,
           " workers as worker ", index_, "; a process belongs to one cluster");
     }
-    if (listen_fd_ < 0) {
-      return errors::FailedPrecondition("nestpipe sockets: Listen must come before Connect");
-    }
-    if (index < 0 || index >= num_workers || ports.size() != hosts.size()) {
+    if (index < 0 || index >= num_workers || addresses.size() != fds.size()) {
       return errors::InvalidArgument("nestpipe sockets: bad worker index ", index, " of ",
-                                     num_workers);
+                                     num_workers, " or address list");
     }
-    auto deadline = Clock::now() + std::chrono::milliseconds(
-                                       static_cast<int64_t>(timeout_seconds * 1000.0));
-    std::vector<std::unique_ptr<Peer>> peers(num_workers);
-    auto address = [&](int j) { return hosts[j] + ":" + std::to_string(ports[j]); };
-    Hello mine = {kMagic, static_cast<uint32_t>(index), static_cast<uint32_t>(num_workers), 0,
-                  nonce};
-    // Dial the lower indices (retrying until the deadline: a peer may still be starting).
-    for (int j = 0; j < index; ++j) {
-      while (true) {
-        int fd = DialOnce(hosts[j], ports[j]);
-        if (fd >= 0) {
-          struct iovec iov = {&mine, sizeof(mine)};
-          Hello answer;
-          if (WriteAll(fd, &iov, 1) && ReadAllBefore(fd, &answer, sizeof(answer), deadline) &&
-              answer.magic == kMagic && answer.nonce == nonce &&
-              static_cast<int>(answer.index) == j &&
-              static_cast<int>(answer.num_workers) == num_workers) {
-            peers[j] = std::make_unique<Peer>(j, fd, address(j));
-            break;
-          }
-          ::close(fd);
-        }
-        if (Clock::now() >= deadline) {
-          return errors::DeadlineExceeded("nestpipe sockets: worker ", index,
-                                          " could not reach worker ", j, " at ", address(j),
-                                          " within ", timeout_seconds,
-                                          " s (is a firewall or network policy blocking it?)");
-        }
-        std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    for (int j = 0; j < num_workers; ++j) {
+      if ((j == index) != (fds[j] < 0)) {
+        return errors::InvalidArgument("nestpipe sockets: worker ", index, " needs one socket "
+                                       "for each other worker and none for itself");
       }
     }
-    // Accept the higher indices.
-    int expected = num_workers - 1 - index;
-    while (expected > 0) {
-      int wait_ms = static_cast<int>(
-          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count());
-      struct pollfd p = {listen_fd_, POLLIN, 0};
-      int ready = wait_ms > 0 ? ::poll(&p, 1, wait_ms) : 0;
-      if (ready < 0 && errno == EINTR) continue;
-      if (ready <= 0) {
-        std::string missing;
-        for (int j = index + 1; j < num_workers; ++j) {
-          if (!peers[j]) missing += " " + std::to_string(j) + " (" + address(j) + ")";
-        }
-        return errors::DeadlineExceeded("nestpipe sockets: worker ", index,
-                                        " heard nothing within ", timeout_seconds,
-                                        " s from workers", missing);
-      }
-      int fd = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-      if (fd < 0) continue;
-      Hello theirs;
-      if (!ReadAllBefore(fd, &theirs, sizeof(theirs), deadline) || theirs.magic != kMagic ||
-          theirs.nonce != nonce || static_cast<int>(theirs.num_workers) != num_workers ||
-          static_cast<int>(theirs.index) <= index ||
-          static_cast<int>(theirs.index) >= num_workers || peers[theirs.index]) {
-        ::close(fd);  // not one of ours (or a stale connection from an earlier cluster)
-        continue;
-      }
-      struct iovec iov = {&mine, sizeof(mine)};
-      if (!WriteAll(fd, &iov, 1)) {
-        ::close(fd);
-        continue;
-      }
-      TuneSocket(fd);
-      peers[theirs.index] = std::make_unique<Peer>(theirs.index, fd, address(theirs.index));
-      --expected;
-    }
+    options_ = options;
     index_ = index;
     num_workers_ = num_workers;
-    nonce_ = nonce;
-    stall_seconds_ = stall_seconds;
-    peers_ = std::move(peers);
-    connected_ = true;
+    peers_.resize(num_workers);
+    const int64_t now = NowNanos();
+    recv_epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    send_epoll_ = ::epoll_create1(EPOLL_CLOEXEC);
+    wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+    if (recv_epoll_ < 0 || send_epoll_ < 0 || wake_fd_ < 0) {
+      return errors::Internal("nestpipe sockets: cannot create the event loop: ",
+                              strerror(errno));
+    }
+    struct epoll_event wake = {};
+    wake.events = EPOLLIN;
+    wake.data.ptr = nullptr;
+    ::epoll_ctl(send_epoll_, EPOLL_CTL_ADD, wake_fd_, &wake);
     for (int j = 0; j < num_workers; ++j) {
       if (j == index) continue;
-      Peer* peer = peers_[j].get();
-      std::thread([this, peer] { Receive(peer); }).detach();
-      peer->StartSender([this, peer](int err) {
-        Fail(errors::Unavailable("nestpipe sockets: worker ", index_, " could not send to worker ",
-                                 peer->index(), " (", peer->address(), "): ", strerror(err),
-                                 "; that worker has probably failed (see its log)"));
-      });
+      auto peer = std::make_unique<Peer>();
+      peer->index = j;
+      peer->fd = fds[j];
+      peer->address = addresses[j];
+      peer->last_heard_nanos = now;
+      peer->last_data_nanos = now;
+      peer->last_sent_nanos = now;
+      int flags = ::fcntl(peer->fd, F_GETFL, 0);
+      ::fcntl(peer->fd, F_SETFL, flags | O_NONBLOCK);
+      int one = 1;
+      ::setsockopt(peer->fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
+      ::setsockopt(peer->fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof(one));
+      int buffer = 4 << 20;
+      ::setsockopt(peer->fd, SOL_SOCKET, SO_SNDBUF, &buffer, sizeof(buffer));
+      ::setsockopt(peer->fd, SOL_SOCKET, SO_RCVBUF, &buffer, sizeof(buffer));
+      struct epoll_event in = {};
+      in.events = EPOLLIN | EPOLLRDHUP;
+      in.data.ptr = peer.get();
+      ::epoll_ctl(recv_epoll_, EPOLL_CTL_ADD, peer->fd, &in);
+      struct epoll_event out = {};
+      out.events = 0;  // EPOLLOUT only while its queue cannot be written at once
+      out.data.ptr = peer.get();
+      ::epoll_ctl(send_epoll_, EPOLL_CTL_ADD, peer->fd, &out);
+      peers_[j] = std::move(peer);
     }
-    std::thread([this] { Watch(); }).detach();
+    connected_ = true;
+    std::thread([this] { ReceiveLoop(); }).detach();
+    std::thread([this] { SendLoop(); }).detach();
     return absl::OkStatus();
   }
 
@@ -388,94 +301,321 @@ class Mesh {
   int num_workers() const { return num_workers_; }
   int index() const { return index_; }
 
-  // Starts the exchange of `input` (see the op's doc; `keep` holds its memory until every
-  // message is written); calls ex->done(status) when this worker's row is written, its
-  // messages queued and every peer's row has arrived.
-  void AllToAll(int64_t key, const char* input, std::shared_ptr<const void> keep,
-                const int32_t* send_counts, std::unique_ptr<Exchange> exchange) {
+  void Stats(int64_t* out) const {
+    out[0] = bytes_sent_.load();
+    out[1] = bytes_received_.load();
+    out[2] = frames_sent_.load();
+    out[3] = frames_received_.load();
+    out[4] = connected_ ? num_workers_ - 1 : 0;
+    out[5] = connected_ ? 2 : 0;
+  }
+
+  // Starts the exchange `ex` (see the op's doc; `keep` holds the input's memory until every
+  // frame is written); calls ex->done(status) once this worker's row is written, its frames
+  // queued and every member's row has arrived, or once the mesh fails.
+  void AllToAll(const char* input, std::shared_ptr<const void> keep, const int32_t* send_counts,
+                std::unique_ptr<Exchange> exchange) {
     Exchange* ex = exchange.get();
     const int64_t row_bytes = ex->capacity * ex->entry_bytes;
-    int64_t seq;
+    const int me = ex->row_of[index_];
+    const int rows = static_cast<int>(ex->members.size());
     {
-      std::lock_guard<std::mutex> lock(mu_);
+      std::unique_lock<std::mutex> lock(mu_);
       if (!failure_.ok()) {
-        Status failure = failure_;
-        ex->done(failure);
+        exchange->status = failure_;
+        lock.unlock();
+        Finish(std::move(exchange));
         return;
       }
-      seq = next_seq_[key]++;
-      ex->received.assign(num_workers_, false);
-      ex->received[index_] = true;
-      ex->missing = num_workers_ - 1;
-      for (int j = 0; j < num_workers_; ++j) {
-        if (j == index_) continue;
-        auto it = early_.find(std::make_tuple(key, seq, j));
+      ex->seq = next_seq_[ex->key]++;
+      ex->started_nanos = NowNanos();
+      ex->received.assign(rows, false);
+      ex->arriving.assign(rows, false);
+      ex->received[me] = true;
+      ex->missing = rows - 1;
+      for (int r = 0; r < rows; ++r) {
+        if (r == me) continue;
+        auto it = early_.find(std::make_tuple(ex->key, ex->seq, ex->members[r]));
         if (it != early_.end()) {
-          Deliver(ex, j, it->second.first, it->second.second.data(), it->second.second.size());
+          DeliverCopy(ex, r, it->second.count, it->second.payload);
+          buffered_bytes_ -= static_cast<int64_t>(it->second.payload.size());
           early_.erase(it);
         }
       }
-      pending_[{key, seq}] = std::move(exchange);
+      pending_[{ex->key, ex->seq}] = std::move(exchange);
     }
-    // This worker's own row, then its rows for the peers (ex stays alive: it completes only
-    // once self_done is set below).
-    std::memcpy(ex->output + index_ * row_bytes, input + index_ * row_bytes,
-                send_counts[index_] * ex->entry_bytes);
-    FillAfter(ex, index_, send_counts[index_]);
-    ex->recv_counts[index_] = send_counts[index_];
-    for (int step = 1; step < num_workers_; ++step) {
-      int j = (index_ + step) % num_workers_;
-      MessageHeader header = {kMagic, kData, key, seq, send_counts[j],
-                              send_counts[j] * ex->entry_bytes};
-      peers_[j]->Post(header, input + j * row_bytes, header.nbytes, keep);
+    std::memcpy(ex->output + me * row_bytes, input + me * row_bytes,
+                send_counts[me] * ex->entry_bytes);
+    FillAfter(ex, me, send_counts[me]);
+    ex->recv_counts[me] = send_counts[me];
+    for (int step = 1; step < rows; ++step) {
+      const int r = (me + step) % rows;
+      Frame frame;
+      frame.type = kData;
+      frame.key = ex->key;
+      frame.seq = ex->seq;
+      frame.count = send_counts[r];
+      frame.nbytes = send_counts[r] * ex->entry_bytes;
+      Post(peers_[ex->members[r]].get(), frame, input + r * row_bytes, keep);
     }
+    Wake();
     std::unique_ptr<Exchange> complete;
     {
       std::lock_guard<std::mutex> lock(mu_);
       ex->self_done = true;
-      complete = TakeIfReady(key, seq);
+      complete = TakeIfReady(ex->key, ex->seq);
     }
-    if (complete) complete->done(complete->status);
+    if (complete) Finish(std::move(complete));
+  }
+
+  // Fails the mesh (every pending and later exchange) with `status`, tells the peers why.
+  void Fail(const Status& status, bool tell_peers = true) {
+    std::vector<std::unique_ptr<Exchange>> failed;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_.ok()) return;
+      failure_ = status;
+      tell_peers_ = tell_peers;
+      for (auto it = pending_.begin(); it != pending_.end();) {
+        it->second->status = failure_;
+        if (it->second->self_done) {  // else its AllToAll call completes it after its sends
+          failed.push_back(std::move(it->second));
+          it = pending_.erase(it);
+        } else {
+          ++it;
+        }
+      }
+      early_.clear();
+      buffered_bytes_ = 0;
+    }
+    failed_.store(true);
+    Wake();  // the send thread sends the aborts and closes the connections
+    for (auto& ex : failed) Finish(std::move(ex));
   }
 
  private:
   Mesh() = default;
 
-  int DialOnce(const std::string& host, int port) {
-    struct addrinfo hints = {}, *found = nullptr;
-    hints.ai_family = AF_INET;
-    hints.ai_socktype = SOCK_STREAM;
-    if (::getaddrinfo(host.c_str(), std::to_string(port).c_str(), &hints, &found) != 0 ||
-        found == nullptr) {
-      return -1;
-    }
-    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-    if (::connect(fd, found->ai_addr, found->ai_addrlen) != 0) {
-      ::close(fd);
-      fd = -1;
-    } else {
-      TuneSocket(fd);
-    }
-    ::freeaddrinfo(found);
-    return fd;
+  void Wake() {
+    uint64_t one = 1;
+    ssize_t ignored = ::write(wake_fd_, &one, sizeof(one));
+    (void)ignored;
   }
 
-  // Copies a peer's row into `ex` (mu_ held).
-  void Deliver(Exchange* ex, int peer, int64_t count, const char* data, size_t nbytes) {
-    if (ex->received[peer]) return;
-    ex->received[peer] = true;
+  void Post(Peer* peer, const Frame& frame, const char* data, std::shared_ptr<const void> keep) {
+    Outgoing message;
+    EncodeHeader(frame, message.header);
+    message.data = data;
+    message.size = static_cast<size_t>(frame.nbytes);
+    message.keep = std::move(keep);
+    std::lock_guard<std::mutex> lock(peer->send_mu);
+    peer->queue.push_back(std::move(message));
+  }
+
+  static void Finish(std::unique_ptr<Exchange> ex) {
+    if (ex->cancellation != nullptr) ex->cancellation->TryDeregisterCallback(ex->token);
+    ex->done(ex->status);
+  }
+
+  // --- receiving -------------------------------------------------------------------------
+
+  void ReceiveLoop() {
+    std::vector<struct epoll_event> events(64);
+    while (!failed_.load()) {
+      int n = ::epoll_wait(recv_epoll_, events.data(), static_cast<int>(events.size()),
+                           kWatchMillis);
+      if (n < 0 && errno != EINTR) {
+        Fail(errors::Internal("nestpipe sockets: the receive loop failed: ", strerror(errno)));
+        return;
+      }
+      for (int i = 0; i < n && !failed_.load(); ++i) {
+        Status status = ReadFrom(static_cast<Peer*>(events[i].data.ptr));
+        // A peer that stopped the job told every worker itself: no need to tell them again.
+        if (!status.ok()) Fail(status, !abort_received_.load());
+      }
+      Watch();
+    }
+  }
+
+  Status Closed(Peer* peer, const char* what) {
+    return errors::Unavailable("nestpipe sockets: worker ", peer->index, " (", peer->address,
+                               ") ", what, " its connection to worker ", index_,
+                               ": it failed or was stopped (see its log); restart the job");
+  }
+
+  Status Malformed(Peer* peer, const std::string& what) {
+    return errors::DataLoss("nestpipe sockets: worker ", peer->index, " (", peer->address,
+                            ") sent ", what, "; worker ", index_, " stops the job");
+  }
+
+  // Reads whatever `peer` has sent until the socket would block.
+  Status ReadFrom(Peer* peer) {
+    while (true) {
+      ssize_t got;
+      if (!peer->in_payload) {
+        got = ::recv(peer->fd, peer->header + peer->header_got, kHeaderBytes - peer->header_got,
+                     0);
+      } else {
+        got = ::recv(peer->fd, peer->target + peer->payload_got,
+                     peer->frame.nbytes - peer->payload_got, 0);
+      }
+      if (got == 0) return Closed(peer, "closed");
+      if (got < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
+        return errors::Unavailable("nestpipe sockets: the connection from worker ", peer->index,
+                                   " (", peer->address, ") to worker ", index_, " broke: ",
+                                   strerror(errno), "; that worker has probably failed");
+      }
+      bytes_received_ += got;
+      const int64_t now = NowNanos();
+      peer->last_heard_nanos.store(now);
+      if (!peer->in_payload) {
+        peer->header_got += static_cast<size_t>(got);
+        if (peer->header_got < kHeaderBytes) continue;
+        peer->header_got = 0;
+        TF_RETURN_IF_ERROR(StartFrame(peer));
+      } else {
+        peer->payload_got += got;
+        if (peer->frame.type == kData) peer->last_data_nanos.store(now);
+        if (peer->payload_got == peer->frame.nbytes) TF_RETURN_IF_ERROR(EndFrame(peer));
+      }
+    }
+  }
+
+  // A header arrived: checks it and says where its payload goes.
+  Status StartFrame(Peer* peer) {
+    std::string wrong = DecodeHeader(peer->header, &peer->frame);
+    if (!wrong.empty()) return Malformed(peer, wrong);
+    Frame& frame = peer->frame;
+    ++frames_received_;
+    if (frame.type == kHeartbeat) return absl::OkStatus();
+    peer->payload_got = 0;
+    peer->target_exchange = nullptr;
+    peer->target_keep.reset();
+    if (frame.type == kAbort) {
+      if (frame.nbytes > kMaxAbortBytes) return Malformed(peer, "an oversized abort frame");
+      peer->buffered.assign(frame.nbytes, 0);
+      peer->target = peer->buffered.data();
+    } else {
+      peer->last_data_nanos.store(NowNanos());
+      if (frame.nbytes > options_.max_message_bytes) {
+        return errors::ResourceExhausted(
+            "nestpipe sockets: worker ", peer->index, " (", peer->address, ") announced a ",
+            frame.nbytes, "-byte frame, over this worker's limit of ",
+            options_.max_message_bytes, " bytes (TF_NESTPIPE_TRANSPORT_MAX_MESSAGE_BYTES)");
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!failure_.ok()) return failure_;
+      auto it = pending_.find({frame.key, frame.seq});
+      if (it != pending_.end()) {
+        Exchange* ex = it->second.get();
+        const int row = ex->row_of[peer->index];
+        if (row < 0 || ex->received[row] || ex->arriving[row]) {
+          return Malformed(peer, "a frame for call '" + ex->label + "' that it takes no part in");
+        }
+        if (frame.count > ex->capacity || frame.nbytes != frame.count * ex->entry_bytes) {
+          return errors::Internal(
+              "nestpipe sockets: worker ", peer->index, " sent ", frame.count, " entries (",
+              frame.nbytes, " bytes) into call '", ex->label, "' of capacity ", ex->capacity,
+              " x ", ex->entry_bytes, " bytes: the workers traced different programs");
+        }
+        ex->arriving[row] = true;
+        peer->target_exchange = ex;
+        peer->target_keep = ex->output_keep;
+        peer->target = ex->output + row * ex->capacity * ex->entry_bytes;
+      } else {
+        if (buffered_bytes_ + frame.nbytes > options_.max_buffered_bytes) {
+          return errors::ResourceExhausted(
+              "nestpipe sockets: worker ", peer->index, " (", peer->address, ") sent ",
+              buffered_bytes_ + frame.nbytes, " bytes for exchanges worker ", index_,
+              " has not started, over its limit of ", options_.max_buffered_bytes,
+              " bytes (TF_NESTPIPE_TRANSPORT_MAX_BUFFERED_BYTES): the workers run different "
+              "programs, or raise the limit");
+        }
+        buffered_bytes_ += frame.nbytes;
+        peer->buffered.assign(frame.nbytes, 0);
+        peer->target = peer->buffered.data();
+      }
+    }
+    peer->in_payload = true;
+    if (frame.nbytes == 0) return EndFrame(peer);
+    return absl::OkStatus();
+  }
+
+  // A frame's payload has fully arrived.
+  Status EndFrame(Peer* peer) {
+    peer->in_payload = false;
+    const Frame& frame = peer->frame;
+    if (frame.type == kAbort) {
+      // The peer failed and says why; this worker fails with its reason (and tells nobody:
+      // the peer told every worker itself).
+      abort_received_.store(true);
+      return errors::Unavailable("nestpipe sockets: worker ", peer->index, " (", peer->address,
+                                 ") stopped the job: ",
+                                 std::string(peer->buffered.begin(), peer->buffered.end()));
+    }
+    std::unique_ptr<Exchange> complete;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      // After a failure the exchanges are finished or finishing: never touch them again.
+      if (!failure_.ok()) return failure_;
+      if (peer->target_exchange != nullptr) {
+        Exchange* ex = peer->target_exchange;
+        const int row = ex->row_of[peer->index];
+        ex->arriving[row] = false;
+        ex->received[row] = true;
+        --ex->missing;
+        FillAfter(ex, row, frame.count);
+        ex->recv_counts[row] = static_cast<int32_t>(frame.count);
+        peer->target_exchange = nullptr;
+        complete = TakeIfReady(frame.key, frame.seq);
+      } else {
+        auto it = pending_.find({frame.key, frame.seq});
+        if (it != pending_.end()) {  // its exchange started while the payload arrived
+          Exchange* ex = it->second.get();
+          const int row = ex->row_of[peer->index];
+          if (row < 0 || ex->received[row]) {
+            return Malformed(peer, "a frame for call '" + ex->label + "' that it takes no "
+                             "part in");
+          }
+          buffered_bytes_ -= frame.nbytes;
+          if (frame.count > ex->capacity || frame.nbytes != frame.count * ex->entry_bytes) {
+            return errors::Internal("nestpipe sockets: worker ", peer->index, " sent ",
+                                    frame.count, " entries into call '", ex->label,
+                                    "' of capacity ", ex->capacity,
+                                    ": the workers traced different programs");
+          }
+          DeliverCopy(ex, row, frame.count, peer->buffered);
+          complete = TakeIfReady(frame.key, frame.seq);
+        } else {
+          early_[std::make_tuple(frame.key, frame.seq, peer->index)] =
+              EarlyFrame{frame.count, std::move(peer->buffered)};
+        }
+      }
+    }
+    peer->buffered = std::vector<char>();
+    peer->target_keep.reset();
+    if (complete) Finish(std::move(complete));
+    return absl::OkStatus();
+  }
+
+  // Copies a buffered row into `ex` (mu_ held).
+  void DeliverCopy(Exchange* ex, int row, int64_t count, const std::vector<char>& payload) {
+    ex->received[row] = true;
     --ex->missing;
-    if (count < 0 || count > ex->capacity ||
-        static_cast<int64_t>(nbytes) != count * ex->entry_bytes) {
+    if (count > ex->capacity ||
+        static_cast<int64_t>(payload.size()) != count * ex->entry_bytes) {
       ex->status = errors::Internal(
-          "nestpipe sockets: worker ", peer, " sent ", count, " entries (", nbytes,
-          " bytes) into an exchange of capacity ", ex->capacity, " x ", ex->entry_bytes,
-          " bytes: the workers traced different programs");
+          "nestpipe sockets: worker ", ex->members[row], " sent ", count, " entries (",
+          payload.size(), " bytes) into call '", ex->label, "' of capacity ", ex->capacity,
+          " x ", ex->entry_bytes, " bytes: the workers traced different programs");
       return;
     }
-    std::memcpy(ex->output + peer * ex->capacity * ex->entry_bytes, data, nbytes);
-    FillAfter(ex, peer, count);
-    ex->recv_counts[peer] = static_cast<int32_t>(count);
+    std::memcpy(ex->output + row * ex->capacity * ex->entry_bytes, payload.data(),
+                payload.size());
+    FillAfter(ex, row, count);
+    ex->recv_counts[row] = static_cast<int32_t>(count);
   }
 
   // Removes and returns the exchange (key, seq) if it can complete (mu_ held).
@@ -503,143 +643,212 @@ class Mesh {
     for (int64_t e = 0; e < elements; ++e) std::memcpy(out + e * element, ex->fill.data(), element);
   }
 
-  void Receive(Peer* peer) {
-    while (true) {
-      MessageHeader header;
-      if (!ReadAll(peer->fd(), &header, sizeof(header)) || header.magic != kMagic) {
-        Fail(errors::Unavailable(
-            "nestpipe sockets: worker ", peer->index(), " (", peer->address(),
-            ") closed its connection to worker ", index_,
-            ": it failed or was stopped (see its log); restart the job"));
-        return;
-      }
-      peer->Heard();
-      if (header.type == kHeartbeat) continue;
-      if (header.nbytes < 0 || header.count < 0) {
-        Fail(errors::Internal("nestpipe sockets: worker ", peer->index(), " (",
-                              peer->address(), ") sent a malformed message header"));
-        return;
-      }
-      std::vector<char> payload(header.nbytes);
-      if (!ReadAll(peer->fd(), payload.data(), payload.size())) {
-        Fail(errors::Unavailable("nestpipe sockets: the connection to worker ", peer->index(),
-                                 " (", peer->address(), ") broke in the middle of a message"));
-        return;
-      }
-      peer->Heard();
-      std::unique_ptr<Exchange> complete;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        auto it = pending_.find({header.key, header.seq});
-        if (it == pending_.end()) {
-          early_[std::make_tuple(header.key, header.seq, peer->index())] =
-              std::make_pair(header.count, std::move(payload));
-          continue;
-        }
-        Deliver(it->second.get(), peer->index(), header.count, payload.data(), payload.size());
-        complete = TakeIfReady(header.key, header.seq);
-      }
-      if (complete) complete->done(complete->status);
-    }
-  }
-
-  void Fail(const Status& status) {
-    std::vector<std::unique_ptr<Exchange>> failed;
+  // Fails the mesh when a pending exchange waits on a peer that is silent (no byte at all for
+  // stall_seconds) or alive but not making the call (no data byte for call_timeout_seconds).
+  void Watch() {
+    Status status;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (failure_.ok()) failure_ = status;
-      for (auto it = pending_.begin(); it != pending_.end();) {
-        it->second->status = failure_;
-        if (it->second->self_done) {  // else its AllToAll call completes it after its sends
-          failed.push_back(std::move(it->second));
-          it = pending_.erase(it);
-        } else {
-          ++it;
+      for (auto& item : pending_) {
+        Exchange* ex = item.second.get();
+        for (size_t r = 0; r < ex->members.size() && status.ok(); ++r) {
+          if (ex->received[r]) continue;
+          Peer* peer = peers_[ex->members[r]].get();
+          const double silent = SecondsSince(peer->last_heard_nanos.load());
+          if (silent > options_.stall_seconds) {
+            status = errors::DeadlineExceeded(
+                "nestpipe sockets: worker ", peer->index, " (", peer->address,
+                ") has sent nothing, not even a heartbeat, for ", options_.stall_seconds,
+                " s while worker ", index_, " waits for its part of call '", ex->label,
+                "': it is stopped or its machine is gone");
+            break;
+          }
+          const int64_t since = std::max(ex->started_nanos, peer->last_data_nanos.load());
+          if (SecondsSince(since) > options_.call_timeout_seconds) {
+            status = errors::DeadlineExceeded(
+                "nestpipe sockets: worker ", peer->index, " (", peer->address,
+                ") did not make call '", ex->label, "' (call ", ex->seq,
+                " of its key) within ", options_.call_timeout_seconds, " s while worker ",
+                index_, " waited in it; it is alive (its heartbeats arrive), so it runs a "
+                "different program or is stuck in other work (raise collective_timeout_seconds "
+                "if a step can legitimately take longer)");
+            break;
+          }
         }
+        if (!status.ok()) break;
       }
     }
-    for (auto& ex : failed) ex->done(ex->status);
-    for (auto& peer : peers_) {
-      if (peer) peer->Shutdown();
-    }
+    if (!status.ok()) Fail(status);
   }
 
-  // Sends heartbeats and fails exchanges waiting on a peer that has gone silent.
-  void Watch() {
+  // --- sending ----------------------------------------------------------------------------
+
+  void SendLoop() {
+    std::vector<struct epoll_event> events(64);
     while (true) {
-      std::this_thread::sleep_for(
-          std::chrono::milliseconds(static_cast<int>(kHeartbeatSeconds * 1000)));
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (!failure_.ok()) return;
+      int n = ::epoll_wait(send_epoll_, events.data(), static_cast<int>(events.size()),
+                           static_cast<int>(kHeartbeatSeconds * 1000 / 2));
+      uint64_t drained;
+      while (::read(wake_fd_, &drained, sizeof(drained)) > 0) {
       }
-      MessageHeader beat = {kMagic, kHeartbeat, 0, 0, 0, 0};
+      if (failed_.load()) {
+        SendAborts();
+        return;
+      }
+      (void)n;
+      // Level-triggered and cheap: try every peer with queued frames (a peer whose socket is
+      // full returns at once and is watched for EPOLLOUT).
+      const int64_t now = NowNanos();
       for (auto& peer : peers_) {
-        if (peer) peer->Post(beat, nullptr, 0, nullptr);
-      }
-      int silent = -1;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        for (auto& item : pending_) {
-          for (int j = 0; j < num_workers_ && silent < 0; ++j) {
-            if (!item.second->received[j] && peers_[j]->SilentSeconds() > stall_seconds_) {
-              silent = j;
-            }
+        if (!peer) continue;
+        bool idle;
+        {
+          std::lock_guard<std::mutex> lock(peer->send_mu);
+          idle = peer->queue.empty();
+        }
+        if (idle && (now - peer->last_sent_nanos) * 1e-9 >= kHeartbeatSeconds) {
+          Frame beat;
+          beat.type = kHeartbeat;
+          Post(peer.get(), beat, nullptr, nullptr);
+          idle = false;
+        }
+        if (!idle) {
+          Status status = WriteTo(peer.get());
+          if (!status.ok()) {
+            Fail(status);
+            SendAborts();
+            return;
           }
         }
       }
-      if (silent >= 0) {
-        Fail(errors::DeadlineExceeded(
-            "nestpipe sockets: worker ", silent, " (", peers_[silent]->address(),
-            ") has sent nothing, not even a heartbeat, for ", stall_seconds_,
-            " s while worker ", index_,
-            " waits for its part of an exchange: it is stopped or its machine is gone"));
-        return;
+    }
+  }
+
+  // Writes `peer`'s queued frames until its socket would block.
+  Status WriteTo(Peer* peer) {
+    while (true) {
+      Outgoing* message;
+      {
+        std::lock_guard<std::mutex> lock(peer->send_mu);
+        if (peer->queue.empty()) break;
+        message = &peer->queue.front();  // deque: stable while others push at the back
       }
+      const size_t total = kHeaderBytes + message->size;
+      struct iovec iov[2];
+      int count = 0;
+      if (peer->written < kHeaderBytes) {
+        iov[count++] = {message->header + peer->written, kHeaderBytes - peer->written};
+        if (message->size > 0) iov[count++] = {const_cast<char*>(message->data), message->size};
+      } else {
+        const size_t done = peer->written - kHeaderBytes;
+        iov[count++] = {const_cast<char*>(message->data) + done, message->size - done};
+      }
+      struct msghdr hdr = {};
+      hdr.msg_iov = iov;
+      hdr.msg_iovlen = count;
+      // MSG_NOSIGNAL: a peer that died gives EPIPE here, not a SIGPIPE that kills the process.
+      ssize_t sent = ::sendmsg(peer->fd, &hdr, MSG_NOSIGNAL | MSG_DONTWAIT);
+      if (sent < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EAGAIN || errno == EWOULDBLOCK) {
+          WatchOut(peer, true);
+          return absl::OkStatus();
+        }
+        return errors::Unavailable("nestpipe sockets: worker ", index_, " could not send to "
+                                   "worker ", peer->index, " (", peer->address, "): ",
+                                   strerror(errno), "; that worker has probably failed (see "
+                                   "its log)");
+      }
+      bytes_sent_ += sent;
+      peer->written += static_cast<size_t>(sent);
+      peer->last_sent_nanos = NowNanos();
+      if (peer->written == total) {
+        peer->written = 0;
+        ++frames_sent_;
+        std::lock_guard<std::mutex> lock(peer->send_mu);
+        peer->queue.pop_front();
+      }
+    }
+    WatchOut(peer, false);
+    return absl::OkStatus();
+  }
+
+  void WatchOut(Peer* peer, bool on) {
+    if (peer->watching_out == on) return;
+    struct epoll_event out = {};
+    out.events = on ? EPOLLOUT : 0;
+    out.data.ptr = peer;
+    ::epoll_ctl(send_epoll_, EPOLL_CTL_MOD, peer->fd, &out);
+    peer->watching_out = on;
+  }
+
+  // After a failure: tells every peer why (where no frame is half written), then closes.
+  void SendAborts() {
+    std::string reason;
+    bool tell;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reason = std::string(failure_.message()).substr(0, kMaxAbortBytes);
+      tell = tell_peers_;
+    }
+    for (auto& peer : peers_) {
+      if (!peer) continue;
+      if (tell && peer->written == 0) {
+        char header[kHeaderBytes];
+        Frame frame;
+        frame.type = kAbort;
+        frame.nbytes = static_cast<int64_t>(reason.size());
+        EncodeHeader(frame, header);
+        struct iovec iov[2] = {{header, kHeaderBytes},
+                               {const_cast<char*>(reason.data()), reason.size()}};
+        struct msghdr hdr = {};
+        hdr.msg_iov = iov;
+        hdr.msg_iovlen = 2;
+        ::sendmsg(peer->fd, &hdr, MSG_NOSIGNAL | MSG_DONTWAIT);  // best effort
+      }
+      ::shutdown(peer->fd, SHUT_RDWR);
+      std::lock_guard<std::mutex> lock(peer->send_mu);
+      peer->queue.clear();
     }
   }
 
   std::mutex setup_mu_;
-  int listen_fd_ = -1;
-  int listen_port_ = 0;
   std::atomic<bool> connected_{false};
+  std::atomic<bool> failed_{false};
+  std::atomic<bool> abort_received_{false};
   int index_ = 0;
   int num_workers_ = 0;
-  uint64_t nonce_ = 0;
-  double stall_seconds_ = 20;
+  Options options_;
   std::vector<std::unique_ptr<Peer>> peers_;
+  int recv_epoll_ = -1, send_epoll_ = -1, wake_fd_ = -1;
 
   std::mutex mu_;
   Status failure_;
+  bool tell_peers_ = true;
   std::map<int64_t, int64_t> next_seq_;
   std::map<std::pair<int64_t, int64_t>, std::unique_ptr<Exchange>> pending_;
-  std::map<std::tuple<int64_t, int64_t, int>, std::pair<int64_t, std::vector<char>>> early_;
+  std::map<std::tuple<int64_t, int64_t, int>, EarlyFrame> early_;
+  int64_t buffered_bytes_ = 0;
+
+  std::atomic<int64_t> bytes_sent_{0}, bytes_received_{0}, frames_sent_{0},
+      frames_received_{0};
 };
 
 }  // namespace
 
-REGISTER_OP("NestpipeSocketListen")
-    .Input("host: string")
-    .Output("port: int32")
-    .SetIsStateful()
-    .SetShapeFn(shape_inference::ScalarShape)
-    .Doc(R"doc(
-Binds this process's mesh socket on `host` (a free port) and returns the port (idempotent).
-)doc");
-
-REGISTER_OP("NestpipeSocketConnect")
+REGISTER_OP("NestpipeSocketAdopt")
     .Input("index: int32")
-    .Input("hosts: string")
-    .Input("ports: int32")
-    .Input("nonce: int64")
-    .Attr("timeout_seconds: float = 60")
+    .Input("fds: int32")
+    .Input("addresses: string")
+    .Attr("call_timeout_seconds: float = 600")
     .Attr("stall_seconds: float = 20")
+    .Attr("max_message_bytes: int = 4294967296")
+    .Attr("max_buffered_bytes: int = 1073741824")
     .SetIsStateful()
     .SetShapeFn(shape_inference::NoOutputs)
     .Doc(R"doc(
-Connects this process (worker `index`) to every worker of `hosts`/`ports` (this worker's own entry
-included), checking the cluster's `nonce`; fails within `timeout_seconds` naming the workers it
-could not reach. An exchange waiting on a peer silent for `stall_seconds` fails.
+Takes ownership of worker `index`'s connected, authenticated sockets (`fds[j]` to worker j, -1
+for itself; `addresses[j]` names worker j in errors) and starts the mesh's two I/O threads.
 )doc");
 
 REGISTER_OP("NestpipeSocketAllToAll")
@@ -651,6 +860,8 @@ REGISTER_OP("NestpipeSocketAllToAll")
     .Output("output: T")
     .Output("recv_counts: int32")
     .Attr("T: {float, double, half, bfloat16, int8, int32, int64, uint8}")
+    .Attr("label: string = ''")
+    .Attr("group: list(int) = []")
     .SetIsStateful()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle input;
@@ -660,64 +871,78 @@ REGISTER_OP("NestpipeSocketAllToAll")
       return absl::OkStatus();
     })
     .Doc(R"doc(
-All-to-all over the socket mesh: sends the first send_counts[j] entries of input[j] to worker j;
-output[i] holds the recv_counts[i] entries worker i sent, then `fill`. Calls are paired across
-workers by (key, how many calls of key this process made before). `ordering_token` (unread) is the
-stream's token: TensorFlow's automatic control dependencies order one stream's calls in program
-order and leave different streams free to overlap, as for its own collectives.
+All-to-all over the socket mesh among `group` (worker indices, this worker's among them; empty:
+every worker, in index order): sends the first send_counts[j] entries of input[j] to the j-th
+member; output[i] holds the recv_counts[i] entries member i sent, then `fill`. Calls are paired
+across workers by (key, how many calls of key this process made before); `label` names the call
+in errors. `ordering_token` (unread) is the stream's token: TensorFlow's automatic control
+dependencies order one stream's calls in program order and leave different streams free to
+overlap, as for its own collectives.
 )doc");
 
-class SocketListenOp : public OpKernel {
- public:
-  explicit SocketListenOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
-  void Compute(OpKernelContext* ctx) override {
-    int port = 0;
-    OP_REQUIRES_OK(ctx, Mesh::Get()->Listen(ctx->input(0).scalar<tstring>()(), &port));
-    Tensor* out = nullptr;
-    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
-    out->scalar<int32>()() = port;
-  }
-};
-REGISTER_KERNEL_BUILDER(Name("NestpipeSocketListen").Device(DEVICE_CPU), SocketListenOp);
+REGISTER_OP("NestpipeSocketStats")
+    .Output("stats: int64")
+    .SetIsStateful()
+    .SetShapeFn([](shape_inference::InferenceContext* c) {
+      c->set_output(0, c->Vector(6));
+      return absl::OkStatus();
+    })
+    .Doc(R"doc(
+[bytes sent, bytes received, frames sent, frames received, peers, I/O threads] of this process's
+mesh since it opened.
+)doc");
 
-class SocketConnectOp : public OpKernel {
+class SocketAdoptOp : public OpKernel {
  public:
-  explicit SocketConnectOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("timeout_seconds", &timeout_));
-    OP_REQUIRES_OK(ctx, ctx->GetAttr("stall_seconds", &stall_));
+  explicit SocketAdoptOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    float call_timeout, stall;
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("call_timeout_seconds", &call_timeout));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stall_seconds", &stall));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_message_bytes", &options_.max_message_bytes));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("max_buffered_bytes", &options_.max_buffered_bytes));
+    options_.call_timeout_seconds = call_timeout;
+    options_.stall_seconds = stall;
   }
   void Compute(OpKernelContext* ctx) override {
-    const auto hosts = ctx->input(1).flat<tstring>();
-    const auto ports = ctx->input(2).flat<int32>();
-    OP_REQUIRES(ctx, hosts.size() == ports.size() && hosts.size() >= 2,
-                errors::InvalidArgument("nestpipe sockets: hosts and ports must be two equal "
+    const auto fds = ctx->input(1).flat<int32>();
+    const auto addresses = ctx->input(2).flat<tstring>();
+    OP_REQUIRES(ctx, fds.size() == addresses.size() && fds.size() >= 2,
+                errors::InvalidArgument("nestpipe sockets: fds and addresses must be two equal "
                                         "lists of at least 2 workers"));
-    std::vector<std::string> host_list;
-    std::vector<int> port_list;
-    for (int64_t j = 0; j < hosts.size(); ++j) {
-      host_list.emplace_back(hosts(j));
-      port_list.push_back(ports(j));
-    }
-    OP_REQUIRES_OK(ctx, Mesh::Get()->Connect(ctx->input(0).scalar<int32>()(), host_list,
-                                             port_list,
-                                             static_cast<uint64_t>(ctx->input(3).scalar<int64>()()),
-                                             timeout_, stall_));
+    std::vector<int> fd_list(fds.data(), fds.data() + fds.size());
+    std::vector<std::string> address_list;
+    for (int64_t j = 0; j < addresses.size(); ++j) address_list.emplace_back(addresses(j));
+    OP_REQUIRES_OK(ctx, Mesh::Get()->Adopt(ctx->input(0).scalar<int32>()(), fd_list,
+                                           address_list, options_));
   }
 
  private:
-  float timeout_;
-  float stall_;
+  Mesh::Options options_;
 };
-REGISTER_KERNEL_BUILDER(Name("NestpipeSocketConnect").Device(DEVICE_CPU), SocketConnectOp);
+REGISTER_KERNEL_BUILDER(Name("NestpipeSocketAdopt").Device(DEVICE_CPU), SocketAdoptOp);
+
+class SocketStatsOp : public OpKernel {
+ public:
+  explicit SocketStatsOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({6}), &out));
+    Mesh::Get()->Stats(out->flat<int64>().data());
+  }
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeSocketStats").Device(DEVICE_CPU), SocketStatsOp);
 
 class SocketAllToAllOp : public AsyncOpKernel {
  public:
-  explicit SocketAllToAllOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {}
+  explicit SocketAllToAllOp(OpKernelConstruction* ctx) : AsyncOpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("label", &label_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("group", &group_));
+  }
 
-  // Starting an exchange copies this worker's own row and queues the messages (the peers'
-  // sender threads write them): cheap, so TensorFlow's executor starts it inline as soon as its
-  // input is ready instead of queueing it behind the compute ops that are ready (with one
-  // inter-op thread per worker those would delay every message, and the overlap, by their run).
+  // Starting an exchange copies this worker's own row and queues the frames (the send thread
+  // writes them): cheap, so TensorFlow's executor starts it inline as soon as its input is
+  // ready instead of queueing it behind the compute ops that are ready (with one inter-op
+  // thread per worker those would delay every frame, and the overlap, by their run).
   bool IsExpensive() override { return false; }
 
   void ComputeAsync(OpKernelContext* ctx, DoneCallback done) override {
@@ -726,21 +951,42 @@ class SocketAllToAllOp : public AsyncOpKernel {
                       errors::FailedPrecondition("nestpipe sockets: the mesh is not connected "
                                                  "(NestPipeStrategy connects it at start-up)"),
                       done);
+    const int num_workers = mesh->num_workers();
+    std::vector<int> members;
+    if (group_.empty()) {
+      for (int j = 0; j < num_workers; ++j) members.push_back(j);
+    } else {
+      members.assign(group_.begin(), group_.end());
+    }
+    std::vector<int> row_of(num_workers, -1);
+    for (size_t r = 0; r < members.size(); ++r) {
+      OP_REQUIRES_ASYNC(ctx, members[r] >= 0 && members[r] < num_workers &&
+                                 row_of[members[r]] < 0,
+                        errors::InvalidArgument("nestpipe sockets: group ", members.size(),
+                                                " lists a worker twice or outside [0, ",
+                                                num_workers, ")"),
+                        done);
+      row_of[members[r]] = static_cast<int>(r);
+    }
+    OP_REQUIRES_ASYNC(ctx, row_of[mesh->index()] >= 0,
+                      errors::InvalidArgument("nestpipe sockets: worker ", mesh->index(),
+                                              " is not in the group of call '", label_, "'"),
+                      done);
+    const int64_t rows = static_cast<int64_t>(members.size());
     const Tensor& input = ctx->input(0);
     const Tensor& counts = ctx->input(1);
     const Tensor& fill = ctx->input(2);
-    const int64_t num_workers = mesh->num_workers();
-    OP_REQUIRES_ASYNC(ctx, input.dims() >= 2 && input.dim_size(0) == num_workers,
-                      errors::InvalidArgument("nestpipe socket all-to-all needs [", num_workers,
+    OP_REQUIRES_ASYNC(ctx, input.dims() >= 2 && input.dim_size(0) == rows,
+                      errors::InvalidArgument("nestpipe socket all-to-all needs [", rows,
                                               ", n, ...], got ", input.shape().DebugString()),
                       done);
-    OP_REQUIRES_ASYNC(ctx, counts.NumElements() == num_workers && fill.NumElements() == 1,
-                      errors::InvalidArgument("send_counts must hold ", num_workers,
+    OP_REQUIRES_ASYNC(ctx, counts.NumElements() == rows && fill.NumElements() == 1,
+                      errors::InvalidArgument("send_counts must hold ", rows,
                                               " counts and fill one value"),
                       done);
     const int64_t capacity = input.dim_size(1);
     const auto send = counts.flat<int32>();
-    for (int64_t j = 0; j < num_workers; ++j) {
+    for (int64_t j = 0; j < rows; ++j) {
       OP_REQUIRES_ASYNC(ctx, send(j) >= 0 && send(j) <= capacity,
                         errors::InvalidArgument("send_counts[", j, "] = ", send(j),
                                                 " outside [0, ", capacity, "]"),
@@ -749,26 +995,50 @@ class SocketAllToAllOp : public AsyncOpKernel {
     Tensor* output = nullptr;
     Tensor* received = nullptr;
     OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(0, input.shape(), &output), done);
-    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(1, TensorShape({num_workers}), &received),
-                         done);
+    OP_REQUIRES_OK_ASYNC(ctx, ctx->allocate_output(1, TensorShape({rows}), &received), done);
     auto ex = std::make_unique<Exchange>();
     const int64_t element = DataTypeSize(input.dtype());
+    ex->label = label_;
+    ex->key = ctx->input(3).scalar<int64>()();
+    ex->members = std::move(members);
+    ex->row_of = std::move(row_of);
+    ex->output_keep = std::make_shared<Tensor>(*output);
+    ex->counts_keep = std::make_shared<Tensor>(*received);
     ex->output = static_cast<char*>(const_cast<char*>(output->tensor_data().data()));
     ex->recv_counts = received->flat<int32>().data();
     ex->capacity = capacity;
-    ex->entry_bytes = capacity > 0 ? input.NumElements() / (num_workers * capacity) * element
-                                   : element;
+    ex->entry_bytes = capacity > 0 ? input.NumElements() / (rows * capacity) * element : element;
     const char* fill_bytes = fill.tensor_data().data();
     ex->fill.assign(fill_bytes, fill_bytes + element);
     ex->done = [ctx, done](Status status) {
       ctx->SetStatus(status);
       done();
     };
-    // The messages may be written after the op is done: they keep the input's buffer alive.
+    CancellationManager* cancellation = ctx->cancellation_manager();
+    if (cancellation != nullptr) {
+      CancellationToken token = cancellation->get_cancellation_token();
+      const std::string label = label_;
+      const bool registered = cancellation->RegisterCallback(token, [mesh, label] {
+        mesh->Fail(errors::Cancelled("nestpipe sockets: call '", label, "' was cancelled "
+                                     "(its step was aborted); the mesh is closed"));
+      });
+      if (!registered) {
+        ctx->SetStatus(errors::Cancelled("nestpipe sockets: call '", label_,
+                                         "' was cancelled before it started"));
+        done();
+        return;
+      }
+      ex->cancellation = cancellation;
+      ex->token = token;
+    }
+    // The frames may be written after the op is done: they keep the input's buffer alive.
     auto keep = std::make_shared<const Tensor>(input);
-    mesh->AllToAll(ctx->input(3).scalar<int64>()(), input.tensor_data().data(), keep, send.data(),
-                   std::move(ex));
+    mesh->AllToAll(input.tensor_data().data(), keep, send.data(), std::move(ex));
   }
+
+ private:
+  std::string label_;
+  std::vector<int32> group_;
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeSocketAllToAll").Device(DEVICE_CPU), SocketAllToAllOp);
 

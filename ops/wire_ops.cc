@@ -1,5 +1,5 @@
-// Wire codecs of the compressed exchanges (DESIGN.md section 13): what a worker encodes before an
-// embedding all-to-all and decodes after it.
+// Wire codecs of the compressed exchanges (docs/design/design.md §13): what a worker encodes
+// before an embedding all-to-all and decodes after it.
 //
 // - NestpipeEncodeInt8Rows / NestpipeDecodeInt8Rows: per-row asymmetric 8-bit quantization. Each
 //   row is sent as [scale f32][offset f32][dim uint8 codes][zero bytes up to a 4-byte word],

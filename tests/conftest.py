@@ -19,6 +19,11 @@ os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # The launcher shows only the first task's output by default; tests read every task's lines.
 os.environ.setdefault("TF_NESTPIPE_LAUNCH_OUTPUT", "all")
+# The placement planner plans with the package's default costs, never with a calibration the
+# developer's machine holds (tests that calibrate name their own file).
+os.environ["TF_NESTPIPE_PLAN_COSTS"] = os.path.join(tempfile.gettempdir(),
+                                                    "tf_nestpipe-tests-no-calibration.json")
+
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PROGRAMS = os.path.join(REPO, "tests", "programs")
@@ -377,7 +382,10 @@ def readme_runs(tmp_path_factory):
     one local worker ("one") and on 2 workers ("two"), the parameter-server block on a chief + 1
     worker + 1 ps cluster ("ps"). Returns each run's CompletedProcess."""
     out = tmp_path_factory.mktemp("readme")
-    runner = [os.path.join(PROGRAMS, "readme_examples.py"), os.path.join(REPO, "README.md")]
+    sys.path.insert(0, PROGRAMS)
+    import readme_examples  # pylint: disable=import-outside-toplevel
+    documents = os.pathsep.join(os.path.join(REPO, p) for p in readme_examples.DOCUMENTS)
+    runner = [os.path.join(PROGRAMS, "readme_examples.py"), documents]
     one, two, ps = run_together(  # independent: at once
         (run_command, [sys.executable] + runner + ["main", str(out / "one")], 600),
         (launch, 2, runner + ["main", str(out / "two")], 900),

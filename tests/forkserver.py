@@ -38,7 +38,7 @@ LOG_ENV = "NESTPIPE_TEST_FORKSERVER_LOG"  # if set: a line per command run by ex
 _RUNTIME_VARIABLES = {"TF_CONFIG", "PYTHONUNBUFFERED", "TF_NUM_INTRAOP_THREADS",
                       "TF_NUM_INTEROP_THREADS", "OMP_NUM_THREADS", "MALLOC_TOP_PAD_",
                       "PYTEST_CURRENT_TEST", "PWD", "OLDPWD", "_", "SHLVL", SOCKET_ENV, LOG_ENV}
-_RUNTIME_PREFIXES = ("TF_NESTPIPE_", "NESTPIPE_BIND_", "HOROVOD_", "NESTPIPE_TEST_")
+_RUNTIME_PREFIXES = ("TF_NESTPIPE_", "HOROVOD_", "NESTPIPE_TEST_")
 _FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT,
                       signal.SIGUSR1, signal.SIGUSR2, signal.SIGALRM, signal.SIGABRT,
                       signal.SIGCONT, signal.SIGWINCH)

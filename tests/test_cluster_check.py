@@ -15,7 +15,8 @@ from conftest import through_forkserver
 from tf_nestpipe.launch import cluster_check
 from tf_nestpipe.launch.cluster_check import ClusterMismatchError, agree_on_cluster
 from tf_nestpipe.launch.local_cluster import free_ports
-from tf_nestpipe.launch.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
+from tf_nestpipe.settings import SettingError
+from tf_nestpipe.tf_config import TFConfigError, check_synchronous_roles, parse_tf_config
 
 
 def _cluster(workers, ports=None):
@@ -157,7 +158,7 @@ def test_an_address_listed_twice_is_refused():
 
 def test_timeout_setting_is_validated(monkeypatch):
     monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "abc")
-    with pytest.raises(ClusterMismatchError, match="not a number"):
+    with pytest.raises(SettingError, match="TF_NESTPIPE_STARTUP_TIMEOUT must be a number of seconds > 0, got 'abc'"):
         cluster_check.startup_timeout()
     monkeypatch.setenv(cluster_check.STARTUP_TIMEOUT_ENV, "7")
     assert cluster_check.startup_timeout() == 7.0 and cluster_check.startup_timeout(2) == 2.0
@@ -313,3 +314,60 @@ def test_ps_mode_server_reporting_while_serving_exits_only_on_the_chiefs_verdict
     thread.join(10)
     assert len(verdicts) == 1 and "cluster.worker[0]" in verdicts[0], verdicts
     assert all("cluster.worker[0]" in message for message, _ in results), results
+
+
+def _strangers(address, count=73):
+    """Connections a stranger holds open on the leader's port: silent ones, random bytes, and
+    an unsigned report claiming another cluster. Returns them."""
+    import socket  # pylint: disable=import-outside-toplevel
+    host, port = address.rsplit(":", 1)
+    held = []
+    deadline = time.time() + 5
+    while len(held) < count and time.time() < deadline:
+        try:
+            held.append(socket.create_connection((host, int(port)), timeout=1))
+        except OSError:
+            time.sleep(0.02)  # the leader does not listen yet
+    for sock in held[:5]:
+        sock.sendall(os.urandom(512))
+    forged = {"role": "worker", "index": 1, "cluster": {"worker": ["10.0.0.1:1", "10.0.0.2:1"]},
+              "pid": 1, "fingerprint": "x"}
+    held[5].sendall((json.dumps(forged) + "\n").encode())
+    return held
+
+
+def test_strangers_on_the_leaders_port_neither_delay_nor_fail_the_check(monkeypatch):
+    monkeypatch.setenv("TF_NESTPIPE_TRANSPORT_SECRET", "the job's secret")
+    cluster = _cluster(2)
+    results = [None]
+    started = time.time()
+
+    def lead():
+        try:
+            agree_on_cluster(cluster, "worker", 0, timeout=20.0)
+            results[0] = ("ok", time.time() - started)
+        except ClusterMismatchError as error:
+            results[0] = (str(error), time.time() - started)
+
+    leader = threading.Thread(target=lead)
+    leader.start()
+    held = _strangers(cluster["worker"][0])
+    agree_on_cluster(cluster, "worker", 1, timeout=20.0)  # the real worker 1, after them
+    leader.join(30)
+    for sock in held:
+        sock.close()
+    assert results[0][0] == "ok" and results[0][1] < 5, results[0]
+
+
+def test_a_report_without_the_jobs_secret_is_refused_with_the_fix(monkeypatch):
+    # Positive control of the signature check: the same report, unsigned, does not count.
+    cluster = _cluster(2)
+    monkeypatch.setenv("TF_NESTPIPE_TRANSPORT_SECRET", "the job's secret")
+    leader = threading.Thread(target=lambda: pytest.raises(
+        ClusterMismatchError, agree_on_cluster, cluster, "worker", 0, timeout=3.0))
+    leader.start()
+    time.sleep(0.3)
+    monkeypatch.setattr(cluster_check, "_job_secret", lambda: None)
+    with pytest.raises(ClusterMismatchError, match="not signed with the job's secret"):
+        agree_on_cluster(cluster, "worker", 1, timeout=3.0)
+    leader.join(15)

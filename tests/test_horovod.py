@@ -112,7 +112,7 @@ def test_cluster_size_mismatch_is_a_clear_error(tmp_path):
               "task": {"type": "worker", "index": 0}}
     env = {"TF_CONFIG": json.dumps(config)}
     result = run_command([sys.executable, "-c",
-                          "import tf_nestpipe as tnp; tnp.NestPipeStrategy(collectives='horovod')"],
+                          "import tf_nestpipe as tnp; tnp.NestPipeStrategy(transport='horovod')"],
                          timeout=180, env=env)
     assert result.returncode != 0
     assert "HorovodClusterError" in result.stdout
@@ -125,14 +125,14 @@ def test_missing_horovod_names_the_install_script(monkeypatch):
     monkeypatch.setitem(sys.modules, "horovod.tensorflow", None)
     with pytest.raises(horovod_collectives.HorovodUnavailableError,
                        match="scripts/install_horovod.sh"):
-        tnp.NestPipeStrategy(collectives="horovod")
+        tnp.NestPipeStrategy(transport="horovod")
 
 
 def test_bad_backend_and_launcher_combinations_are_refused():
     from tf_nestpipe.launch.local_cluster import LocalCluster
 
-    with pytest.raises(ValueError, match="collectives must be one of"):
-        tnp.NestPipeStrategy(collectives="mpi")
+    with pytest.raises(ValueError, match="transport must be one of"):
+        tnp.NestPipeStrategy(transport="mpi")
     with pytest.raises(ValueError, match="cannot be combined with --ps"):
         LocalCluster(["python", "x.py"], 2, num_ps=1, horovod=True)
 
@@ -157,7 +157,7 @@ def test_pack_and_unpack_are_inverse(monkeypatch, sliced):
 
 
 HOROVOD_STRATEGY = ("import tf_nestpipe as tnp\n"
-                    "s = tnp.NestPipeStrategy(collectives='horovod')\n"
+                    "s = tnp.NestPipeStrategy(transport='horovod')\n"
                     "print('started', s.num_workers, s.worker_index, flush=True)\n")
 
 

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from conftest import REPO
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 
 sys.path.insert(0, os.path.join(REPO, "examples", "kubernetes"))
 import render  # noqa: E402
@@ -121,6 +121,8 @@ def test_network_policy_admits_only_the_jobs_own_pods_to_the_tensorflow_port(kin
     assert _admits(policy, pod, pod, 2222)  # the job's own pods: admitted
     assert not _admits(policy, pod, {"app": "other"}, 2222)  # other pods: refused
     assert not _admits(policy, pod, dict(pod, **{"app.kubernetes.io/name": "x"}), 2222)
+    assert _admits(policy, pod, pod, 2223)  # the transport's port: admitted
+    assert not _admits(policy, pod, {"app": "other"}, 2223)
     assert not _admits(policy, pod, pod, 22)  # other ports of the job's pods: refused
     assert _admits(policy, {"app": "other"}, {"app": "any"}, 80)  # other pods are not selected
 
@@ -131,6 +133,25 @@ def test_render_command_line_prints_the_manifests():
          "tfjob", "--name", "j", "--workers", "2", "--image", "i", "--", "python", "train.py"],
         stdout=subprocess.PIPE, text=True, timeout=60, check=True)
     docs = list(yaml.safe_load_all(result.stdout))
-    assert [d["kind"] for d in docs] == ["TFJob", "NetworkPolicy"]
-    container = docs[0]["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert [d["kind"] for d in docs] == ["Secret", "TFJob", "NetworkPolicy"]
+    container = docs[1]["spec"]["tfReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
     assert container["command"][-2:] == ["python", "train.py"]
+
+
+@pytest.mark.parametrize("kind", ["tfjob", "statefulset"])
+def test_every_pod_reads_the_jobs_transport_secret_from_the_mounted_secret(kind):
+    docs = _documents(kind, 2)
+    secret = docs["Secret"]
+    value = secret["stringData"]["secret"]
+    assert len(value) == 64 and int(value, 16) >= 0  # 32 random bytes, hex
+    assert _documents(kind, 2)["Secret"]["stringData"]["secret"] != value  # fresh per render
+    template = (docs["TFJob"]["spec"]["tfReplicaSpecs"]["Worker"]["template"] if kind == "tfjob"
+                else docs["StatefulSet"]["spec"]["template"])
+    spec = template["spec"]
+    volume = next(v for v in spec["volumes"] if v["name"] == "transport-secret")
+    assert volume["secret"]["secretName"] == secret["metadata"]["name"]
+    container = spec["containers"][0]
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "transport-secret")
+    assert env["TF_NESTPIPE_TRANSPORT_SECRET_FILE"] == mount["mountPath"] + "/secret"
+    assert env["TF_NESTPIPE_TRANSPORT_PORT"] == "2223"

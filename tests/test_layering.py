@@ -1,26 +1,44 @@
-"""Dependencies point one way: strategy -> pipeline -> sharding -> collectives, ops (DESIGN.md
-section 10). A lower package never imports a higher one, and production code never reads the
-benchmarks' environment switches; only `tf_nestpipe/tf_private.py` imports
-TensorFlow's and tf_keras' private modules."""
+"""Dependencies point one way: strategy -> pipeline -> sharding -> collectives -> ops (see
+docs/design). Every package and top-level module of tf_nestpipe lists what it may import; a
+new one must be listed here before it passes. `tf_nestpipe.settings` (the environment
+variables) may be imported from everywhere and imports only the standard library; only
+`tf_nestpipe/tf_private.py` imports TensorFlow's and tf_keras' private modules."""
 import ast
 import glob
 import os
+import sys
 
 import pytest
 
 from conftest import REPO
 
 PACKAGE = os.path.join(REPO, "tf_nestpipe")
-# Each package and the packages it must never import.
-# The planner (plan) sits above the layers it plans: the strategy asks it, the layers never do.
-FORBIDDEN = {
-    "sharding": {"pipeline", "strategy", "plan"},
-    "pipeline": {"strategy", "plan"},
-    "collectives": {"sharding", "pipeline", "strategy", "plan"},
-    "ops": {"collectives", "sharding", "pipeline", "strategy", "plan"},
+# Imported by every layer: the environment variables, the private-API gateway, trace names, the
+# cluster description (TF_CONFIG) and the transport's configuration (no TensorFlow in either).
+EVERYWHERE = {"settings", "tf_private", "tracing", "tf_config", "transport_config"}
+# Each package or top-level module (a file's name without .py) and the parts of tf_nestpipe it
+# may import besides itself and EVERYWHERE. The planner (plan) sits above the layers it plans:
+# the strategy asks it, the layers never do. The launcher imports no TensorFlow layer (only the
+# Horovod install hint from collectives); data (input pipelines) needs no distribution layer.
+ALLOWED = {
+    "settings": set(),
+    "tf_config": set(),
+    "transport_config": set(),
+    "tf_private": set(),
+    "tracing": set(),
+    "ops": set(),
+    "launch": {"collectives"},
+    "data": set(),
+    "collectives": {"ops", "launch"},
+    "sharding": {"collectives", "ops", "launch", "data"},
+    "pipeline": {"sharding", "collectives", "ops", "launch", "data"},
+    "plan": {"sharding", "collectives", "ops", "launch", "data"},
+    "strategy": {"plan", "pipeline", "sharding", "collectives", "ops", "launch", "data",
+                 "server", "keras_hooks"},
+    "server": {"launch", "ops"},
+    "keras_hooks": {"strategy", "pipeline", "sharding", "collectives", "ops", "launch", "data"},
 }
-
-
+# What each part may never import (everything of tf_nestpipe it is not allowed).
 def imported_names(path):
     """Every module name a module imports, at any depth of the file (`from m import x` gives
     `m` and `m.x`)."""
@@ -42,18 +60,64 @@ def imported_packages(path):
             if name.startswith("tf_nestpipe.")}
 
 
-def violations(package):
-    """`(module, forbidden package)` pairs of `package`."""
+def parts():
+    """Every package (directory) and top-level module (file, without .py) of tf_nestpipe, but
+    its __init__."""
+    names = set()
+    for entry in os.listdir(PACKAGE):
+        full = os.path.join(PACKAGE, entry)
+        if os.path.isdir(full) and os.path.exists(os.path.join(full, "__init__.py")):
+            names.add(entry)
+        elif entry.endswith(".py") and entry != "__init__.py":
+            names.add(entry[:-3])
+    return names
+
+
+def modules_of(part):
+    """The source files of a package, or the one file of a top-level module."""
+    directory = os.path.join(PACKAGE, part)
+    if os.path.isdir(directory):
+        return sorted(glob.glob(os.path.join(directory, "**", "*.py"), recursive=True))
+    return [directory + ".py"]
+
+
+def violations(part, allowed=ALLOWED):
+    """`(module, part it must not import)` pairs of `part`."""
     out = []
-    for path in sorted(glob.glob(os.path.join(PACKAGE, package, "*.py"))):
-        for imported in imported_packages(path) & FORBIDDEN[package]:
+    for path in modules_of(part):
+        for imported in sorted(imported_packages(path) - allowed[part] - EVERYWHERE - {part}):
             out.append((os.path.relpath(path, REPO), imported))
     return out
 
 
-@pytest.mark.parametrize("package", sorted(FORBIDDEN))
-def test_lower_layers_never_import_higher_ones(package):
-    assert violations(package) == []
+def test_every_part_of_the_package_is_covered():
+    """A new package or top-level module must say what it may import."""
+    assert parts() == set(ALLOWED), sorted(parts() ^ set(ALLOWED))
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_lower_layers_never_import_higher_ones(part):
+    assert violations(part) == []
+
+
+def test_settings_imports_only_the_standard_library():
+    """Every layer imports tf_nestpipe.settings, so it must import nothing that could import a
+    layer (or TensorFlow)."""
+    path = os.path.join(PACKAGE, "settings.py")
+    top_level = {name.split(".")[0] for name in imported_names(path)}
+    assert top_level and top_level <= set(sys.stdlib_module_names), top_level
+
+
+def test_the_layer_check_sees_a_forbidden_import(tmp_path, monkeypatch):
+    """Positive control: a launcher module importing the strategy is reported."""
+    monkeypatch.setattr(sys.modules[__name__], "PACKAGE", str(tmp_path))
+    (tmp_path / "launch").mkdir()
+    (tmp_path / "launch" / "__init__.py").write_text("")
+    (tmp_path / "launch" / "bad.py").write_text(
+        "from tf_nestpipe import settings\nfrom tf_nestpipe.collectives import wire\n"
+        "def f():\n    from tf_nestpipe.strategy import nestpipe_strategy\n")
+    found = violations("launch")
+    assert [imported for _, imported in found] == ["strategy"], found
 
 
 PRIVATE_TF = ("tensorflow.python", "tf_keras.src")

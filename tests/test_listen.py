@@ -52,7 +52,7 @@ def test_listen_only_env_errors(monkeypatch):
     with pytest.raises(ValueError, match="not host:port"):
         listen.listen_only_env("localhost")
     env = listen.listen_only_env("localhost:2222", {"LD_PRELOAD": "/other.so"})
-    assert env["NESTPIPE_BIND_PORT"] == "2222" and env["NESTPIPE_BIND_HOST"] in LOOPBACK | {"::1"}
+    assert env["TF_NESTPIPE_BIND_PORT"] == "2222" and env["TF_NESTPIPE_BIND_HOST"] in LOOPBACK | {"::1"}
     assert env["LD_PRELOAD"] == listen.SHIM + ":/other.so"
     monkeypatch.setattr(listen, "SHIM", "/nonexistent/_nestpipe_bind.so")
     with pytest.raises(listen.ShimMissingError, match="pip install"):

@@ -12,7 +12,7 @@ import pytest
 from conftest import PLACEMENT_RUNS, PROGRAMS, launch, load_run, run_command
 from tf_nestpipe.plan import __main__ as cli
 from tf_nestpipe.plan import placement as pl
-from tf_nestpipe.plan.model import CollectiveParams
+from tf_nestpipe.plan.collective_costs import CollectiveParams
 
 # Hand-sized costs: every all-to-all costs 1 ms + 1 ms per MB, an all-reduce 5 ms + 2 ms per MB
 # (the 5 ms are paid by the dense weights anyway: a replicated table adds only its bytes).

@@ -1,20 +1,26 @@
-"""The scaling model (tf_nestpipe.plan): arithmetic on hand-computed costs, costs-file errors,
-validation plumbing and the CLI on a small fixed costs dict. Fast: no clusters, no TensorFlow
-graphs."""
+"""The scaling model (bench/scaling_model, `python -m bench.scaling_model`): arithmetic on
+hand-computed costs, costs-file errors, validation plumbing and the CLI on a small fixed costs
+dict. Fast: no clusters, no TensorFlow graphs."""
 import copy
 import json
 import math
 import os
+import sys
 
 import pytest
 
-from tf_nestpipe.plan import (CollectiveParams, CostsError, ModelError, StepModel,
-                              build_scenarios, collective_ms, datacenter_collectives, load_costs,
-                              overlap, padded_capacity, validate_costs)
-from tf_nestpipe.plan import __main__ as cli
-from tf_nestpipe.plan import report
-from tf_nestpipe.plan.costs import fit_collective, nonnegative_lstsq
-from tf_nestpipe.plan.model import collective_bandwidth_ms
+from conftest import REPO
+
+sys.path.insert(0, REPO)  # bench/ is a namespace package of the checkout, not installed
+
+# pylint: disable=wrong-import-position
+from bench.scaling_model import (CollectiveParams, CostsError, ModelError, StepModel,  # noqa: E402
+                                 build_scenarios, collective_ms, datacenter_collectives,
+                                 load_costs, overlap, padded_capacity, validate_costs)
+from bench.scaling_model import __main__ as cli  # noqa: E402
+from bench.scaling_model import report  # noqa: E402
+from bench.scaling_model.costs import fit_collective, nonnegative_lstsq  # noqa: E402
+from bench.scaling_model.model import collective_bandwidth_ms  # noqa: E402
 
 WORKERS = [1, 2, 4, 8]
 
@@ -425,7 +431,7 @@ def test_cli_on_small_costs(tmp_path, capsys):
     assert "wrote" in capsys.readouterr().out
     assert not (tmp_path / "plan.png").exists()
     # The report names the costs file it was made from (not the default one here).
-    assert "`python -m tf_nestpipe.plan --costs %s" % os.path.relpath(costs_path, cli.REPO) in text
+    assert "`python -m bench.scaling_model --costs %s" % os.path.relpath(costs_path, cli.REPO) in text
 
 
 def test_runs_outside_the_key_statistics_are_listed_not_fatal():
@@ -493,7 +499,7 @@ def test_measured_collectives_go_to_their_transports_section():
     default transport), and refuses a 'collectives' sweep that timed the mesh (the mistake a
     default-transport `cluster` run made: mesh costs labelled as TF's, the mesh's section
     dropped)."""
-    from tf_nestpipe.plan.measure import assemble
+    from bench.scaling_model.measure import assemble
 
     keys = dict(small_costs()["keys"], samples=[10, 1000])
     single, clusters, mesh = _raw_measurements(tf_ms_per_mb=3.0, mesh_ms_per_mb=0.5)

@@ -1,7 +1,8 @@
-"""The README's Python examples run as written (issue 16): its ```python blocks, extracted by
-`tests/programs/readme_examples.py` and executed in order as one session on one local worker and
-on 2 workers (each block continuing the session of the blocks before it), the parameter-server
-block on a chief + worker + ps cluster. A block that cannot run here must say why in a
+"""The Python examples of the README and the docs run as written: their ```python blocks,
+extracted by `tests/programs/readme_examples.py` and executed in order (README first, then the
+docs pages of `readme_examples.DOCUMENTS`) as one session on one local worker and on 2 workers
+(each block continuing the session of the blocks before it), the parameter-server block on a
+chief + worker + ps cluster. A block that cannot run here must say why in a
 `<!-- readme-test: skip (...) -->` marker, which this test lists."""
 import os
 import re
@@ -16,12 +17,13 @@ sys.path.insert(0, PROGRAMS)
 import readme_examples  # noqa: E402  pylint: disable=wrong-import-position
 
 README = os.path.join(REPO, "README.md")
+DOCS = os.path.join(REPO, "docs")
 RUNNER = os.path.join(PROGRAMS, "readme_examples.py")
 
 
 def _blocks():
-    with open(README) as f:
-        return readme_examples.python_blocks(f.read())
+    return readme_examples.document_blocks(
+        [os.path.join(REPO, path) for path in readme_examples.DOCUMENTS])
 
 
 def test_every_readme_block_is_run_or_says_why_not():
@@ -29,16 +31,37 @@ def test_every_readme_block_is_run_or_says_why_not():
     sessions = {b.session for b in blocks}
     assert sessions <= {"main", "ps", "skip"}, sessions
     main = [b for b in blocks if b.session == "main"]
-    assert len(main) >= 5 and main[0].line < 40, [b.line for b in main]  # "Use" comes first
+    assert len(main) >= 5 and main[0].path == README and main[0].line < 40, main[0]  # example first
     skipped = [b for b in blocks if b.session == "skip"]
     assert all("tests/test_" in b.reason for b in skipped), skipped  # names what runs it instead
     for block in skipped:  # ... and that test exists
         named = re.search(r"tests/(test_\w+\.py)", block.reason).group(1)
-        assert os.path.exists(os.path.join(os.path.dirname(README), "tests", named)), block
+        assert os.path.exists(os.path.join(REPO, "tests", named)), block
     # Skipped: the one Horovod line (its own launcher) and the dynamic-table fragment (its model
     # under fit is tests/test_dynamic_embedding.py's); every other block runs in some session.
     assert len(skipped) <= 2, skipped
     assert all("horovod" in b.code or "DynamicEmbedding" in b.code for b in skipped), skipped
+
+
+def test_every_python_example_of_the_docs_is_in_a_session():
+    """A docs page with a ```python block must be one of the documents whose blocks run."""
+    with_examples = set()
+    for folder, _, files in os.walk(DOCS):
+        for name in files:
+            path = os.path.join(folder, name)
+            if name.endswith(".md") and "_build" not in path:
+                with open(path) as f:
+                    if readme_examples.python_blocks(f.read()):
+                        with_examples.add(os.path.relpath(path, REPO))
+    assert with_examples <= set(readme_examples.DOCUMENTS), with_examples - set(
+        readme_examples.DOCUMENTS)
+    assert with_examples, "the docs' guides have no python example"
+
+
+def test_readme_is_a_front_door():
+    """The README stays short: the rest lives in docs/."""
+    with open(README) as f:
+        assert len(f.read().splitlines()) <= 250
 
 
 def test_block_extraction_positive_control(tmp_path):
@@ -51,7 +74,7 @@ def test_block_extraction_positive_control(tmp_path):
     assert [(b.line, b.session) for b in blocks] == [(4, "main"), (9, "skip"), (13, "main")]
     result = subprocess.run([sys.executable, RUNNER, str(markdown), "main", str(tmp_path / "w")],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, timeout=60)
-    assert result.returncode != 0 and "README_BLOCK 13" in result.stdout, result.stdout
+    assert result.returncode != 0 and "README_BLOCK R.md:13" in result.stdout, result.stdout
     assert "NameError" in result.stdout and 'R.md", line 13' in result.stdout, result.stdout
     assert "README_OK" not in result.stdout
     with pytest.raises(ValueError, match="never closed"):

@@ -3,7 +3,7 @@ import json
 
 import pytest
 
-from tf_nestpipe.launch.tf_config import TFConfigError, parse_tf_config
+from tf_nestpipe.tf_config import TFConfigError, parse_tf_config
 
 CLUSTER = {"worker": ["127.0.0.1:1000", "127.0.0.1:1001"], "ps": ["127.0.0.1:2000"]}
 

@@ -46,8 +46,9 @@ def test_report_puts_each_wire_next_to_fp32():
 
 
 class _FakeCollectives:
-    def __init__(self, backend, worker_index):
-        self.backend = backend
+    def __init__(self, name, worker_index):
+        self.name = name
+        self.sends_real_splits = name in ("horovod", "sockets")
         self.worker_index = worker_index
 
 

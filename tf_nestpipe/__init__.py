@@ -27,13 +27,14 @@ if not _started_as_launcher():
 
     _tracing.register_library()  # before any of our functions is traced
 
-    from tf_nestpipe.launch.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
+    from tf_nestpipe.tf_config import ClusterConfig, TFConfigError, parse_tf_config  # noqa: E402
     from tf_nestpipe.sharding import (DynamicEmbedding, ShardedEmbedding, ShardedEmbeddingCollection,  # noqa: E402
                                       ShardLayout)
     from tf_nestpipe.strategy import (CommunicationImplementation, DownpourTrainer,  # noqa: E402
                                       LocalAdagrad, LocalSGD, NestPipeStrategy,
                                       ParameterServerStrategy)
     from tf_nestpipe.strategy.checkpoint import ShardedCheckpoint  # noqa: E402
+    from tf_nestpipe.collectives.transport import TransportConfig, TransportError  # noqa: E402
     from tf_nestpipe.strategy.keras_callbacks import BackupAndRestore, DynamicTableStats  # noqa: E402
     from tf_nestpipe.strategy.export import export_saved_model  # noqa: E402
     from tf_nestpipe.strategy.exactness_check import ExactnessReport, check_exactness  # noqa: E402
@@ -77,6 +78,8 @@ __all__ = [
     "ShardedEmbeddingCollection",
     "TFConfigError",
     "TrainPipeline",
+    "TransportConfig",
+    "TransportError",
     "check_exactness",
     "export_saved_model",
     "global_in_batch_candidates",

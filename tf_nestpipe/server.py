@@ -14,7 +14,7 @@ import sys
 import tensorflow as tf
 
 from tf_nestpipe.launch import allocator, cluster_check
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 from tf_nestpipe.ops import load_op_library
 
 

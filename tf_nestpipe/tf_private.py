@@ -126,8 +126,8 @@ def device_datasets_without_autotune():
     TF 2.21) that thread sometimes sleeps through the iterator's deletion: the deletion (the end
     of `fit`, a custom loop dropping its iterator) then blocks until the thread's next
     optimization round, which backs off to as long as the iterator has lived (up to a minute).
-    The source dataset's own iterator autotunes as its options say (README, "Fewer stalls when
-    an iterator is deleted")."""
+    The source dataset's own iterator autotunes as its options say (docs/guides/reliability.md,
+    "Fewer stalls when an iterator is deleted")."""
     create = multi_device_iterator_ops._create_device_dataset  # pylint: disable=protected-access
     if getattr(create, "_nestpipe_without_autotune", False):
         return

@@ -8,18 +8,23 @@ usage: python examples/kubernetes/render.py --kind {tfjob,statefulset} --name NA
 - `statefulset`: the plain equivalent: a headless Service (stable DNS names per pod) and a
   StatefulSet whose pods build their TF_CONFIG from their ordinal at start
   (`statefulset_tf_config.py`, then exec the command).
-Both include a NetworkPolicy that admits only the job's own pods to the TensorFlow port (and
-nothing else to these pods): TensorFlow's gRPC servers have no authentication, so anyone who
-reaches a worker port can run operations, e.g. read files, as the training user.
+Both include a NetworkPolicy that admits only the job's own pods to the TensorFlow port and the
+socket transport's port (the next one; nothing else to these pods): TensorFlow's gRPC servers
+have no authentication, so anyone who reaches a worker port can run operations, e.g. read
+files, as the training user. And a Secret with a fresh random job secret, mounted as a file
+that every pod names in `TF_NESTPIPE_TRANSPORT_SECRET_FILE`: the transport's peers prove they
+hold it before they may join (apply the rendered file as it is; render again for a new secret).
 The command runs through `python -m tf_nestpipe.launch.task`, which makes the server listen on
 the pod's own address only.
 """
 import argparse
+import secrets
 import sys
 
 import yaml
 
 DEFAULT_COMMAND = ["python", "examples/dlrm.py"]
+SECRET_DIR = "/var/run/secrets/tf-nestpipe"
 
 
 def _labels(name):
@@ -27,7 +32,8 @@ def _labels(name):
 
 
 def network_policy(name, namespace, port, labels):
-    """Ingress to the job's pods only from the job's pods, only on the TensorFlow port."""
+    """Ingress to the job's pods only from the job's pods, only on the TensorFlow port and the
+    transport's (`port + 1`)."""
     return {
         "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
         "metadata": {"name": name + "-tf-ports", "namespace": namespace},
@@ -35,16 +41,36 @@ def network_policy(name, namespace, port, labels):
             "podSelector": {"matchLabels": dict(labels)},
             "policyTypes": ["Ingress"],
             "ingress": [{"from": [{"podSelector": {"matchLabels": dict(labels)}}],
-                         "ports": [{"protocol": "TCP", "port": port}]}],
+                         "ports": [{"protocol": "TCP", "port": port},
+                                   {"protocol": "TCP", "port": port + 1}]}],
         },
     }
+
+
+def transport_secret(name, namespace):
+    """A Secret holding a fresh random job secret for the socket transport."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": name + "-transport", "namespace": namespace},
+            "stringData": {"secret": secrets.token_hex(32)}}
 
 
 def _container(image, command, port, env=()):
     return {"name": "tensorflow", "image": image,
             "command": ["python", "-m", "tf_nestpipe.launch.task", "--"] + list(command),
-            "ports": [{"name": "tfjob-port", "containerPort": port}],
-            "env": [{"name": "TF_USE_LEGACY_KERAS", "value": "1"}] + list(env)}
+            "ports": [{"name": "tfjob-port", "containerPort": port},
+                      {"name": "transport-port", "containerPort": port + 1}],
+            "env": [{"name": "TF_USE_LEGACY_KERAS", "value": "1"},
+                    {"name": "TF_NESTPIPE_TRANSPORT_PORT", "value": str(port + 1)},
+                    {"name": "TF_NESTPIPE_TRANSPORT_SECRET_FILE",
+                     "value": SECRET_DIR + "/secret"}] + list(env),
+            "volumeMounts": [{"name": "transport-secret", "mountPath": SECRET_DIR,
+                              "readOnly": True}]}
+
+
+def _pod_spec(name, container):
+    return {"containers": [container],
+            "volumes": [{"name": "transport-secret",
+                         "secret": {"secretName": name + "-transport"}}]}
 
 
 def tfjob(name, namespace, workers, image, port, command):
@@ -57,9 +83,9 @@ def tfjob(name, namespace, workers, image, port, command):
                  "tfReplicaSpecs": {"Worker": {
                      "replicas": workers, "restartPolicy": "OnFailure",
                      "template": {"metadata": {"labels": dict(labels)},
-                                  "spec": {"containers": [_container(image, command, port)]}}}}},
+                                  "spec": _pod_spec(name, _container(image, command, port))}}}},
     }
-    return [job, network_policy(name, namespace, port, labels)]
+    return [transport_secret(name, namespace), job, network_policy(name, namespace, port, labels)]
 
 
 def statefulset(name, namespace, workers, image, port, command):
@@ -86,9 +112,10 @@ def statefulset(name, namespace, workers, image, port, command):
                  "podManagementPolicy": "Parallel",  # all workers start together
                  "selector": {"matchLabels": dict(labels)},
                  "template": {"metadata": {"labels": dict(labels)},
-                              "spec": {"containers": [container]}}},
+                              "spec": _pod_spec(name, container)}},
     }
-    return [service, sts, network_policy(name, namespace, port, labels)]
+    return [transport_secret(name, namespace), service, sts,
+            network_policy(name, namespace, port, labels)]
 
 
 def render(kind, name, workers, image, namespace="default", port=2222, command=None):

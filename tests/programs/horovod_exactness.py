@@ -69,7 +69,7 @@ def main():
         pipeline, run = spec.split("/")
         mode, opt_name, *options = run.split(":")  # options: a placement (exactness.py)
         if pipeline not in strategies:
-            strategies[pipeline] = tnp.NestPipeStrategy(collectives="horovod", pipeline=pipeline,
+            strategies[pipeline] = tnp.NestPipeStrategy(transport="horovod", pipeline=pipeline,
                                                         micro_batches=3)
         strategy = strategies[pipeline]
         print("collectives %s rank %d of %d" % (strategy.collectives_backend,

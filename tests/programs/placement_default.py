@@ -28,7 +28,7 @@ import tensorflow as tf  # noqa: E402
 import exactness as ex  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
 from tf_nestpipe.plan import placement as pl  # noqa: E402
-from tf_nestpipe.plan.model import CollectiveParams  # noqa: E402
+from tf_nestpipe.plan.collective_costs import CollectiveParams  # noqa: E402
 from tf_nestpipe.strategy import nestpipe_strategy  # noqa: E402
 
 

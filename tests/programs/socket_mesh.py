@@ -1,19 +1,27 @@
 """The socket mesh's collectives on a real cluster, checked against NumPy on every worker (each
 worker rebuilds every worker's inputs from seeds), then an optional fault.
 
-usage: socket_mesh.py [die|stop]
-  (no fault) prints "socket mesh ok W" after the checks;
-  die:  worker 1 exits abruptly inside a step; worker 0 must fail at once naming it;
-  stop: worker 1 stops (SIGSTOP) inside a step; worker 0 must fail after the stall timeout.
+usage: socket_mesh.py [die|stop|skip|cancel|slow]
+  (no fault) prints "socket mesh ok W" after the checks, and the mesh's counters;
+  die:    worker 1 exits abruptly inside a step; worker 0 must fail at once naming it;
+  stop:   worker 1 stops (SIGSTOP) inside a step; worker 0 must fail after the stall timeout;
+  skip:   worker 1 skips one call and makes another; every worker must fail within the
+          transport's timeout, naming worker 1 and the call it did not make;
+  cancel: worker 0's step fails while its exchange waits for worker 1 (which never makes the
+          call): TensorFlow cancels the exchange, the step fails at once, and worker 1 is told;
+  slow:   every worker sends 10 MB to the other in one all-to-all (on a slow link its transfer
+          outlasts the stall and call timeouts: progress keeps it alive), checked against NumPy.
 """
 import os
 import signal
 import sys
+import time
 
 import numpy as np
 import tensorflow as tf
 
 import tf_nestpipe as tnp
+from tf_nestpipe.ops.sockets import socket_stats
 
 
 def inputs_of(worker, num_workers, dtype, capacity=5, dim=3):
@@ -102,18 +110,82 @@ def fault(collectives, me, num_workers, kind):
         fn(tensor).numpy()
 
 
+def skip(collectives, me, num_workers):
+    """Worker 1 makes call "mesh/other" where every other worker makes "mesh/fault"."""
+    fault_fn = tf.function(lambda v: collectives.all_to_all(v, "mesh/fault"))
+    other_fn = tf.function(lambda v: collectives.all_to_all(v, "mesh/other"))
+    tensor = tf.zeros([num_workers, 4], tf.float32)
+    for step in range(10):
+        fault_fn(tensor).numpy()
+    started = time.time()
+    try:
+        (other_fn if me == 1 else fault_fn)(tensor).numpy()
+    except tf.errors.OpError as error:
+        print("worker %d failed after %.1f s: %s: %s" % (
+            me, time.time() - started, type(error).__name__, error.message), flush=True)
+        if me == 0:
+            time.sleep(3)  # the launcher stops the cluster when one task fails: let 1 report
+        raise
+
+
+def cancel(collectives, me, num_workers):
+    """Worker 0's step fails (a py_function raises) while its exchange waits for worker 1."""
+    tensor = tf.zeros([num_workers, 4], tf.float32)
+
+    def fail_later():
+        time.sleep(1.0)
+        raise ValueError("the step's other op failed")
+
+    @tf.function
+    def step(v):
+        out = collectives.all_to_all(v, "mesh/cancel")
+        failed = tf.py_function(fail_later, [], tf.float32)
+        return out, failed
+
+    if me == 1:
+        time.sleep(60)  # never makes the call; the mesh tells it why worker 0 stopped
+        tf.function(lambda v: collectives.all_to_all(v, "mesh/after"))(tensor).numpy()
+        return
+    started = time.time()
+    try:
+        step(tensor)
+    except tf.errors.OpError as error:
+        print("worker 0 step failed after %.1f s: %s" % (time.time() - started,
+                                                          type(error).__name__), flush=True)
+    try:
+        tf.function(lambda v: collectives.all_to_all(v, "mesh/after"))(tensor).numpy()
+    except tf.errors.OpError as error:
+        print("worker 0 later call: %s: %s" % (type(error).__name__, error.message), flush=True)
+        raise
+
+
+def slow(collectives, me, num_workers):
+    """One all-to-all of 10 MB per peer, its arrival checked, and how long it took."""
+    entries = 10 * 1024 * 1024 // 4
+    values = np.stack([np.full(entries, 1000 * me + j, np.float32) for j in range(num_workers)])
+    exchange = tf.function(lambda v: collectives.all_to_all(v, "mesh/slow"))
+    exchange(tf.zeros([num_workers, 4], tf.float32)).numpy()  # traced, the path is warm
+    started = time.time()
+    got = exchange(tf.constant(values)).numpy()
+    for j in range(num_workers):
+        assert (got[j] == 1000 * j + me).all(), (j, got[j][:4])
+    print("worker %d slow exchange ok in %.1f s" % (me, time.time() - started), flush=True)
+
+
 def main():
     strategy = tnp.NestPipeStrategy()
     collectives = strategy.extended.collectives
     me, num_workers = strategy.worker_index, strategy.num_workers
     assert strategy.collectives_backend == "sockets", strategy.collectives_backend
     if len(sys.argv) > 1:
-        fault(collectives, me, num_workers, sys.argv[1])
+        {"skip": skip, "cancel": cancel, "slow": slow}.get(
+            sys.argv[1], lambda *a: fault(*a, sys.argv[1]))(collectives, me, num_workers)
         return
     check_all_to_all(collectives, me, num_workers)
     check_gradient(collectives, me, num_workers)
     check_gather_and_sum(collectives, me, num_workers)
     print("socket mesh ok %d" % num_workers, flush=True)
+    print("socket mesh stats %s" % socket_stats(), flush=True)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ def main():
     runs = [a for a in sys.argv[3:] if not a.startswith("--")]
     collectives = "horovod" if "--horovod" in sys.argv else "tf"
     # row_wise: the exchanges are what is compressed ("auto" would replicate the tables).
-    strategy = tnp.NestPipeStrategy(micro_batches=3, collectives=collectives,
+    strategy = tnp.NestPipeStrategy(micro_batches=3, transport=collectives,
                                     placement="row_wise")
     exchange = strategy.extended.embedding_exchange
     batches = exactness.make_batches(steps)

@@ -24,6 +24,7 @@ import tensorflow as tf
 from tf_nestpipe.tf_private import collective_ops, resource_variable_ops
 
 from tf_nestpipe import ops
+from tf_nestpipe.collectives.transport import Transport
 
 CommunicationImplementation = tf.distribute.experimental.CommunicationImplementation
 
@@ -63,10 +64,16 @@ def resolve_implementation(implementation, device_type):
     return implementation
 
 
-class Collectives:
-    """Issues CollectiveGatherV2 / CollectiveAllToAllV2 over the group of all `num_workers` workers."""
+class Collectives(Transport):
+    """The "tf" transport: CollectiveGatherV2 / CollectiveAllToAllV2 over the group of all
+    `num_workers` workers (the base of the other engines' streams and keys)."""
 
-    backend = "tf"
+    name = "tf"
+
+    @property
+    def backend(self):
+        """The engine's name (`name`), under its older spelling."""
+        return self.name
 
     def __init__(self, num_workers, worker_index, device, implementation, timeout_seconds=0):
         self.num_workers = num_workers

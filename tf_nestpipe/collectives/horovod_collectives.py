@@ -21,7 +21,7 @@ import threading
 
 import tensorflow as tf
 
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 from tf_nestpipe.collectives.communication import Collectives
 
 INSTALL_HINT = ("collectives='horovod' needs Horovod built against this TensorFlow: run "
@@ -133,7 +133,12 @@ class HorovodCollectives(Collectives):
     (see the module docstring); `all_reduce_sum` sums dense gradients with `hvd.allreduce`.
     Horovod has no per-collective timeout: `HOROVOD_GLOO_TIMEOUT_SECONDS` bounds Gloo's waits."""
 
-    backend = "horovod"
+    name = "horovod"
+    sends_real_splits = True
+    reduces_dense = True
+    reduces_sparse = True
+    gathers = True
+    broadcasts_initial_values = True
 
     def __init__(self, hvd, num_workers, worker_index, device, timeout_seconds=0):
         super().__init__(num_workers, worker_index, device, implementation=None,

@@ -1,17 +1,16 @@
-"""The embedding exchange over a direct TCP mesh between the workers (`SocketCollectives`).
+"""The socket transport (`SocketCollectives`): all-to-alls, all-gathers and dense all-reduces on
+a TCP mesh between the workers.
 
-On CPU a TensorFlow collective costs ~1-3 ms whatever its size (bench/results/
-collective_latency.md), and a step's exchange needs three or more of them in a row. The socket
-mesh (ops/socket_ops.cc) sends each all-to-all as one message per peer on a connection opened
-at start-up: tens of microseconds on loopback, and only the entries that hold data travel (the
-real split sizes, like Horovod's backend). The dense all-reduce stays TensorFlow's.
+A TensorFlow CPU collective costs a gRPC round trip through the collective executor whatever
+its size; a frame on an open connection a system call or two, and only the entries that hold
+data travel (the real split sizes). See docs/transport.md for the design and its measurements.
 
-`connect_socket_mesh` opens the mesh at start-up: every worker listens on its own `TF_CONFIG`
-address, the addresses and a nonce are all-gathered with TensorFlow's collectives, and the
-workers dial each other. Every worker learns whether every other one connected, so the cluster
-agrees on the transport: where one cannot (a relay or NAT address, a firewall or a Kubernetes
-NetworkPolicy that admits only TensorFlow's port), all fall back to TensorFlow's collectives and
-worker 0 says why.
+`open_socket_mesh` opens the mesh at start-up: every worker listens on its own `TF_CONFIG`
+host, the addresses are all-gathered with TensorFlow's collectives, and the workers connect and
+authenticate each other with the job's secret (`mesh_handshake`). Every worker learns whether
+every other one connected, so the cluster agrees on the transport: where one cannot (a relay or
+NAT address, a firewall or a Kubernetes NetworkPolicy that admits only TensorFlow's port), all
+fall back to TensorFlow's collectives (transport "auto") or fail (transport "sockets").
 """
 import os
 import socket
@@ -21,12 +20,11 @@ import numpy as np
 import tensorflow as tf
 
 from tf_nestpipe.collectives.communication import Collectives
-from tf_nestpipe.ops.sockets import socket_all_to_all, socket_connect, socket_listen
+from tf_nestpipe.collectives.mesh_handshake import Handshake, HandshakeError
+from tf_nestpipe.collectives.transport import TransportError
+from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all
 
-# Seconds a worker waits for its peers' connections at start-up before the cluster falls back.
-CONNECT_TIMEOUT_SECONDS = float(os.environ.get("NESTPIPE_SOCKET_CONNECT_TIMEOUT", "20"))
-# Seconds an exchange waits on a peer that sends nothing, not even its heartbeat (every 0.5 s).
-STALL_SECONDS = float(os.environ.get("NESTPIPE_SOCKET_STALL_SECONDS", "20"))
+_SECRET_WORDS = 4  # a drawn secret travels as 4 int64 words (32 bytes)
 
 
 def _ipv4_as_int(host):
@@ -37,87 +35,137 @@ def _ipv4_as_int(host):
         return -1
 
 
-def _local_address_towards(host):
-    """The IPv4 address (an int) this machine sends from to reach `host`, or -1."""
-    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-    try:
-        probe.connect((socket.gethostbyname(host), 9))  # UDP: no packet is sent
-        return _ipv4_as_int(probe.getsockname()[0])
-    except OSError:
-        return -1
-    finally:
-        probe.close()
+def _int_as_ipv4(address):
+    return socket.inet_ntoa(int(address).to_bytes(4, "big"))
 
 
-def _listen(worker_index, host):
-    """Listens for the mesh on `host` (this worker's TF_CONFIG host) if it is an address of this
-    machine, else (a relay, NAT or service address) on every interface, reached at the address
-    this machine uses towards `host`. Returns `(address as int, port, reason)`, port -1 and a
-    reason when it cannot."""
+def _listen(worker_index, host, listen_host, listen_port=0):
+    """Listens for the mesh on `listen_host` if given, else on `host` (this worker's TF_CONFIG
+    host), at `listen_port` (0: any free port). Returns `(socket or None, address as int, port, reason)`: the address peers dial
+    (the TF_CONFIG host's), and a reason when it cannot listen."""
     address = _ipv4_as_int(host)
     if address < 0:
-        return -1, -1, "worker %d's host %r has no IPv4 address" % (worker_index, host)
+        return None, -1, -1, "worker %d's host %r has no IPv4 address" % (worker_index, host)
+    bind_host = listen_host or _int_as_ipv4(address)
+    listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        return address, socket_listen(socket.inet_ntoa(address.to_bytes(4, "big"))), ""
-    except tf.errors.OpError:
-        pass
-    address = _local_address_towards(host)
-    try:
-        if address >= 0:
-            return address, socket_listen("0.0.0.0"), ""
-    except tf.errors.OpError as error:
-        return -1, -1, "worker %d cannot listen: %s" % (worker_index, error.message)
-    return -1, -1, "worker %d has no address towards %s" % (worker_index, host)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((bind_host, listen_port))
+        listener.listen(1024)
+    except OSError as error:
+        listener.close()
+        hint = ("" if listen_host else "; where the TF_CONFIG host is a relay, NAT or service "
+                "address, set TF_NESTPIPE_TRANSPORT_LISTEN_HOST (or TransportConfig.listen_host) "
+                "to an address of this machine")
+        return None, -1, -1, "worker %d cannot listen on %s:%d: %s%s" % (
+            worker_index, bind_host, listen_port, error.strerror or error, hint)
+    return listener, address, listener.getsockname()[1], ""
 
 
-def connect_socket_mesh(collectives, host):
-    """Opens the socket mesh of the cluster whose TensorFlow `collectives` this worker uses, this
-    worker listening on `host` (its `TF_CONFIG` host; see `_listen`). Returns `(True, "")` on
-    every worker when every worker connected, else `(False, reason)` on every worker."""
-    address, port, reason = _listen(collectives.worker_index, host)
-    nonce = int.from_bytes(os.urandom(7), "big")
-    table = collectives.all_gather(tf.constant([[address, port, nonce]], tf.int64),
+def _secret_words(secret):
+    return np.frombuffer(secret[:8 * _SECRET_WORDS].ljust(8 * _SECRET_WORDS, b"\0"),
+                         dtype=">i8").astype(np.int64)
+
+
+def open_socket_mesh(collectives, host, config):
+    """Opens the mesh of the cluster whose TensorFlow `collectives` this worker uses.
+
+    Args:
+      collectives: the TensorFlow collectives the addresses are all-gathered with.
+      host: this worker's `TF_CONFIG` host.
+      config: the resolved `TransportConfig`.
+
+    Returns:
+      `(True, "")` on every worker when every worker connected, else `(False, reason)` on every
+      worker.
+
+    Raises:
+      TransportError: `config.require_secret` and no secret is configured.
+    """
+    me, workers = collectives.worker_index, collectives.num_workers
+    secret = config.job_secret()
+    if secret is None and config.require_secret:
+        raise TransportError(
+            "worker %d has no transport secret and TransportConfig(require_secret=True): set "
+            "TF_NESTPIPE_TRANSPORT_SECRET or TF_NESTPIPE_TRANSPORT_SECRET_FILE on every worker "
+            "(python -m tf_nestpipe.launch sets one; on Kubernetes mount a Secret)" % me)
+    listener, address, port, reason = _listen(me, host, config.listen_host, config.listen_port)
+    drawn = os.urandom(8 * _SECRET_WORDS)
+    row = np.concatenate([[address, port, int(secret is not None)], _secret_words(drawn)])
+    table = collectives.all_gather(tf.constant(row[np.newaxis], tf.int64),
                                    "nestpipe/sockets/addresses").numpy()
-    connected = 0
-    if (table[:, 1] >= 0).all():
-        hosts = [socket.inet_ntoa(int(a).to_bytes(4, "big")) for a in table[:, 0]]
+    with_secret = table[:, 2].astype(bool)
+    if secret is None:
+        secret = table[0, 3:].astype(">i8").tobytes()
+        if me == 0:
+            print("tf_nestpipe: the socket transport has no job secret (TF_NESTPIPE_TRANSPORT_"
+                  "SECRET / _SECRET_FILE), so worker 0 drew one and shared it over TensorFlow's "
+                  "unauthenticated gRPC channel: anyone who can read that traffic could join the "
+                  "mesh. Set a secret on every worker (python -m tf_nestpipe.launch does).",
+                  file=sys.stderr, flush=True)
+    peers, addresses = {}, []
+    if (table[:, 1] < 0).any():
+        reason = reason or "worker %d could not listen" % int(np.argmax(table[:, 1] < 0))
+    elif with_secret.any() and not with_secret.all():
+        reason = ("workers %s have a transport secret and workers %s none: set the same "
+                  "TF_NESTPIPE_TRANSPORT_SECRET (or _SECRET_FILE) on every worker" % (
+                      np.flatnonzero(with_secret).tolist(),
+                      np.flatnonzero(~with_secret).tolist()))
+    else:
+        addresses = [(_int_as_ipv4(a), int(p)) for a, p in table[:, :2]]
         try:
-            socket_connect(collectives.worker_index, hosts, table[:, 1].tolist(),
-                           int(table[0, 2]), CONNECT_TIMEOUT_SECONDS, STALL_SECONDS)
-            connected = 1
-        except tf.errors.OpError as error:
-            reason = error.message
-    elif not reason:
-        reason = "worker %d could not listen" % int(np.argmax(table[:, 1] < 0))
+            peers = Handshake(me, addresses, listener, secret, config.connect_timeout_seconds,
+                              config.hello_timeout_seconds).run()
+        except HandshakeError as error:
+            reason = str(error)
+    if listener is not None:
+        listener.close()  # the mesh accepts nobody after start-up
+    connected = int(len(peers) == workers - 1)
     agreed = collectives.all_gather(tf.constant([connected], tf.int32),
                                     "nestpipe/sockets/connected").numpy()
-    if agreed.all():
-        return True, ""
-    return False, reason or "worker %d could not connect" % int(np.argmin(agreed))
+    if not agreed.all():
+        for sock in peers.values():
+            sock.close()
+        return False, reason or "worker %d could not connect" % int(np.argmin(agreed))
+    fds = [peers[j].detach() if j != me else -1 for j in range(workers)]
+    socket_adopt(me, fds, ["%s:%d" % a for a in addresses], config.timeout_seconds,
+                 config.stall_seconds, config.max_message_bytes, config.max_buffered_bytes)
+    return True, ""
 
 
 class SocketCollectives(Collectives):
-    """`Collectives` whose all-to-alls and all-gathers travel on the socket mesh once `connect`
-    has opened it on every worker (TensorFlow's collectives until then, and for good if the
-    cluster could not connect), each as one message per peer carrying only the entries with
-    data; streams, tags and instance keys as in `Collectives` (a key's calls pair in program
-    order)."""
+    """The socket transport: `Collectives` whose all-to-alls, all-gathers and dense all-reduces
+    travel on the mesh once `connect` has opened it on every worker (TensorFlow's collectives
+    until then, and for good if the cluster could not connect). Each all-to-all is one frame per
+    peer carrying only the entries with data; streams, tags and instance keys as in
+    `Collectives` (a key's calls pair in program order)."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._mesh_open = False
 
     @property
-    def backend(self):
+    def name(self):
         """"sockets" once the mesh is open, else "tf"."""
         return "sockets" if self._mesh_open else "tf"
 
-    def connect(self, host):
-        """Opens the mesh with this worker listening on `host` (see `connect_socket_mesh`);
-        returns `(connected, reason)`, the same on every worker."""
+    @property
+    def sends_real_splits(self):
+        return self._mesh_open
+
+    @property
+    def reduces_dense(self):
+        return self._mesh_open
+
+    def open(self, host, config):
+        """Opens the mesh with this worker listening on `host` (see `open_socket_mesh`).
+
+        Returns:
+          `(connected, reason)`, the same on every worker.
+        """
         if self.num_workers == 1:
             return False, "one worker"
-        connected, reason = connect_socket_mesh(self, host)
+        connected, reason = open_socket_mesh(self, host, config)
         self._mesh_open = connected
         return connected, reason
 
@@ -130,7 +178,7 @@ class SocketCollectives(Collectives):
         def issue(key, token):
             if token is None:  # eager: `_chained` passes no token, the op still takes one
                 token = self._ordering_token(self.current_stream()).handle
-            out, counts = socket_all_to_all(tensor, send_counts, fill, key, token)
+            out, counts = socket_all_to_all(tensor, send_counts, fill, key, token, label=tag)
             received.append(counts)
             return out
 
@@ -165,7 +213,7 @@ class SocketCollectives(Collectives):
 
     def all_gather(self, tensor, tag):
         """Concatenates `tensor` (same shape on every worker) from all workers along axis 0: on
-        the mesh, an all-to-all of W copies."""
+        the mesh, one frame of it to each peer."""
         tensor = tf.convert_to_tensor(tensor)
         if not self._mesh_open or tensor.shape.rank == 0:
             return super().all_gather(tensor, tag)
@@ -176,12 +224,25 @@ class SocketCollectives(Collectives):
             gathered.set_shape([tensor.shape[0] * self.num_workers] + tensor.shape[1:].as_list())
         return gathered
 
-
     def all_reduce_sum(self, tensors, tag):
-        """Sums each dense tensor of `tensors` over all workers: one all-to-all per dtype of the
-        tensors packed flat, each worker sending its vector to every peer and adding the W
-        received vectors in worker order, so every worker computes bitwise the same sum. Runs
-        on its own stream ("all_reduce"), not behind the step's embedding exchanges."""
+        """Sums each dense tensor of `tensors` over all workers.
+
+        Per dtype, the tensors are packed flat and cut into W chunks: a reduce-scatter (worker j
+        receives every worker's chunk j and adds them in worker order) then an all-gather of the
+        summed chunks, two all-to-alls that send 2(W-1)/W of the vector per worker, whatever W.
+        Each chunk is summed once, so every worker holds bitwise the same sums. Runs on its own
+        stream ("all_reduce"), not behind the step's embedding exchanges.
+
+        Args:
+          tensors: dense tensors (this worker's values).
+          tag: the collectives' tag.
+
+        Returns:
+          The sums, in the order and shapes of `tensors`.
+
+        Raises:
+          ValueError: the mesh is not open.
+        """
         tensors = [tf.convert_to_tensor(t) for t in tensors]
         if not self._mesh_open:
             raise ValueError("all_reduce_sum needs the socket mesh")
@@ -189,16 +250,22 @@ class SocketCollectives(Collectives):
         by_dtype = {}
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
+        workers = self.num_workers
         with self.stream("all_reduce"):
             for dtype, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
                 flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
-                copies = tf.repeat(flat[tf.newaxis], self.num_workers, axis=0)
-                rows = self.all_to_all(copies, "%s/%s" % (tag, dtype.name))
-                total = rows[0]
-                for j in range(1, self.num_workers):
-                    total = total + rows[j]
+                size = tf.size(flat)
+                chunk = (size + workers - 1) // workers
+                padded = tf.pad(flat, [[0, chunk * workers - size]])
+                chunks = tf.reshape(padded, [workers, chunk])
+                mine = self.all_to_all(chunks, "%s/%s/scatter" % (tag, dtype.name))
+                total = mine[0]
+                for j in range(1, workers):
+                    total = total + mine[j]
+                summed = self.all_gather(total[tf.newaxis], "%s/%s/gather" % (tag, dtype.name))
+                summed = tf.reshape(summed, [-1])[:size]
                 sizes = [tf.size(tensors[i]) for i in indices]
-                for i, part in zip(indices, tf.split(total, tf.stack(sizes), num=len(indices))):
+                for i, part in zip(indices, tf.split(summed, tf.stack(sizes), num=len(indices))):
                     out[i] = tf.reshape(part, tf.shape(tensors[i]))
                     out[i].set_shape(tensors[i].shape)
         return out
@@ -209,5 +276,5 @@ def log_fallback(worker_index, reason):
     if worker_index == 0:
         print("tf_nestpipe: the embedding exchange uses TensorFlow's collectives (~1-3 ms each "
               "on CPU) instead of the socket mesh: %s. Open the workers' ports to each other "
-              "(any port on their TF_CONFIG hosts) or pass collectives='tf' to skip the attempt."
+              "(any port on their TF_CONFIG hosts) or pass transport='tf' to skip the attempt."
               % reason, file=sys.stderr, flush=True)

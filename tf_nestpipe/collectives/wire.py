@@ -111,7 +111,7 @@ class WireStats:
         else:
             entry_bytes = (tf.reduce_prod(tf.shape(wire, out_type=tf.int64)[2:])
                            * wire.dtype.size)
-        if send_counts is not None and getattr(collectives, "backend", "tf") == "horovod":
+        if send_counts is not None and getattr(collectives, "sends_real_splits", False):
             counts = tf.cast(send_counts, tf.int64)
             entries = tf.reduce_sum(counts) - counts[collectives.worker_index]
         else:

@@ -25,10 +25,11 @@ from typing import Callable, Optional, Tuple
 
 import numpy as np
 
+from tf_nestpipe import settings
 from tf_nestpipe.data.schema import RaggedIds, Schema, SparseFeature
 from tf_nestpipe.data.tfrecord import ShardWriter, dataset_metadata, load_metadata, write_metadata
 
-CACHE_ENV = "TF_NESTPIPE_CACHE"
+CACHE_ENV = settings.CACHE.name
 OOV_ID = 0
 SINGLE_HOT = ("user", "item", "age", "gender", "occupation", "zip", "year")
 MULTI_HOT = ("genres",)
@@ -61,8 +62,12 @@ SOURCES = {
 
 
 def cache_dir() -> str:
-    """The download cache: $TF_NESTPIPE_CACHE, or ~/.cache/tf_nestpipe."""
-    return os.environ.get(CACHE_ENV) or os.path.join(os.path.expanduser("~"), ".cache", "tf_nestpipe")
+    """The download cache: `$TF_NESTPIPE_CACHE`, else ~/.cache/tf_nestpipe.
+
+    Returns:
+        The directory's path (it may not exist yet).
+    """
+    return settings.CACHE.value()
 
 
 def _source(name: str) -> MovieLensSource:

@@ -14,6 +14,11 @@ problem. Within `timeout` seconds every task either passes or fails with a
 - a task that never reported (named with its address), or a leader nobody listens at (named
   with its address).
 
+Where the job has a secret (`TF_NESTPIPE_TRANSPORT_SECRET`, which the launcher sets), every
+report is signed with it (HMAC-SHA256) and the leader ignores reports that are not: a stranger
+on the leader's port can neither fail nor delay the check (each connection has its own
+5-second deadline, handled by one event loop).
+
 In parameter-server mode the ps tasks report too (`roles=PS_MODE_ROLES`): the chief leads
 (`tnp.ParameterServerStrategy`, before it connects to the cluster) and `python -m
 tf_nestpipe.server` reports while it serves (`report_while_serving`: a PS-mode server's start
@@ -24,22 +29,29 @@ This module imports no TensorFlow; `tf_nestpipe.strategy` calls `agree_on_cluste
 process before starting TensorFlow's server (under Horovod, after `hvd.init()`).
 """
 import hashlib
+import hmac
 import json
 import os
+import selectors
 import socket
 import threading
 import time
 from typing import Dict, List, Optional, Tuple
 
-STARTUP_TIMEOUT_ENV = "TF_NESTPIPE_STARTUP_TIMEOUT"
-DEFAULT_STARTUP_TIMEOUT = 30.0
+from tf_nestpipe import settings
+from tf_nestpipe.transport_config import TransportConfig, TransportError
+
+STARTUP_TIMEOUT_ENV = settings.STARTUP_TIMEOUT.name
+DEFAULT_STARTUP_TIMEOUT = settings.STARTUP_TIMEOUT.default
 TRAINING_ROLES = ("chief", "worker")
 PS_MODE_ROLES = ("chief", "worker", "ps")  # parameter-server mode: every task reports
 # Set by the launcher for a worker server it restarted: the cluster was checked when it started.
-RESTARTED_ENV = "TF_NESTPIPE_RESTARTED_TASK"
+RESTARTED_ENV = settings.RESTARTED_TASK.name
 _LINGER_SECONDS = 3.0  # the leader keeps answering late tasks with its error this long
 _VERDICT_GRACE = 10.0  # a task waits this much longer than its timeout for the leader's verdict
 _MAX_MESSAGE = 1 << 20
+_REPORT_SECONDS = 5.0  # one connection's time to deliver its report
+_SPARE_PENDING = 64  # connections without a complete report held at once, beyond the tasks
 _SERVER_REPORT_TIMEOUT = 7 * 24 * 3600.0  # a serving task waits for the chief's check this long
 
 
@@ -49,14 +61,20 @@ class ClusterMismatchError(RuntimeError):
 
 
 def startup_timeout(value: Optional[float] = None) -> float:
-    """`value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s."""
+    """The start-up timeout: `value`, else `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s.
+
+    Args:
+        value: Seconds, or None to read the environment.
+
+    Returns:
+        Seconds, > 0.
+
+    Raises:
+        tf_nestpipe.settings.SettingError: The variable is not a number > 0.
+        ClusterMismatchError: `value` is <= 0.
+    """
     if value is None:
-        text = os.environ.get(STARTUP_TIMEOUT_ENV, "")
-        try:
-            value = float(text) if text.strip() else DEFAULT_STARTUP_TIMEOUT
-        except ValueError:
-            raise ClusterMismatchError("%s=%r is not a number of seconds"
-                                       % (STARTUP_TIMEOUT_ENV, text)) from None
+        value = settings.STARTUP_TIMEOUT.value()
     if value <= 0:
         raise ClusterMismatchError("the start-up timeout must be > 0 seconds, got %r" % (value,))
     return float(value)
@@ -166,6 +184,119 @@ def _listen(address: str, task: Tuple[str, int]) -> socket.socket:
     return server
 
 
+class _Pending:
+    """A connection to the leader whose report has not fully arrived."""
+
+    def __init__(self, conn, address, deadline):
+        self.conn, self.address, self.deadline, self.data = conn, address, deadline, b""
+
+
+def _report_mac(secret: bytes, hello: dict) -> str:
+    """The proof that a report comes from a task holding the job's secret."""
+    body = json.dumps({k: v for k, v in hello.items() if k != "mac"}, sort_keys=True)
+    return hmac.new(secret, b"nestpipe-cluster-check" + body.encode(), hashlib.sha256).hexdigest()
+
+
+def _job_secret() -> Optional[bytes]:
+    try:
+        return TransportConfig().job_secret()
+    except TransportError as error:
+        raise ClusterMismatchError(str(error)) from None
+
+
+class _Collector:
+    """The leader's reception of reports: one event loop, every connection with its own short
+    deadline, so that silent, slow or garbling connections (a port scanner, a stranger) cost
+    only themselves; a bounded number of them held at once, the oldest dropped first."""
+
+    def __init__(self, server, secret, max_pending):
+        self.server, self.secret, self.max_pending = server, secret, max_pending
+        self.selector = selectors.DefaultSelector()
+        server.setblocking(False)
+        self.selector.register(server, selectors.EVENT_READ, None)
+        self.pending = {}
+        self.refused = 0
+
+    def close(self):
+        for item in list(self.pending.values()):
+            self._drop(item)
+        self.selector.close()
+
+    def _drop(self, item):
+        self.selector.unregister(item.conn)
+        del self.pending[item.conn]
+        item.conn.close()
+
+    def reports(self, deadline):
+        """Yields `(conn, hello)` for each complete, authentic report until `deadline`."""
+        while time.time() < deadline:
+            now = time.time()
+            nearest = min([deadline] + [p.deadline for p in self.pending.values()])
+            for key, _ in self.selector.select(max(0.0, min(nearest - now, 0.5))):
+                if key.data is None:
+                    self._accept()
+                    continue
+                item = key.data
+                if self.pending.get(item.conn) is not item:
+                    continue  # dropped by an accept earlier in this round
+                try:
+                    chunk = item.conn.recv(65536)
+                except OSError:
+                    chunk = b""
+                item.data += chunk
+                if not chunk or len(item.data) >= _MAX_MESSAGE:
+                    self._drop(item)
+                    continue
+                if b"\n" not in item.data:
+                    continue
+                hello = _parse(item.data)
+                conn = item.conn
+                self.selector.unregister(conn)
+                del self.pending[conn]
+                if hello is None:
+                    conn.close()
+                    continue
+                if self.secret is not None and not hmac.compare_digest(
+                        str(hello.get("mac", "")), _report_mac(self.secret, hello)):
+                    self.refused += 1
+                    try:  # a task without the secret learns why; a stranger learns nothing new
+                        conn.setblocking(True)
+                        conn.settimeout(1.0)
+                        _send(conn, {"ok": False, "error": (
+                            "the leader refused this report: it is not signed with the job's "
+                            "secret; set the same TF_NESTPIPE_TRANSPORT_SECRET (or _SECRET_FILE) "
+                            "on every task")})
+                    except OSError:
+                        pass
+                    conn.close()
+                    continue
+                conn.setblocking(True)
+                yield conn, hello
+            for item in [p for p in self.pending.values() if p.deadline <= time.time()]:
+                self._drop(item)
+
+    def _accept(self):
+        while True:
+            try:
+                conn, addr = self.server.accept()
+            except (BlockingIOError, InterruptedError, OSError):
+                return
+            if len(self.pending) >= self.max_pending:
+                self._drop(min(self.pending.values(), key=lambda p: p.deadline))
+            conn.setblocking(False)
+            item = _Pending(conn, addr, time.time() + _REPORT_SECONDS)
+            self.pending[conn] = item
+            self.selector.register(conn, selectors.EVENT_READ, item)
+
+
+def _parse(data: bytes) -> Optional[dict]:
+    try:
+        message = json.loads(data.split(b"\n", 1)[0].decode())
+    except (ValueError, UnicodeDecodeError):
+        return None
+    return message if isinstance(message, dict) else None
+
+
 def _lead(cluster, me, timeout, roles):
     """The leader's side: collect every task's report, answer them, raise on a problem."""
     server = _listen(cluster[me[0]][me[1]], me)
@@ -174,29 +305,9 @@ def _lead(cluster, me, timeout, roles):
     reported: Dict[Tuple[str, int], Tuple[socket.socket, dict]] = {}
     others: List[socket.socket] = []
     problem = None
+    collector = _Collector(server, _job_secret(), len(expected) + _SPARE_PENDING)
     try:
-        while problem is None and len(reported) < len(expected):
-            remaining = deadline - time.time()
-            if remaining <= 0:
-                missing = [t for t in expected if t not in reported]
-                problem = ("timed out after %.0f s waiting at %s for %s to report: %s. Start "
-                           "every task of the cluster, check that each one's TF_CONFIG names "
-                           "the leader %s at %s, or raise $%s." % (
-                               timeout, cluster[me[0]][me[1]],
-                               ", ".join(_name(t) for t in missing),
-                               ", ".join("%s at %s" % (_name(t), cluster[t[0]][t[1]])
-                                         for t in missing),
-                               _name(me), cluster[me[0]][me[1]], STARTUP_TIMEOUT_ENV))
-                break
-            server.settimeout(remaining)
-            try:
-                conn, _ = server.accept()
-            except socket.timeout:
-                continue
-            hello = _receive(conn, time.time() + 5.0)
-            if hello is None or hello is _TIMED_OUT:
-                conn.close()
-                continue
+        for conn, hello in collector.reports(deadline):
             try:
                 task = (str(hello.get("role")), int(hello.get("index", -1)))
             except (TypeError, ValueError):
@@ -219,6 +330,21 @@ def _lead(cluster, me, timeout, roles):
                 reported[task] = (conn, hello)
             else:
                 others.append(conn)  # it gets the verdict too
+            if problem is not None or len(reported) == len(expected):
+                break
+        if problem is None and len(reported) < len(expected):
+            missing = [t for t in expected if t not in reported]
+            problem = ("timed out after %.0f s waiting at %s for %s to report: %s. Start "
+                       "every task of the cluster, check that each one's TF_CONFIG names "
+                       "the leader %s at %s, or raise $%s." % (
+                           timeout, cluster[me[0]][me[1]],
+                           ", ".join(_name(t) for t in missing),
+                           ", ".join("%s at %s" % (_name(t), cluster[t[0]][t[1]])
+                                     for t in missing),
+                           _name(me), cluster[me[0]][me[1]], STARTUP_TIMEOUT_ENV))
+            if collector.refused:
+                problem += (" (%d reports were refused: not signed with the job's secret)"
+                            % collector.refused)
         verdict = {"ok": problem is None, "error": problem}
         connections = [conn for conn, _ in reported.values()] + others
         for conn in connections:
@@ -230,6 +356,8 @@ def _lead(cluster, me, timeout, roles):
         for conn in connections:
             _receive(conn, time.time() + 2.0)
             conn.close()
+        collector.close()
+        server.setblocking(True)
         if problem is not None:
             _linger(server, problem)
             raise ClusterMismatchError(problem)
@@ -271,6 +399,9 @@ def _report(cluster, me, timeout):
     deadline = time.time() + timeout
     hello = {"role": me[0], "index": me[1], "cluster": cluster, "pid": os.getpid(),
              "fingerprint": fingerprint(cluster)}
+    secret = _job_secret()
+    if secret is not None:
+        hello["mac"] = _report_mac(secret, hello)
     last_error = None
     closed_unanswered = False  # something at the address took a report and closed, no answer
     while True:
@@ -328,7 +459,7 @@ def agree_on_cluster(cluster: Dict[str, List[str]], task_type: str, task_index: 
     (`$TF_NESTPIPE_RESTARTED_TASK`: the cluster was checked when it first started)."""
     me = (task_type, int(task_index))
     tasks = training_tasks(cluster, roles)
-    if len(tasks) < 2 or me not in tasks or os.environ.get(RESTARTED_ENV) == "1":
+    if len(tasks) < 2 or me not in tasks or settings.RESTARTED_TASK.value():
         return
     timeout = startup_timeout(timeout)
     if me == leader_of(cluster):

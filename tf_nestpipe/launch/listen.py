@@ -9,6 +9,8 @@ that one wildcard bind to the task's own host. The launcher sets it for every ta
 import os
 import socket
 
+from tf_nestpipe import settings
+
 SHIM = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                     "_nestpipe_bind.so")
 
@@ -36,5 +38,5 @@ def listen_only_env(address, environ=None):
     if not host or not port.isdigit():
         raise ValueError("TF_CONFIG address %r is not host:port" % address)
     preload = (environ or os.environ).get("LD_PRELOAD", "")
-    return {"NESTPIPE_BIND_HOST": numeric_host(host), "NESTPIPE_BIND_PORT": port,
+    return {settings.BIND_HOST.name: numeric_host(host), settings.BIND_PORT.name: port,
             "LD_PRELOAD": SHIM + (":" + preload if preload else "")}

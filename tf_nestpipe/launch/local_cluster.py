@@ -23,6 +23,7 @@ import ctypes
 import dataclasses
 import json
 import os
+import secrets
 import shlex
 import signal
 import socket
@@ -33,15 +34,17 @@ import threading
 import time
 from typing import Dict, List, Optional, Sequence
 
+from tf_nestpipe import settings
 from tf_nestpipe.launch.cluster_check import RESTARTED_ENV
 from tf_nestpipe.launch.listen import ShimMissingError, listen_only_env
 from tf_nestpipe.launch import cpu_pinning
 from tf_nestpipe.launch import threads as thread_pools
 from tf_nestpipe.launch.allocator import allocator_env
+from tf_nestpipe.transport_config import SECRET_ENV, SECRET_FILE_ENV
 
 _PR_SET_PDEATHSIG = 1
-OUTPUT_ENV = "TF_NESTPIPE_LAUNCH_OUTPUT"
-OUTPUT_MODES = ("first", "all")
+OUTPUT_ENV = settings.LAUNCH_OUTPUT.name
+OUTPUT_MODES = settings.LAUNCH_OUTPUT_MODES
 DEFAULT_GRACE_PERIOD = 25.0  # below Kubernetes' default terminationGracePeriodSeconds (30)
 _FAILURE_TAIL_LINES = 30
 # TensorFlow's start-up lines that come before it reads TF_CPP_MIN_LOG_LEVEL (so that setting
@@ -148,7 +151,7 @@ class LocalCluster:
         where the launcher splits the cores itself, i.e. no `threads_per_task`, and not in
         parameter-server mode) pins each task to its own physical cores, its thread pools sized
         to them (`cpu_pinning`)."""
-        output_mode = output_mode or os.environ.get(OUTPUT_ENV) or "first"
+        output_mode = output_mode or settings.LAUNCH_OUTPUT.value()
         if output_mode not in OUTPUT_MODES:
             raise ValueError("output mode must be one of %s, got %r" % (OUTPUT_MODES, output_mode))
         if grace_period < 0:
@@ -185,6 +188,11 @@ class LocalCluster:
         self.max_worker_restarts = 3  # per worker server, parameter-server mode only
         self._restarts: Dict[str, int] = {}
         self.env = dict(env or {})
+        # One secret per job, the same in every task (restarts included), unless the caller's
+        # environment brings one: the socket transport's peers prove they hold it.
+        if not (self.env.get(SECRET_ENV) or os.environ.get(SECRET_ENV)
+                or self.env.get(SECRET_FILE_ENV) or os.environ.get(SECRET_FILE_ENV)):
+            self.env[SECRET_ENV] = secrets.token_hex(32)
         num_tasks = sum(len(addresses) for addresses in self.cluster.values())
         if pin_cpus is None:
             pin_cpus = threads_per_task is None and not self.parameter_server_mode

@@ -5,7 +5,7 @@ import os
 import sys
 
 from tf_nestpipe.launch.listen import listen_only_env
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 
 
 def main(argv=None):

@@ -1,5 +1,5 @@
-"""Key-centric sample clustering (DESIGN.md section 4): reorders the samples of a batch so that
-its micro-batches share keys, and puts the micro-batch with the fewest keys first.
+"""Key-centric sample clustering (docs/design/design.md §4): reorders the samples of a batch so
+that its micro-batches share keys, and puts the micro-batch with the fewest keys first.
 
 The gradient sum of a batch does not depend on the order of its samples, so the training result
 is unchanged (up to float summation order). Each sample is assigned its *anchor* key: among its

@@ -1,5 +1,5 @@
-"""Dual-Buffer Pipeline stages for one exchange (DESIGN.md section 3). `tables` is the exchange's
-row source (`FusedTables`: one table or a group fused in one id space).
+"""Dual-Buffer Pipeline stages for one exchange (docs/design/design.md §3). `tables` is the
+exchange's row source (`FusedTables`: one table or a group fused in one id space).
 
 - `fetch`: retrieval (stage 4) of a batch's routed fused ids (routing, stage 3, is
   `sharding.lookup.route` / `route_rounds`), reading the tables before any later update. The

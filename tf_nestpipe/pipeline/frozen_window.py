@@ -1,4 +1,4 @@
-"""Frozen-Window Pipeline (DESIGN.md section 4): micro-batches inside one synchronous step.
+"""Frozen-Window Pipeline (docs/design/design.md §4): micro-batches inside one synchronous step.
 
 Between a batch's first lookup and its sparse update the tables do not change: every row is
 *frozen* for the window. So the batch is split into M micro-batches, each looked up on its own:

@@ -1,5 +1,5 @@
 """The fused exchange of a step: every row-wise lookup the model makes goes through one exchange
-per group of tables and round (DESIGN.md section 10), however the model is written (separate
+per group of tables and round (docs/design/design.md §10), however the model is written (separate
 `ShardedEmbedding` layers, collections, TFRS towers).
 
 A *route pass* traces the model on the batch's features with a `RouteRecorder` installed: each

@@ -1,28 +1,28 @@
-"""Scaling model of NestPipe training: measured per-stage costs -> predicted step time and
-scaling efficiency for W = 1 ... 1,536 workers with and without DBP / FWP.
+"""Table placement: the planner that decides per embedding table how it is laid out over the
+workers (`placement`), and the collective costs it decides with (`collective_costs`: the
+package's defaults, or this cluster's calibration; `for_transport`).
 
-    python -m tf_nestpipe.plan --measure     # measure the stage costs here (~5 min, 2 cores)
-    python -m tf_nestpipe.plan               # predict from bench/results/plan_costs.json
+    python -m tf_nestpipe.plan placement --table item:2000000:16 --workers 4   # show a plan
+    python -m tf_nestpipe.plan calibrate --workers 2                            # measure costs
 
-The arithmetic (`model`) and the costs file (`costs`) import no TensorFlow; measuring does.
+Imports no TensorFlow (calibrating does, in the processes it starts).
 """
-from tf_nestpipe.plan.costs import (CostsError, build_scenarios, datacenter_collectives,
-                                    load_costs, validate_costs)
-from tf_nestpipe.plan.model import (PIPELINES, CollectiveParams, ModelError, Scenario, StepModel,
-                                    collective_ms, overlap, padded_capacity)
+from tf_nestpipe.plan.collective_costs import (CollectiveCosts, CollectiveParams, CostsFileError,
+                                               calibration_path, collective_ms, for_transport)
+from tf_nestpipe.plan.placement import (PlacementError, Planner, TablePlan, TableSpec,
+                                        plan_tables, render_plan)
 
 __all__ = [
-    "PIPELINES",
+    "CollectiveCosts",
     "CollectiveParams",
-    "CostsError",
-    "ModelError",
-    "Scenario",
-    "StepModel",
-    "build_scenarios",
+    "CostsFileError",
+    "PlacementError",
+    "Planner",
+    "TablePlan",
+    "TableSpec",
+    "calibration_path",
     "collective_ms",
-    "datacenter_collectives",
-    "load_costs",
-    "overlap",
-    "padded_capacity",
-    "validate_costs",
+    "for_transport",
+    "plan_tables",
+    "render_plan",
 ]

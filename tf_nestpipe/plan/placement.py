@@ -1,5 +1,5 @@
 """Table placement: the one rule that decides, per embedding table, how it is laid out over the
-workers of a `NestPipeStrategy` (issue 15). Pure arithmetic: imports no TensorFlow.
+workers of a `NestPipeStrategy`. Pure arithmetic: imports no TensorFlow.
 
 - `data_parallel`: the table is an ordinary mirrored variable on every worker; lookups are local
   gathers (no all-to-all) and its gradient, made dense, joins the dense gradient all-reduce.
@@ -35,19 +35,18 @@ worker whose costs file differs or is missing still plans as worker 0 does.
 
 The collective costs depend on the transport the strategy's collectives use (`transport`,
 `Collectives.backend`): "tf" (TensorFlow's collectives; also used for Horovod's, not measured
-separately) reads the costs file's `collectives` section, "sockets" (the socket mesh, the
-default transport on CPU) its `collectives_sockets` section (`bench/stage_costs.py cluster
---collectives-only`, see `bench/results/plan_costs.json`'s "how"); without the file, the
-constants measured there on the 2-core testbed, copied below. The mesh's all-to-alls cost a
-fraction of TF's, so on the mesh fewer tables are worth replicating. `Planner(collectives=...)`
-takes configured costs instead.
+separately) or "sockets" (the socket mesh, the default transport on CPU, whose all-to-alls cost
+a fraction of TF's, so on the mesh fewer tables are worth replicating). They come from
+`tf_nestpipe.plan.collective_costs`: this cluster's calibration (`python -m tf_nestpipe.plan
+calibrate`) where there is one, else the defaults shipped with the package; the printed plan
+says which. `Planner(collectives=...)` takes configured costs instead.
 """
 import dataclasses
 import math
-import os
 from typing import Dict, Optional
 
-from tf_nestpipe.plan.model import CollectiveParams, collective_ms
+from tf_nestpipe.plan import collective_costs
+from tf_nestpipe.plan.collective_costs import CollectiveParams, collective_ms
 
 DATA_PARALLEL = "data_parallel"
 ROW_WISE = "row_wise"
@@ -66,27 +65,8 @@ DEFAULT_IDS_PER_STEP = 1024
 # The collectives one row-wise exchange issues per step: keys, rows, and the gradient's rows.
 ALL_TO_ALLS_PER_EXCHANGE = 3
 
-# Measured on the testbed (bench/results/plan_costs.json, 2026-11-30, ring on 2 shared cores):
-# per kind, the fit over worker counts and the per-W (intercept ms, ms per MB) of the sweeps.
-_TESTBED = {
-    "all_to_all": CollectiveParams(0.0, 1.5155, 3.0952, "ring",
-                                   {2: (0.8335, 1.2723), 4: (4.5804, 2.9888)}),
-    "all_reduce": CollectiveParams(0.0, 1.4175, 4.0126, "ring",
-                                   {2: (1.8768, 2.4858), 4: (8.2493, 7.9847)}),
-}
-# The same sweeps on the socket mesh (bench/stage_costs.py cluster --collectives-only, 2026-12-01,
-# 2 shared cores): collectives_sockets of plan_costs.json.
-_TESTBED_SOCKETS = {
-    "all_to_all": CollectiveParams(0.0, 0.7228, 1.9724, "ring",
-                                   {2: (0.3771, 0.7017), 4: (2.1590, 1.9447)}),
-    "all_reduce": CollectiveParams(0.0, 0.5273, 6.1808, "ring",
-                                   {2: (0.3031, 2.7489), 4: (2.4583, 12.8382)}),
-}
-# The costs file's section for each transport (Collectives.backend).
-TRANSPORT_SECTIONS = {"tf": "collectives", "horovod": "collectives",
-                      "sockets": "collectives_sockets"}
-_COSTS_FILE = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
-    os.path.abspath(__file__)))), "bench", "results", "plan_costs.json")
+# The transports whose costs the planner knows (Collectives.backend).
+TRANSPORT_SECTIONS = {"tf": "tf", "horovod": "tf", "sockets": "sockets"}
 
 
 class PlacementError(ValueError):
@@ -133,21 +113,38 @@ class TablePlan:
 
 
 def default_collectives(transport="tf"):
-    """`{"all_to_all", "all_reduce"}` CollectiveParams of `transport` ("tf", "horovod" or
-    "sockets"): the costs file's fit for it with its per-W sweeps when the file is there and
-    readable, else the testbed constants above."""
+    """The planner's collective costs for `transport` when none are configured.
+
+    Args:
+        transport: "tf", "horovod" or "sockets".
+
+    Returns:
+        `{"all_to_all", "all_reduce"}` CollectiveParams: this cluster's calibration of the
+        transport if there is one, else the package's defaults (`costs_source` says which).
+
+    Raises:
+        PlacementError: An unknown transport, or a calibration file that cannot be read.
+    """
+    return _costs(transport).collectives
+
+
+def costs_source(transport="tf"):
+    """One line saying where `default_collectives(transport)` comes from (printed with the plan).
+
+    Raises:
+        PlacementError: As `default_collectives`.
+    """
+    return _costs(transport).source
+
+
+def _costs(transport):
     if transport not in TRANSPORT_SECTIONS:
         raise PlacementError("transport must be one of %s, got %r"
                              % (", ".join(sorted(TRANSPORT_SECTIONS)), transport))
-    section = TRANSPORT_SECTIONS[transport]
     try:
-        from tf_nestpipe.plan.costs import load_costs, measured_collectives
-
-        costs = load_costs(_COSTS_FILE)
-        params = measured_collectives({"collectives": costs[section]}, per_workers=True)
-        return {kind: params[kind] for kind in ("all_to_all", "all_reduce")}
-    except Exception:  # pylint: disable=broad-except
-        return dict(_TESTBED_SOCKETS if section == "collectives_sockets" else _TESTBED)
+        return collective_costs.for_transport(transport)
+    except ValueError as error:
+        raise PlacementError(str(error)) from None
 
 
 def linear_costs(collectives, workers):
@@ -259,7 +256,7 @@ class Planner:
 
     def __init__(self, placement=AUTO, workers=1, memory_budget_bytes=None,
                  optimizer_slots=DEFAULT_OPTIMIZER_SLOTS, ids_per_step=DEFAULT_IDS_PER_STEP,
-                 collectives=None, transport="tf"):
+                 collectives=None, transport="tf", costs_source=None):
         self.placement = parse_placement(placement)
         if transport not in TRANSPORT_SECTIONS:
             raise PlacementError("transport must be one of %s, got %r"
@@ -274,6 +271,7 @@ class Planner:
         self.optimizer_slots = int(optimizer_slots)
         self.ids_per_step = int(ids_per_step)
         self._collectives = collectives
+        self._costs_source = costs_source if collectives is not None else None
         self.plans = []  # TablePlan per table, in placement order
 
     @property
@@ -281,8 +279,17 @@ class Planner:
         """The collective cost parameters the auto rule uses (configured, else the measured
         ones of the planner's transport)."""
         if self._collectives is None:
-            self._collectives = default_collectives(self.transport)
+            costs = _costs(self.transport)
+            self._collectives, self._costs_source = costs.collectives, costs.source
         return self._collectives
+
+    @property
+    def costs_source(self):
+        """Where the costs the auto rule uses came from (configured costs: what the caller said,
+        else "configured")."""
+        if self._collectives is None:
+            return _costs(self.transport).source
+        return self._costs_source or "configured"
 
     def worker_bytes(self, worker):
         """Bytes worker `worker` holds for the tables placed so far."""
@@ -482,10 +489,20 @@ class Planner:
                    ", ".join(repr(p.table.name) for p in self.plans) or "none"))
 
 
-def render_plan(plans, workers, transport=None):
-    """The plan as a text table: table, rows, dim, placement (a table_wise table's as
-    `table_wise@OWNER`), bytes per worker, traffic/step; the total's bytes are those of the
-    worker holding the most."""
+def render_plan(plans, workers, transport=None, costs=None):
+    """The plan as text.
+
+    Args:
+        plans: The TablePlans, in placement order.
+        workers: The worker count.
+        transport: The transport whose costs were used, for the heading (None: not named).
+        costs: Where those costs came from (`Planner.costs_source`), a line below the heading.
+
+    Returns:
+        A table of table, rows, dim, placement (a table_wise table's as `table_wise@OWNER`),
+        bytes per worker, traffic per step, modelled ms and why; the total's bytes are those
+        of the worker holding the most.
+    """
     header = ("table", "rows", "dim", "placement", "bytes/worker", "traffic/step", "model ms",
               "why")
     lines = [header]
@@ -500,6 +517,8 @@ def render_plan(plans, workers, transport=None):
     widths = [max(len(row[i]) for row in lines) for i in range(len(header))]
     text = ["tf_nestpipe placement on %d worker(s)%s:" % (
         workers, "" if transport is None else ", %s collectives' costs" % transport)]
+    if costs:
+        text.append("  costs: %s" % costs)
     for k, row in enumerate(lines):
         text.append("  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
         if k == 0:
@@ -527,7 +546,7 @@ def plan_tables(tables, workers, placement=AUTO, memory_budget_bytes=None,
 
 def model_tables(model) -> Dict[str, TableSpec]:
     """The TableSpecs of every `ShardedEmbedding` of a tf_keras model (built or not), by name
-    (imports tf_nestpipe's layers: only for `python -m tf_nestpipe.plan --placement`)."""
+    (imports tf_nestpipe's layers: only for `python -m tf_nestpipe.plan placement --model`)."""
     from tf_nestpipe import tf_private
     from tf_nestpipe.sharding.embedding import ShardedEmbedding
 

@@ -1,4 +1,4 @@
-"""Who fetches a sharded table's rows while a step is traced (DESIGN.md section 10).
+"""Who fetches a sharded table's rows while a step is traced (docs/design/design.md §10).
 
 A `ShardedEmbedding` layer asks the *installed row fetcher* for the rows of its ids. With none
 installed that is `DirectFetcher`: the layer's own lookup (one table's synchronous exchange, a

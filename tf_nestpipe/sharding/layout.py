@@ -3,7 +3,7 @@
 Row-wise (the default): id `k` of a table with `vocab_size` rows sharded over `num_shards`
 workers is owned by shard `k mod num_shards` and stored there at local row `k // num_shards`.
 Modulo placement spreads frequency-ranked (Zipf-hot, small) ids evenly over the workers.
-Table-wise (`owner_shard` set, issue 15): the whole table lives on worker `owner_shard`, id `k`
+Table-wise (`owner_shard` set): the whole table lives on worker `owner_shard`, id `k`
 at local row `k`; every other worker holds none of its rows.
 """
 import dataclasses

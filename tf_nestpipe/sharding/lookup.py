@@ -1,4 +1,4 @@
-"""The row-wise sharder's stages for one exchange (DESIGN.md sections 2 and 10).
+"""The row-wise sharder's stages for one exchange (docs/design/design.md §2, §10).
 
 `source` is the row source of the exchange: a `FusedTables` (one table, or every table of one
 dim and dtype in one fused id space) with its `layout` and `gather(local_rows)`.

@@ -38,7 +38,7 @@ def creating_row_shard(layout):
         _creation_state.layout = previous
 
 
-# --- replicated (data-parallel) tables (issue 15) ----------------------------------------------
+# --- replicated (data-parallel) tables ----------------------------------------------
 _REPLICATED_ATTR = "_nestpipe_replicated_table"
 
 

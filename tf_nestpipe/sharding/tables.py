@@ -2,14 +2,14 @@
 one id space.
 
 Each table reserves, in the local row space of every worker s, a span of rows: a row-wise table
-`ceil(vocab / W)` rows on every worker, a table-wise one (issue 15) all its rows on its owner
+`ceil(vocab / W)` rows on every worker, a table-wise one all its rows on its owner
 and none elsewhere; spans follow each other in registration order, so table t starts at local
 row `starts[t][s]` on worker s. Table t's id k (owned by `layout.owner(k)` at
 `layout.local_row(k)`, the table's `ShardLayout`) is fused id
 `W * (starts[t][owner] + local_row) + owner`: the ownership rule of a `ShardLayout` of the fused
 space (owner = fused mod W, local row = fused // W) then names the same worker and that worker's
 fused local row. For a group of row-wise tables only, `starts[t]` is the same on every worker
-and the fused id is `W * starts[t] + k` (DESIGN.md section 10). One exchange then routes,
+and the fused id is `W * starts[t] + k` (docs/design/design.md §10). One exchange then routes,
 fetches and sends back the rows of all the tables together.
 """
 import numpy as np

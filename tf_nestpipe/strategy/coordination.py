@@ -3,33 +3,40 @@ survives a stalled machine.
 
 `MultiWorkerMirroredStrategy` starts TensorFlow's coordination service with its defaults: a task
 that sends no heartbeat for 10 s is declared dead and every pending collective in the cluster is
-aborted. On a loaded 2-core CI machine (the suite took 2.5x its usual time) both tasks of a
-healthy cluster were declared dead at once ("Task ... heartbeat timeout") 173 s into a run: the
-whole machine had stalled for over 10 s, and the run was lost. NestPipe configures the service
-itself, exactly as the strategy would (the same leader and jobs), with a longer timeout:
-`TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` (default 30). A worker that really stops answering is still
-named by the service's verdict, after that long (tests/test_dead_peer.py: within 60 s).
+aborted, so a machine that stalls for longer (a loaded host) loses a healthy run. NestPipe
+configures the service itself, exactly as the strategy would (the same leader and jobs), with a
+longer timeout: `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` (default 30). A worker that really stops
+answering is still named by the service's verdict, after that long (tests/test_dead_peer.py).
 """
 from tf_nestpipe.tf_private import eager_context as context
 from tf_nestpipe.tf_private import framework_ops as ops
 from tf_nestpipe.tf_private import multi_worker_util
 
-from tf_nestpipe.strategy.env_settings import seconds_from_env
+from tf_nestpipe import settings
 
 # The protobuf module `context.configure_coordination_service` builds its config from.
 coordination_config_pb2 = context.coordination_config_pb2
 
-DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = 30.0
-_ENV = "TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS"
+DEFAULT_HEARTBEAT_TIMEOUT_SECONDS = settings.HEARTBEAT_TIMEOUT_SECONDS.default
 # The tasks TensorFlow's strategy coordinates (its _initialize_multi_worker).
 _COORDINATED_JOBS = ("chief", "worker")
 
 
 def heartbeat_timeout_from_env(default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
-    """The seconds `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` sets, else `default`; a value that is
-    not a number >= 1 is refused naming the variable."""
-    return seconds_from_env(_ENV, default, 1, "how long a silent worker may go before the "
-                            "cluster is aborted")
+    """The seconds `TF_NESTPIPE_HEARTBEAT_TIMEOUT_SECONDS` sets.
+
+    Args:
+        default: The timeout when the variable is unset or empty.
+
+    Returns:
+        Seconds, >= 1.
+
+    Raises:
+        tf_nestpipe.settings.SettingError: The variable is not a number >= 1.
+    """
+    if not settings.HEARTBEAT_TIMEOUT_SECONDS.is_set():
+        return float(default)
+    return settings.HEARTBEAT_TIMEOUT_SECONDS.value()
 
 
 def configure_coordination_service(cluster_resolver, heartbeat_timeout_seconds=None):

@@ -1,4 +1,4 @@
-"""DOWNPOUR update windows over `tnp.ParameterServerStrategy` (DESIGN.md section 5).
+"""DOWNPOUR update windows over `tnp.ParameterServerStrategy` (docs/design/design.md §5).
 
 One scheduled *window* on a worker: pull the parameters from the ps tasks into that worker's
 own copy of the model, run `update_window` (T) local steps on it with a local optimizer (its

@@ -2,8 +2,8 @@
 
 Fits a fresh `model_fn()` twice on the same batches, once with the strategy's pipeline setting
 (`pipeline`, `micro_batches`, `cluster_samples`) and once without a pipeline (the synchronous
-reference every pipeline must equal, DESIGN.md section 2), and reports the largest difference of
-any parameter (whole tables, dense weights). A collective: call it on every worker.
+reference every pipeline must equal, docs/design/design.md §2), and reports the largest
+difference of any parameter (whole tables, dense weights). A collective: call it on every worker.
 """
 import dataclasses
 

@@ -1,10 +1,9 @@
 """A worker that dies of an uncaught error exits, even when its shutdown would block.
 
-Seen in a loaded full-suite run: worker 1's step raised (an out-of-range id), Python printed the
-traceback, and the process never exited: its shutdown blocked (where was not captured: it did
-not reproduce in 6 reruns; the guard's stack dump names it next time), its socket mesh kept
-sending heartbeats, so worker 0 waited in its exchange and the launcher, which tears the
-cluster down when a task exits, never saw an exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
+A worker whose step raised prints the traceback and starts to shut down; if that shutdown
+blocks (e.g. on a peer's pending collective) while its socket mesh keeps sending heartbeats,
+its peers wait in their exchanges and the launcher, which tears the cluster down when a task
+exits, never sees an exit. `install(grace_seconds)` chains `sys.excepthook`: after the usual traceback it arms
 `faulthandler.dump_traceback_later(grace_seconds, exit=True)`, a native watchdog that outlives
 the interpreter's own threads during shutdown. A shutdown that finishes in time is untouched
 (atexit handlers run as usual); one that blocks longer prints every thread's stack (where it
@@ -15,20 +14,31 @@ import faulthandler
 import sys
 import threading
 
-from tf_nestpipe.strategy.env_settings import seconds_from_env
+from tf_nestpipe import settings
 
 # Seconds a worker's shutdown may take after an uncaught error (TF_NESTPIPE_EXIT_GRACE_SECONDS).
-DEFAULT_GRACE_SECONDS = 15.0
-_ENV = "TF_NESTPIPE_EXIT_GRACE_SECONDS"
+DEFAULT_GRACE_SECONDS = settings.EXIT_GRACE_SECONDS.default
+_ENV = settings.EXIT_GRACE_SECONDS.name
 
 _lock = threading.Lock()
 _installed = {"grace": None, "previous": None}
 
 
 def grace_from_env(default=DEFAULT_GRACE_SECONDS):
-    """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard), else
-    `default`; a value that is not a number >= 0 is refused naming the variable."""
-    return seconds_from_env(_ENV, default, 0, "0 turns the exit guard off")
+    """The grace period `TF_NESTPIPE_EXIT_GRACE_SECONDS` sets (0 disables the guard).
+
+    Args:
+        default: The grace period when the variable is unset or empty.
+
+    Returns:
+        Seconds, >= 0.
+
+    Raises:
+        tf_nestpipe.settings.SettingError: The variable is not a number >= 0.
+    """
+    if not settings.EXIT_GRACE_SECONDS.is_set():
+        return float(default)
+    return settings.EXIT_GRACE_SECONDS.value()
 
 
 def _guarded_excepthook(kind, value, traceback):

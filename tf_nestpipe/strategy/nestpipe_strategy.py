@@ -2,7 +2,7 @@
 
 Dense variables are mirrored and all-reduced exactly as in `MultiWorkerMirroredStrategy` (one
 replica per worker). Each `tf_nestpipe.ShardedEmbedding` table is placed by the planner
-(issue 15, `placement="auto"` by default). A table placed `row_wise` (or `table_wise`) is a *row
+(`placement="auto"` by default). A table placed `row_wise` (or `table_wise`) is a *row
 shard*: a plain worker-local variable holding only the rows this worker owns; its optimizer
 slots are worker-local too, and its gradient bypasses the dense all-reduce because the lookup's
 backward all-to-all already delivered each owner the summed gradient of its rows. A table placed
@@ -10,7 +10,9 @@ backward all-to-all already delivered each owner the summed gradient of its rows
 dense ones.
 """
 import contextlib
+import dataclasses
 import sys
+import warnings
 
 import tensorflow as tf
 from tf_nestpipe import tf_private
@@ -24,10 +26,10 @@ from tf_nestpipe.tf_private import trackable_base as _trackable_base
 
 from tf_nestpipe.data.autoshard import check_auto_shard, equal_static_shares
 from tf_nestpipe.launch import allocator, cluster_check
-from tf_nestpipe.launch.tf_config import check_synchronous_roles, parse_tf_config
+from tf_nestpipe.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe.pipeline.modes import PIPELINES
-from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear,
+from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear, costs_source,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
 from tf_nestpipe.sharding.embedding import register_multi_worker_strategy
@@ -40,21 +42,22 @@ from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.summed_reads import SummedReads
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
-from tf_nestpipe.collectives.communication import (CommunicationImplementation, Collectives,
+from tf_nestpipe.collectives.communication import (CommunicationImplementation,
                                                 resolve_implementation)
-from tf_nestpipe.collectives.horovod_collectives import HorovodCollectives, init_horovod
-from tf_nestpipe.collectives.sockets import SocketCollectives, log_fallback
+from tf_nestpipe.collectives.horovod_collectives import init_horovod
+from tf_nestpipe.collectives.sockets import log_fallback
+from tf_nestpipe.collectives.transport import (TransportConfig, TransportError,
+                                               as_transport_config, create_transport)
 from tf_nestpipe.collectives.wire import parse_wire_dtype
 from tf_nestpipe import tf_private
 
-COLLECTIVES = ("auto", "sockets", "tf", "horovod")
 
 
-# --- start-up checks (issue 17) -------------------------------------------------------------
+# --- start-up checks -------------------------------------------------------------
 _checked_clusters = set()
 
 
-def check_cluster_at_startup(config, collectives, timeout=None):
+def check_cluster_at_startup(config, transport, timeout=None):
     """Before TensorFlow starts its server: refuses roles we do not run (e.g. evaluator) and
     checks with every other task that all were given the same cluster (once per process; see
     `tf_nestpipe.launch.cluster_check`). Under Horovod the comparison runs after `hvd.init()`
@@ -62,7 +65,7 @@ def check_cluster_at_startup(config, collectives, timeout=None):
     if config is None:
         return
     check_synchronous_roles(config)
-    if collectives != "horovod":
+    if not transport.engine_owns_cluster:
         _agree_once(config, timeout)
 
 
@@ -90,17 +93,17 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
     def __init__(self, container_strategy, cluster_resolver, communication_options,
-                 collective_timeout_seconds=0, collectives="auto", check_equal_shares=True):
+                 transport=TransportConfig(), check_equal_shares=True):
         # Deleting a distributed iterator must not wait on an idle autotuning thread.
         tf_private.device_datasets_without_autotune()
-        self._nestpipe_backend = collectives
+        self._transport_config = transport = transport.resolved()
         self._nestpipe_check_shares = bool(check_equal_shares)
         self._nestpipe_share_size = None
         self._nestpipe_known_shares = None  # every share size, from the keys exchange
         self._nestpipe_known_check = None  # their check, where the step made it first
         # Packed metric-state reads within a step (metric_reads_within_step).
         self._summed_reads = SummedReads(self._sum_over_workers)
-        if collectives == "horovod":
+        if transport.engine_owns_cluster:
             # Horovod is the whole communication layer: TensorFlow runs as one local worker (no
             # gRPC server, no TF collectives) and the cluster is Horovod's (rank, size).
             hvd, rank, size = init_horovod()
@@ -108,35 +111,31 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
                 tf.train.ClusterSpec({}), rpc_layer="grpc")
         super().__init__(container_strategy, cluster_resolver=cluster_resolver,
                          communication_options=communication_options)
-        if collectives == "horovod":
+        if transport.engine_owns_cluster:
             self._num_workers, self._id_in_cluster = size, rank
             self._is_chief = rank == 0
             self._task_type, self._task_id = "worker", rank
-            self._nestpipe_collectives = HorovodCollectives(
-                hvd, num_workers=size, worker_index=rank, device=self.worker_devices[0],
-                timeout_seconds=collective_timeout_seconds)
+            self._nestpipe_collectives, _ = create_transport(
+                transport, self._local_device_type, size, rank, self.worker_devices[0], None,
+                hvd=hvd)
             self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, size)
             if size > 1:
                 exit_guard.install()
             return
-        # "auto" / "sockets": the exchange on the socket mesh once it is open (below).
-        collectives_class = Collectives if collectives == "tf" else SocketCollectives
-        self._nestpipe_collectives = collectives_class(
-            num_workers=self._num_workers,
-            worker_index=self._id_in_cluster,
-            device=self.worker_devices[0],
-            implementation=resolve_implementation(communication_options.implementation,
-                                                  self._local_device_type),
-            timeout_seconds=collective_timeout_seconds)
+        self._nestpipe_collectives, may_fall_back = create_transport(
+            transport, self._local_device_type, self._num_workers, self._id_in_cluster,
+            self.worker_devices[0],
+            resolve_implementation(communication_options.implementation,
+                                   self._local_device_type))
         self._nestpipe_collectives.worker_index = self._collective_rank()
-        if collectives != "tf" and self._num_workers > 1:
-            self._open_socket_mesh(collectives)
+        if self._num_workers > 1:
+            self._open_transport(may_fall_back)
         if self._num_workers > 1:
             exit_guard.install()  # a worker dying of an uncaught error exits (peers wait on it)
         # The per-step exchange of every row-wise table (the pipelines install its fetchers).
         self.embedding_exchange = EmbeddingExchange(self._nestpipe_collectives, self._num_workers)
 
-    # --- table placement (issue 15) -----------------------------------------------------------
+    # --- table placement -----------------------------------------------------------
     def set_placement(self, placement, memory_budget_bytes):
         """A new planner for the tables built from now on (checks `placement` at once)."""
         # Costed with the collectives of the transport in use (the socket mesh once open), as
@@ -145,15 +144,18 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._nestpipe_plan_costs = self._agreed_plan_costs()
         self._nestpipe_planner = Planner(placement, self._num_workers, memory_budget_bytes,
                                          collectives=self._nestpipe_plan_costs,
-                                         transport=self._nestpipe_collectives.backend)
+                                         transport=self._nestpipe_collectives.name,
+                                         costs_source=self._nestpipe_costs_source)
         self._nestpipe_plan_reported = False
         self._nestpipe_announced = []  # tables constructed in the scope, not placed yet
 
     def _agreed_plan_costs(self):
         """The planner's collective costs, worker 0's on every worker (one all-gather at
         start-up): placement decides which variables each worker creates, so every worker must
-        plan alike even where its costs file differs or is missing."""
-        costs = default_collectives(self._nestpipe_collectives.backend)
+        plan alike even where its calibration differs or is missing."""
+        costs = default_collectives(self._nestpipe_collectives.name)
+        # Worker 0 prints the plan, so its own source names the costs every worker uses.
+        self._nestpipe_costs_source = costs_source(self._nestpipe_collectives.name)
         if self._num_workers <= 1:
             return costs
         mine = tf.constant([linear_costs(costs, self._num_workers)], tf.float64)
@@ -201,8 +203,8 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_plan_reported = True
         plans = self._nestpipe_planner.plans
         if plans and self._num_workers > 1 and self._id_in_cluster == 0:
-            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport),
-                  flush=True)
+            print(render_plan(plans, self._num_workers, self._nestpipe_planner.transport,
+                              self._nestpipe_planner.costs_source), flush=True)
 
     @staticmethod
     def _dense_gradient(value):
@@ -217,7 +219,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return value
     # --- end of table placement --------------------------------------------------------------
 
-    # --- equal shares of the global batch (issue 17) ---------------------------------------
+    # --- equal shares of the global batch ---------------------------------------
     def _call_for_each_replica(self, fn, args, kwargs):
         """Runs `fn`, noting the size of this worker's share of the step's batch (its first
         argument) when it is not static, for `_equal_shares_check` (see `equal_shares`)."""
@@ -294,22 +296,21 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             devices = ("/device:%s:0" % device_type,)
         super()._initialize_local(cluster_resolver, devices=devices[:1])
 
-    def _open_socket_mesh(self, collectives):
-        """Moves the embedding exchange onto the socket mesh (`tf_nestpipe.collectives.sockets`):
-        on CPU with "auto" when every worker connects (else TensorFlow's collectives, worker 0
-        saying why); always with "sockets" (else an error naming the reason)."""
-        if collectives == "auto" and self._local_device_type != "CPU":
-            return  # NCCL on GPU
+    def _open_transport(self, may_fall_back):
+        """Opens the transport (the socket mesh: `tf_nestpipe.collectives.sockets`); where it
+        cannot open, falls back to TensorFlow's collectives (worker 0 saying why) or fails with
+        the reason, as the transport config says."""
         address = self._cluster_resolver.cluster_spec().task_address(self._task_type,
                                                                      self._task_id)
-        connected, reason = self._nestpipe_collectives.connect(address.rsplit(":", 1)[0])
-        if connected:
+        opened, reason = self._nestpipe_collectives.open(address.rsplit(":", 1)[0],
+                                                         self._transport_config)
+        if opened:
             return
-        if collectives == "sockets":
-            raise RuntimeError("NestPipeStrategy(collectives='sockets'): the workers could not "
-                               "open their socket mesh: %s. Open the workers' ports to each "
-                               "other, or use collectives='auto' (falls back to TensorFlow's "
-                               "collectives) or 'tf'." % reason)
+        if not may_fall_back:
+            raise TransportError("NestPipeStrategy(transport=%r): the workers could not open "
+                                 "their socket mesh: %s. Open the workers' ports to each other, "
+                                 "or use transport='auto' (falls back to TensorFlow's "
+                                 "collectives) or 'tf'." % (self._transport_config.name, reason))
         log_fallback(self._nestpipe_collectives.worker_index, reason)
 
     def _collective_rank(self):
@@ -336,9 +337,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def collectives_backend(self):
         """The embedding exchange's transport: "sockets" (the socket mesh, see
         `tf_nestpipe.collectives.sockets`), "tf" (TensorFlow collectives) or "horovod"."""
-        if self._nestpipe_backend == "horovod":
-            return "horovod"
-        return self._nestpipe_collectives.backend
+        return self._nestpipe_collectives.name
 
     @property
     def num_workers(self):
@@ -400,7 +399,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return make_checkpointable(variable, layout, self._nestpipe_collectives)
 
     def _get_variable_creator_initial_value(self, replica_id, device, primary_var, **kwargs):
-        if self._nestpipe_backend != "horovod" or replica_id != 0:
+        if not self._nestpipe_collectives.broadcasts_initial_values or replica_id != 0:
             return super()._get_variable_creator_initial_value(replica_id, device, primary_var,
                                                                **kwargs)
 
@@ -453,7 +452,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
             self._report_placement()
         pairs = [(self._dense_gradient(v) if replicated_table_name(d) else v, d)
                  for v, d in pairs]
-        check = self._equal_shares_check(pairs)  # issue 17: no update from unequal shares
+        check = self._equal_shares_check(pairs)  # no update from unequal shares
         pairs = [(equal_shares.after(check, v), d) for v, d in pairs]
         dense = [(i, p) for i, p in enumerate(pairs) if not is_row_shard(p[1])]
         results = [None] * len(pairs)
@@ -505,13 +504,12 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         """Whether `value` is summed by our backend rather than TensorFlow's all-reduce: every
         value under Horovod; on the socket mesh the dense ones (IndexedSlices, e.g. of a
         replicated Keras Embedding, keep TensorFlow's all-gather)."""
-        if self._nestpipe_backend == "horovod":
-            return True
-        if self._nestpipe_collectives.backend != "sockets":
+        transport = self._nestpipe_collectives
+        if not transport.reduces_dense:
             return False
         if isinstance(value, _dist_values.DistributedValues):
             value = value.values[0]
-        return not isinstance(value, tf.IndexedSlices)
+        return transport.reduces_sparse or not isinstance(value, tf.IndexedSlices)
 
     def _on_worker_device(self, value):
         """A plain tensor `value` placed on this worker's device (an identity there), so that
@@ -581,7 +579,7 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         return [distribute_utils.regroup((v,), wrap_class=_dist_values.Mirrored) for v in summed]
 
     def _gather_to_implementation(self, value, destinations, axis, options):
-        if self._nestpipe_backend != "horovod":
+        if not self._nestpipe_collectives.gathers:
             return super()._gather_to_implementation(value, destinations, axis, options)
         if isinstance(value, _dist_values.DistributedValues):
             value = value.values[0]
@@ -598,6 +596,26 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _use_merge_call(self):
         # Gradient aggregation must see (gradient, variable) pairs to skip row shards.
         return True
+
+
+def _transport_config(transport, collectives, collective_timeout_seconds):
+    """The strategy's `TransportConfig` from its `transport` argument and the older
+    `collectives` spelling and `collective_timeout_seconds` (which sets the config's timeout)."""
+    if collectives is not None:
+        warnings.warn("NestPipeStrategy(collectives=...) is deprecated: pass "
+                      "transport=%r (or a tnp.TransportConfig)" % (collectives,),
+                      DeprecationWarning, stacklevel=3)
+        if transport is not None:
+            raise ValueError("pass transport= or its old spelling collectives=, not both")
+        transport = collectives
+    config = as_transport_config("auto" if transport is None else transport)
+    if collective_timeout_seconds is not None:
+        if collective_timeout_seconds < 0:
+            raise ValueError("collective_timeout_seconds must be > 0 (or None: the transport's "
+                             "default), got %r" % (collective_timeout_seconds,))
+        if collective_timeout_seconds > 0:
+            config = dataclasses.replace(config, timeout_seconds=float(collective_timeout_seconds))
+    return config
 
 
 class NestPipeStrategy(distribute_lib.Strategy):
@@ -626,17 +644,20 @@ class NestPipeStrategy(distribute_lib.Strategy):
     both: the next batch is prefetched micro-batch by micro-batch while the current batch's
     micro-batches compute from their buffers. `cluster_samples=True` forms the micro-batches by
     key-centric sample clustering (same result, fewer keys in the first micro-batch).
-    `collectives="auto"` (default) carries the embedding exchange's all-to-alls on a direct TCP
-    mesh between the workers opened at start-up (`tf_nestpipe.collectives.sockets`: one
-    message per peer with the real split sizes, tens of microseconds instead of the ~1-3 ms of
-    a TensorFlow CPU collective; the dense gradient and metric sums ride on it too, summed in
-    worker order), falling back to
-    TensorFlow's collectives, with a line on worker 0 saying why, when the workers cannot reach
-    each other's mesh ports (or on GPU); "sockets" insists on the mesh, "tf" never tries it.
-    `collectives="horovod"` runs every cross-worker exchange through Horovod (Gloo): the
-    embedding all-to-alls with the real split sizes (`hvd.alltoall`), dense gradients with
-    `hvd.allreduce`; the cluster is Horovod's (`horovodrun --gloo`, or
-    `python -m tf_nestpipe.launch --horovod`, which also checks it against `TF_CONFIG`).
+    `transport` (a `tnp.TransportConfig` or its name) says how workers talk. "auto" (default)
+    carries the embedding exchange's all-to-alls, and the dense gradient and metric sums, on a
+    TCP mesh between the workers opened and authenticated at start-up
+    (`tf_nestpipe.collectives.sockets`: one frame per peer with the real split sizes, every
+    call under a deadline), falling back to TensorFlow's collectives, with a line on worker 0
+    saying why, when the workers cannot reach each other's mesh ports (or on GPU); "sockets"
+    insists on the mesh, "tf" never tries it. "horovod" runs every cross-worker exchange
+    through Horovod (Gloo): the embedding all-to-alls with the real split sizes
+    (`hvd.alltoall`), dense gradients with `hvd.allreduce`; the cluster is Horovod's
+    (`horovodrun --gloo`, or `python -m tf_nestpipe.launch --horovod`, which also checks it
+    against `TF_CONFIG`). `collective_timeout_seconds` sets `TransportConfig.timeout_seconds`
+    (default 600 s): a collective that waits longer on a live peer that does not make it fails
+    every worker, naming the peer and the call. `collectives` is the old spelling of
+    `transport` (deprecated).
     Before starting TensorFlow's server, the tasks of a `TF_CONFIG` cluster check that all were
     given the same cluster (see `tf_nestpipe.launch.cluster_check`): a disagreement, a duplicate
     task or a task that never starts fails every task within `startup_timeout_seconds`
@@ -645,7 +666,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     dataset batched without `drop_remainder=True`) is refused on every worker before it runs
     (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
     differ from one process's.
-    `placement` says how each `ShardedEmbedding` table is laid out (issue 15, see
+    `placement` says how each `ShardedEmbedding` table is laid out (see
     `tf_nestpipe.plan.placement`): "auto" (default: the planner picks data_parallel or row_wise
     per table from its size and the collective costs of the transport in use, worker 0's on
     every worker), "row_wise" (row-sharded, looked up through the fused exchange),
@@ -659,7 +680,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     not fit, and a table that does not fit even so is refused with its name, its bytes and what
     to change. The plan is printed on worker 0 at the first training step (`placement_plan()`
     returns it).
-    `wire_dtype` compresses the embedding exchanges (README "Compressed exchanges"): a string
+    `wire_dtype` compresses the embedding exchanges (docs/guides/compressed_exchanges.md): a string
     for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
     "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
     `malloc_top_pad_bytes` (default 64 MiB; 0: leave the allocator alone) is the freed memory
@@ -673,18 +694,17 @@ class NestPipeStrategy(distribute_lib.Strategy):
     _collective_key_base = 0
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
-                 communication_options=None, collective_timeout_seconds=0, pipeline="auto",
+                 communication_options=None, collective_timeout_seconds=None, pipeline="auto",
                  micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives="auto", auto_warmup_steps=1, auto_timed_steps=4,
+                 collectives=None, auto_warmup_steps=1, auto_timed_steps=4,
                  auto_probe_rounds=6, auto_micro_batches=None,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
                  placement="auto", memory_budget_bytes=None,
-                 malloc_top_pad_bytes=allocator.DEFAULT_TOP_PAD_BYTES):
+                 malloc_top_pad_bytes=allocator.DEFAULT_TOP_PAD_BYTES, transport=None):
         allocator.check_top_pad(malloc_top_pad_bytes)
-        if collectives not in COLLECTIVES:
-            raise ValueError("collectives must be one of %s, got %r" % (COLLECTIVES, collectives))
-        if collectives == "horovod" and cluster_resolver is not None:
-            raise ValueError("collectives='horovod' takes the cluster from Horovod (hvd.rank(), "
+        transport = _transport_config(transport, collectives, collective_timeout_seconds)
+        if transport.engine_owns_cluster and cluster_resolver is not None:
+            raise ValueError("transport='horovod' takes the cluster from Horovod (hvd.rank(), "
                              "hvd.size()); pass no cluster_resolver")
         if pipeline not in PIPELINES:
             raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
@@ -702,7 +722,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
-        # --- issue 19: compressed exchanges (checked before the cluster starts) ---
+        # --- compressed exchanges (checked before the cluster starts) ---
         self.wire_dtype = parse_wire_dtype(wire_dtype)
         self.pipeline = pipeline
         self.auto_warmup_steps = int(auto_warmup_steps)
@@ -723,19 +743,19 @@ class NestPipeStrategy(distribute_lib.Strategy):
             # A clear TFConfigError for a malformed TF_CONFIG; a ClusterMismatchError within
             # `startup_timeout_seconds` (default 30 s) when the tasks disagree or cannot meet.
             config = parse_tf_config()
-            check_cluster_at_startup(config, collectives, startup_timeout_seconds)
+            check_cluster_at_startup(config, transport, startup_timeout_seconds)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
         if communication_options is None:
             communication_options = tf.distribute.experimental.CommunicationOptions(
                 implementation=communication)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
-                                          collective_timeout_seconds, collectives,
+                                          transport,
                                           check_equal_shares))
-        if collectives == "horovod":  # after hvd.init() checked Horovod's size and rank
+        if transport.engine_owns_cluster:  # after hvd.init() checked Horovod's size and rank
             check_horovod_cluster(config, startup_timeout_seconds)
-        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)  # issue 19
+        self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)
         self._placement, self._memory_budget_bytes = placement, memory_budget_bytes
-        self.extended.set_placement(placement, memory_budget_bytes)  # issue 15
+        self.extended.set_placement(placement, memory_budget_bytes)
         register_multi_worker_strategy(self)  # a table built outside its scope is refused
 
     @property
@@ -785,7 +805,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     @property
     def collectives_backend(self):
-        """The collectives backend this strategy was built with: "tf" or "horovod"."""
+        """The transport in use: "sockets", "tf" or "horovod"."""
         return self.extended.collectives_backend
 
     @property

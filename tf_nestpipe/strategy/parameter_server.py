@@ -5,7 +5,7 @@ import tensorflow as tf
 from tf_nestpipe.tf_private import tfconfig_cluster_resolver
 
 from tf_nestpipe.launch import allocator, cluster_check
-from tf_nestpipe.launch.tf_config import parse_tf_config
+from tf_nestpipe.tf_config import parse_tf_config
 from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe import tf_private

@@ -1,4 +1,4 @@
-"""Watching the ps tasks while a `ClusterCoordinator` call blocks (DOWNPOUR, issue 17).
+"""Watching the ps tasks while a `ClusterCoordinator` call blocks (DOWNPOUR).
 
 When a ps task dies, `ClusterCoordinator` reports it as a ps failure only if the error it gets
 names the ps task; otherwise (seen under load: "Socket closed" from the worker) it takes it for

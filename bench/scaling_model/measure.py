@@ -9,9 +9,9 @@ import subprocess
 import sys
 import tempfile
 
-from tf_nestpipe.plan import keys as key_stats
-from tf_nestpipe.plan.costs import SCHEMA, fit_collective, nonnegative_lstsq, validate_costs
-from tf_nestpipe.plan.model import (PIPELINES, COLLECTIVES, CollectiveParams, Scenario,
+from bench.scaling_model import keys as key_stats
+from bench.scaling_model.costs import SCHEMA, fit_collective, nonnegative_lstsq, validate_costs
+from bench.scaling_model.model import (PIPELINES, COLLECTIVES, CollectiveParams, Scenario,
                                     StepModel)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,7 +63,7 @@ def _check_transport(results, transport, what):
         if used != transport:
             raise RuntimeError(
                 "%s on %d workers timed the %r transport's collectives, not %r: the costs file's "
-                "sections are per transport (tf_nestpipe.plan.placement.TRANSPORT_SECTIONS); "
+                "sections are per transport ('collectives', 'collectives_sockets');  "
                 "run bench/stage_costs.py cluster with --collectives %s"
                 % (what, workers, used, transport, "tf" if transport == "tf" else "auto"))
 
@@ -226,9 +226,8 @@ def run_measurements(path, global_batch=512, micro_batches=4, with_runs=False, l
     single = run_result([stage, "single", "--micro-batches", str(micro_batches)])
     clusters, mesh = {}, {}
     for workers in (2, 4):
-        # TensorFlow's collectives ('collectives': the model's, and the placement planner's for
-        # the tf and horovod transports) with the contention run; then the socket mesh's sweeps
-        # ('collectives_sockets', the planner's for the default transport on CPU).
+        # TensorFlow's collectives ('collectives', the model's) with the contention run; then the
+        # socket mesh's sweeps ('collectives_sockets').
         commands.append("python -m tf_nestpipe.launch --workers %d -- python %s cluster "
                         "--collectives tf --global-batch %d" % (workers, rel, global_batch))
         log("measuring collectives and contention: %s" % commands[-1])
@@ -238,9 +237,9 @@ def run_measurements(path, global_batch=512, micro_batches=4, with_runs=False, l
                         "--collectives-only" % (workers, rel))
         log("measuring the socket mesh's collectives: %s" % commands[-1])
         mesh[workers] = run_result([stage, "cluster", "--collectives-only"], workers=workers)
-    log("sampling key statistics (tf_nestpipe.plan.keys)")
+    log("sampling key statistics (bench.scaling_model.keys)")
     keys = key_stats.sample_key_stats(single["table_scale"])
-    commands.append("tf_nestpipe.plan.keys.sample_key_stats(%g)" % single["table_scale"])
+    commands.append("bench.scaling_model.keys.sample_key_stats(%g)" % single["table_scale"])
     costs = assemble(single, clusters, keys, global_batch, micro_batches, commands, mesh)
     if with_runs:
         costs["runs"] = measure_runs(global_batch, micro_batches, log=log)
@@ -259,7 +258,7 @@ def run_measurements(path, global_batch=512, micro_batches=4, with_runs=False, l
 def add_runs(path, global_batch=512, log=print):
     """Measures the validation runs (`measure_runs`, M from the costs file) and stores them in
     the existing costs file at `path`."""
-    from tf_nestpipe.plan.costs import load_costs
+    from bench.scaling_model.costs import load_costs
 
     costs = load_costs(path)
     costs["runs"] = measure_runs(global_batch, int(costs["workload"]["micro_batches"]), log=log)

@@ -4,8 +4,8 @@ import math
 import os
 import re
 
-from tf_nestpipe.plan.costs import build_scenarios
-from tf_nestpipe.plan.model import PIPELINES, ModelError, StepModel, padded_capacity
+from bench.scaling_model.costs import build_scenarios
+from bench.scaling_model.model import PIPELINES, ModelError, StepModel, padded_capacity
 
 DEFAULT_WORKERS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 1536)
 SUMMARY_WORKERS = (2, 4, 16, 128, 1536)
@@ -356,7 +356,7 @@ def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, ba
              "Commands: `%s`. Costs measured %s on %s (load average during the measurements: %s)."
              % ("`; `".join(commands), measured.get("date", "?"), measured.get("host", "?"),
                 json.dumps(measured.get("loadavg", {}))), "",
-             "Model (tf_nestpipe/plan/model.py): one step of a worker with **b = %d samples "
+             "Model (bench/scaling_model/model.py): one step of a worker with **b = %d samples "
              "(per-worker batch held fixed: weak scaling, global batch W x b)**, M = %d "
              "micro-batches. `none` = routing + retrieval + key all-to-all (the per-owner key "
              "counts ride in it as a header) + row all-to-all + dense compute + gradient "
@@ -392,7 +392,7 @@ def render(costs, scenarios, tables, validation, eta_info, keys_rows, needed, ba
               "modelled); the DBP re-sync plan's counts ride on the rows all-to-all and its "
               "fresh rows (W x capacity x (row + 4) bytes) on the next keys all-to-all, so the "
               "re-sync pays only their bandwidth, no collective latency.",
-              "- Keys (sampled, tf_nestpipe/plan/keys.py, the benchmark's Zipf data): with b fixed, "
+              "- Keys (sampled, bench/scaling_model/keys.py, the benchmark's Zipf data): with b fixed, "
               "a worker's unique keys do not change with W; the owner-side dedup of hot keys asked "
               "by many workers shrinks the owner's gather; padding grows with W as the per-pair "
               "count shrinks; with Adagrad DBP re-syncs every prefetched row the previous global "

@@ -22,11 +22,15 @@ only the bandwidth of its padded rows block (`collective_bandwidth_ms`), on the 
 `ov(a, b) = max(a, b) + (1 - eta) * min(a, b)`: eta = 1 is perfect overlap (a separate
 communication engine), eta = 0 none (everything competes for the same cores).
 Collectives follow `collective_ms`; key counts, padded capacities and re-sync rows come from
-the sampled key statistics (`tf_nestpipe.plan.keys`), interpolated in log(samples), log(W).
+the sampled key statistics (`bench.scaling_model.keys`), interpolated in log(samples), log(W).
 """
 import dataclasses
 import math
 from typing import Dict, NamedTuple, Optional, Tuple
+
+# The collectives' cost formula is the placement planner's (shipped in the package).
+from tf_nestpipe.plan.collective_costs import (  # noqa: F401  (re-exported)
+    CollectiveParams, collective_ms, collective_steps)
 
 PIPELINES = ("none", "dbp", "fwp", "nested")
 COLLECTIVES = ("all_to_all", "all_gather", "all_reduce")
@@ -51,51 +55,6 @@ def padded_capacity(count):
     raise ModelError("padded capacity for %d keys is beyond the largest bucket" % need)
 
 
-@dataclasses.dataclass(frozen=True)
-class CollectiveParams:
-    """Latency-bandwidth cost of one collective kind: `alpha0 + alpha_step * steps(W) +
-    beta * bytes * factor(W)` in ms, bytes in MB (10**6); `algorithm` picks steps(W).
-    `measured` ({W: (intercept_ms, ms per MB of the tensor)}) overrides the formula at the
-    worker counts where it was measured (the testbed scenario)."""
-
-    alpha0_ms: float
-    alpha_step_ms: float
-    beta_ms_per_mb: float
-    algorithm: str = "ring"
-    measured: Optional[Dict[int, Tuple[float, float]]] = None
-
-
-def collective_steps(kind, algorithm, workers):
-    """(latency steps, bandwidth factor) of a collective on `workers` workers.
-
-    all_to_all (direct sends): W-1 peers, a fraction (W-1)/W of the send tensor leaves the worker.
-    all_gather: ring W-1 steps (tree: ceil(log2 W)); each worker receives W-1 contributions.
-    all_reduce: ring 2(W-1) steps (tree: 2 ceil(log2 W)); ring bandwidth factor 2(W-1)/W.
-    """
-    w = workers
-    log_steps = math.ceil(math.log2(w)) if w > 1 else 0
-    if kind == "all_to_all":
-        return w - 1, (w - 1) / w
-    if kind == "all_gather":
-        return (w - 1 if algorithm == "ring" else log_steps), w - 1
-    if kind == "all_reduce":
-        return (2 * (w - 1) if algorithm == "ring" else 2 * log_steps), 2 * (w - 1) / w
-    raise ModelError("unknown collective %r (one of %s)" % (kind, ", ".join(COLLECTIVES)))
-
-
-def collective_ms(kind, params: CollectiveParams, workers, nbytes):
-    """Time of one collective of `kind` over `workers` workers moving `nbytes` (all_to_all: the
-    whole send tensor; all_gather: one worker's contribution; all_reduce: the reduced tensor).
-    Zero on one worker (no collective is issued)."""
-    if workers <= 1:
-        return 0.0
-    if params.measured and workers in params.measured:
-        intercept, slope = params.measured[workers]
-        return intercept + slope * nbytes / 1e6
-    steps, factor = collective_steps(kind, params.algorithm, workers)
-    return params.alpha0_ms + params.alpha_step_ms * steps + params.beta_ms_per_mb * nbytes / 1e6 * factor
-
-
 def collective_bandwidth_ms(kind, params: CollectiveParams, workers, nbytes):
     """The bandwidth part of `collective_ms`: the time `nbytes` add to a collective of `kind` that
     is issued anyway (bytes riding on another exchange pay none of its latency). With `measured`
@@ -109,7 +68,7 @@ def overlap(a, b, eta):
 
 
 class KeyStats:
-    """The sampled key statistics grid (see `tf_nestpipe.plan.keys`), interpolated bilinearly in
+    """The sampled key statistics grid (see `bench.scaling_model.keys`), interpolated bilinearly in
     (log samples, log workers); raises ModelError outside the sampled cells."""
 
     def __init__(self, grid):
@@ -121,7 +80,7 @@ class KeyStats:
     def _bracket(values, x, what):
         if x < values[0] - 1e-9 or x > values[-1] + 1e-9:
             raise ModelError("key statistics cover %s %g..%g, not %g (rerun `python -m "
-                             "tf_nestpipe.plan --measure` with a wider grid)"
+                             "bench.scaling_model --measure` with a wider grid)"
                              % (what, values[0], values[-1], x))
         for i in range(len(values) - 1):
             if values[i] <= x <= values[i + 1]:
@@ -183,7 +142,7 @@ class Window(NamedTuple):
 
 class StepModel:
     """Predicts one step's time for a pipeline, worker count and per-worker batch from a costs
-    dict (the plan_costs.json layout, see `tf_nestpipe.plan.costs`) under a Scenario."""
+    dict (the plan_costs.json layout, see `bench.scaling_model.costs`) under a Scenario."""
 
     def __init__(self, costs, scenario: Scenario, overheads=True):
         self.costs = costs

@@ -10,15 +10,15 @@ Layout (times in ms, `*_us` per unit in microseconds; every section also says ho
     pipeline_overhead  {dbp, fwp, nested}: base_ms, per_sample_us   (extra ops, one worker)
     contention   {"2": k2, "4": k4}                        (CPU slowdown of W processes here)
     collectives  {all_to_all, all_gather, all_reduce}: alpha0_ms, alpha_step_ms, beta_ms_per_mb
-    keys         the sampled key statistics grid (tf_nestpipe.plan.keys)
+    keys         the sampled key statistics grid (bench.scaling_model.keys)
     runs         optional measured steps [{pipeline, workers, global_batch, ms_median, source}]
 """
-import itertools
 import json
 import os
 
-from tf_nestpipe.plan.keys import STATS
-from tf_nestpipe.plan.model import (COLLECTIVES, PIPELINES, CollectiveParams, Scenario,
+from tf_nestpipe.plan.collective_costs import nonnegative_lstsq  # noqa: F401  (re-exported)
+from bench.scaling_model.keys import STATS
+from bench.scaling_model.model import (COLLECTIVES, PIPELINES, CollectiveParams, Scenario,
                                     collective_steps)
 
 SCHEMA = "tf_nestpipe.plan/1"
@@ -48,7 +48,7 @@ def validate_costs(costs, source="costs"):
         raise CostsError("%s: expected a JSON object, got %s" % (source, type(costs).__name__))
     for section, keys in REQUIRED.items():
         if not isinstance(costs.get(section), dict):
-            raise CostsError("%s: missing section %r (rerun `python -m tf_nestpipe.plan --measure`)"
+            raise CostsError("%s: missing section %r (rerun `python -m bench.scaling_model --measure`)"
                              % (source, section))
         for key in keys:
             if key not in costs[section]:
@@ -99,7 +99,7 @@ def load_costs(path):
     """Reads and validates a costs file; CostsError (naming the path) if it is missing, not
     JSON, or incomplete."""
     if not os.path.exists(path):
-        raise CostsError("costs file %s not found: run `python -m tf_nestpipe.plan --measure` "
+        raise CostsError("costs file %s not found: run `python -m bench.scaling_model --measure` "
                          "first (about 3-5 minutes) or pass --costs PATH" % path)
     try:
         with open(path) as f:
@@ -110,26 +110,6 @@ def load_costs(path):
 
 
 # --- fits -----------------------------------------------------------------------------------
-def nonnegative_lstsq(rows, ys):
-    """Least-squares coefficients >= 0 of ys ~ rows @ coef (tries every subset of the columns,
-    a handful here); returns the list of coefficients."""
-    import numpy as np
-
-    a, y = np.asarray(rows, float), np.asarray(ys, float)
-    best, best_error = [0.0] * a.shape[1], float(np.sum(y ** 2))
-    for size in range(1, a.shape[1] + 1):
-        for columns in itertools.combinations(range(a.shape[1]), size):
-            coef, *_ = np.linalg.lstsq(a[:, columns], y, rcond=None)
-            if np.any(coef < 0):
-                continue
-            error = float(np.sum((a[:, columns] @ coef - y) ** 2))
-            if error < best_error:
-                best_error, best = error, [0.0] * a.shape[1]
-                for c, v in zip(columns, coef):
-                    best[c] = float(v)
-    return best
-
-
 def fit_collective(kind, points_by_workers, algorithm="ring"):
     """Fits `alpha0 + alpha_step * steps(W) + beta * MB * factor(W)` to sweeps measured at two
     or more worker counts ({W: [[bytes, ms], ...]}); returns the params dict with the per-W
