@@ -234,3 +234,18 @@ def test_predictions_of_unknown_rank_are_concatenated(value):
     want = np.concatenate([np.reshape(value, (-1,) + np.shape(value)[1:])] * 2)
     np.testing.assert_array_equal(unknown(value).numpy(), want)
     np.testing.assert_array_equal(known(value).numpy(), want)
+
+
+def test_tf_keras_backup_and_restore_accepts_the_strategy(strategy, tmp_path):
+    """tf_keras' own BackupAndRestore (a script written for one process) backs up a fit in
+    the scope: its `NotImplementedError` for strategies it does not know is not raised."""
+    with strategy.scope():
+        ids = tf_keras.Input((2,), dtype="int64")
+        model = tf_keras.Model(ids, tf_keras.layers.Dense(1)(
+            tnp.ShardedEmbedding(20, 4, combiner="sum")(ids)))
+        model.compile("sgd", "mse")
+    backup = tf_keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+    x = np.arange(16, dtype=np.int64).reshape(8, 2)
+    model.fit(x, np.ones((8, 1), np.float32), batch_size=4, epochs=1, callbacks=[backup],
+              verbose=0)
+    assert isinstance(strategy, backup._supported_strategies)  # pylint: disable=protected-access

@@ -30,7 +30,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import keras_outputs, task_losses
-from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving, keras_weights
+from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_saving,
+                                  keras_weights)
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
@@ -226,6 +227,12 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
+    # tf_keras' own BackupAndRestore accepts NestPipeStrategy (strategy.keras_callbacks).
+    backup = tf_keras.callbacks.BackupAndRestore
+    if not getattr(backup.__init__, _HOOKED, False):
+        wrapped_init = keras_callbacks.accept_nestpipe_strategy(backup.__init__)
+        setattr(wrapped_init, _HOOKED, True)
+        backup.__init__ = wrapped_init
     # get_weights / set_weights: whole tables (strategy.keras_weights).
     layer = tf_keras.layers.Layer
     if not getattr(layer.get_weights, _HOOKED, False):

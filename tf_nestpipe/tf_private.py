@@ -225,3 +225,10 @@ def variable_shape(handle):
     """The shape (int32) of the variable behind resource `handle`, as a gather's gradient reads
     it."""
     return resource_variable_ops.variable_shape(handle)
+
+
+def accept_strategy_in_backup(callback, strategy_class):
+    """Adds `strategy_class` to the strategies a tf_keras `BackupAndRestore` accepts."""
+    supported = tuple(callback._supported_strategies)  # pylint: disable=protected-access
+    if strategy_class not in supported:
+        callback._supported_strategies = supported + (strategy_class,)  # pylint: disable=protected-access
