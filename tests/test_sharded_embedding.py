@@ -249,3 +249,22 @@ def test_tf_keras_backup_and_restore_accepts_the_strategy(strategy, tmp_path):
     model.fit(x, np.ones((8, 1), np.float32), batch_size=4, epochs=1, callbacks=[backup],
               verbose=0)
     assert isinstance(strategy, backup._supported_strategies)  # pylint: disable=protected-access
+
+
+def test_mixed_float16_is_refused_with_the_policy_to_use(strategy):
+    """mixed_float16 (dynamic loss scaling) set once inside the scope: layers and loss scale
+    optimizers are refused with our reason and the fix (mixed_bfloat16), not tf_keras' generic
+    refusal; outside the scope (positive control) tf_keras' own check passes."""
+    from tf_nestpipe.strategy.keras_checks import FLOAT16_MESSAGE
+
+    try:
+        with strategy.scope():
+            tf_keras.mixed_precision.set_global_policy("mixed_float16")
+            with pytest.raises(ValueError) as error:
+                tf_keras.layers.Dense(1)
+            with pytest.raises(ValueError, match="mixed_bfloat16"):
+                tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD())
+        assert str(error.value) == FLOAT16_MESSAGE
+        tf_keras.layers.Dense(1)  # outside any strategy: allowed
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")

@@ -32,6 +32,7 @@ import tf_keras
 from tf_nestpipe.pipeline import keras_outputs, task_losses
 from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_saving,
                                   keras_weights)
+from tf_nestpipe import tf_private
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
@@ -227,6 +228,11 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
+    # mixed_float16 (loss scaling) refused with the reason and the policy to use.
+    scaling = tf_private.keras_loss_scale
+    if not getattr(scaling.strategy_supports_loss_scaling, _HOOKED, False):
+        scaling.strategy_supports_loss_scaling = keras_checks.refuse_loss_scaling(
+            scaling.strategy_supports_loss_scaling)
     # tf_keras' own BackupAndRestore accepts NestPipeStrategy (strategy.keras_callbacks).
     backup = tf_keras.callbacks.BackupAndRestore
     if not getattr(backup.__init__, _HOOKED, False):

@@ -626,6 +626,14 @@ class NestPipeStrategy(distribute_lib.Strategy):
     in a custom loop. Under `fit` (and `TrainPipeline`) every row-wise lookup of a step goes
     through one exchange per group of tables (one dim and dtype), however many layers the model
     has; `strategy.run` loops exchange each table on its own.
+    It is deliberately not a `tf.distribute.MultiWorkerMirroredStrategy` (nor a
+    `CollectiveAllReduceStrategy`): code that asks `isinstance(strategy, ...)` for those takes
+    their paths, which assume every variable mirrored on every worker (row shards are not) and
+    report metrics and step values summed over the workers (NestPipe reports one process's
+    global values), so it would be wrong rather than refused. tf_keras' paths that matter are
+    adapted instead (BackupAndRestore, saving, predict, step outputs, loss reduction), and
+    mixed_float16, whose loss scaling tf_keras allows only under those strategies, is refused
+    with the reason (use mixed_bfloat16).
     `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
     (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
     `pipeline="auto"` (default) tries none, fwp, dbp and nested (fwp and nested with each
