@@ -13,6 +13,8 @@
 //   `fill`). Calls pair across workers by (key, how many calls of key this process made
 //   before): every worker issues a key's calls in the same order (the Python layer chains each
 //   stream's exchanges), so a call never takes another call's data.
+// - NestpipeSocketFinish(stall_seconds): at the program's end, a goodbye to every peer after
+//   everything still queued, and this side of the connections closed once it is delivered.
 // - NestpipeSocketStats() -> [bytes sent, bytes received, frames sent, frames received, peers,
 //   I/O threads].
 //
@@ -43,7 +45,9 @@
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <sys/epoll.h>
+#include <linux/sockios.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
 #include <unistd.h>
@@ -80,6 +84,7 @@ constexpr uint16_t kProtocolVersion = 2;
 constexpr uint16_t kData = 1;
 constexpr uint16_t kHeartbeat = 2;
 constexpr uint16_t kAbort = 3;
+constexpr uint16_t kBye = 4;  // the sender's program ended normally; it sends nothing more
 constexpr size_t kHeaderBytes = 40;
 constexpr int64_t kMaxAbortBytes = 4096;
 constexpr double kHeartbeatSeconds = 0.5;
@@ -126,7 +131,8 @@ std::string DecodeHeader(const char* in, Frame* frame) {
   frame->seq = static_cast<int64_t>(le64toh(fields[1]));
   frame->count = static_cast<int64_t>(le64toh(fields[2]));
   frame->nbytes = static_cast<int64_t>(le64toh(fields[3]));
-  if (frame->type != kData && frame->type != kHeartbeat && frame->type != kAbort) {
+  if (frame->type != kData && frame->type != kHeartbeat && frame->type != kAbort &&
+      frame->type != kBye) {
     return "a frame of unknown type " + std::to_string(frame->type);
   }
   if (frame->count < 0 || frame->nbytes < 0 || frame->seq < 0) {
@@ -201,6 +207,8 @@ struct Peer {
 
   std::atomic<int64_t> last_heard_nanos{0};  // any byte
   std::atomic<int64_t> last_data_nanos{0};   // any byte of a data frame
+  std::atomic<bool> said_bye{false};         // its program ended normally
+  bool closed = false;                       // the receive thread's: no longer read
 };
 
 struct EarlyFrame {
@@ -321,6 +329,10 @@ class Mesh {
     const int rows = static_cast<int>(ex->members.size());
     {
       std::unique_lock<std::mutex> lock(mu_);
+      if (failure_.ok() && finished_.load()) {
+        failure_ = errors::FailedPrecondition(
+            "nestpipe sockets: an exchange after this worker's program said goodbye");
+      }
       if (!failure_.ok()) {
         exchange->status = failure_;
         lock.unlock();
@@ -366,6 +378,60 @@ class Mesh {
       complete = TakeIfReady(ex->key, ex->seq);
     }
     if (complete) Finish(std::move(complete));
+  }
+
+  // The program ended: tells every peer (a goodbye frame after everything queued), waits for
+  // the queues to drain and the peers to acknowledge every byte (closing a socket that holds
+  // unread input resets it, and a reset discards what the peer has not read yet), then closes
+  // this side of every connection. Gives up after `stall_seconds` without progress. Returns
+  // whether everything was delivered.
+  bool Finish(double stall_seconds) {
+    if (!connected_ || failed_.load() || finished_.exchange(true)) return false;
+    Frame bye;
+    bye.type = kBye;
+    for (auto& peer : peers_) {
+      if (peer) Post(peer.get(), bye, nullptr, nullptr);
+    }
+    Wake();
+    auto unsent = [this](bool queued_only) {
+      int64_t total = 0;
+      for (auto& peer : peers_) {
+        if (!peer) continue;
+        {
+          std::lock_guard<std::mutex> lock(peer->send_mu);
+          total += static_cast<int64_t>(peer->queue.size());
+        }
+        int in_kernel = 0;
+        if (!queued_only && ::ioctl(peer->fd, SIOCOUTQ, &in_kernel) == 0) total += in_kernel;
+      }
+      return total;
+    };
+    bool delivered = false;
+    for (bool queued_only : {true, false}) {
+      int64_t last = -1;
+      auto progress = Clock::now();
+      while (!failed_.load()) {
+        const int64_t left = unsent(queued_only);
+        if (left == 0) break;
+        const int64_t sent = bytes_sent_.load() + left;
+        if (sent != last) {
+          last = sent;
+          progress = Clock::now();
+        } else if (std::chrono::duration<double>(Clock::now() - progress).count() >
+                   stall_seconds) {
+          break;
+        }
+        std::this_thread::sleep_for(std::chrono::milliseconds(2));
+      }
+      if (queued_only) {
+        for (auto& peer : peers_) {
+          if (peer) ::shutdown(peer->fd, SHUT_WR);
+        }
+      } else {
+        delivered = unsent(false) == 0;
+      }
+    }
+    return delivered;
   }
 
   // Fails the mesh (every pending and later exchange) with `status`, tells the peers why.
@@ -459,7 +525,15 @@ class Mesh {
         got = ::recv(peer->fd, peer->target + peer->payload_got,
                      peer->frame.nbytes - peer->payload_got, 0);
       }
-      if (got == 0) return Closed(peer, "closed");
+      if (got == 0 || (got < 0 && errno == ECONNRESET && peer->said_bye.load())) {
+        if (!peer->said_bye.load() || peer->in_payload || peer->header_got > 0) {
+          return Closed(peer, "closed");
+        }
+        // It finished normally; an exchange still waiting on it fails in Watch.
+        ::epoll_ctl(recv_epoll_, EPOLL_CTL_DEL, peer->fd, nullptr);
+        peer->closed = true;
+        return absl::OkStatus();
+      }
       if (got < 0) {
         if (errno == EINTR) continue;
         if (errno == EAGAIN || errno == EWOULDBLOCK) return absl::OkStatus();
@@ -490,6 +564,11 @@ class Mesh {
     Frame& frame = peer->frame;
     ++frames_received_;
     if (frame.type == kHeartbeat) return absl::OkStatus();
+    if (frame.type == kBye) {
+      if (frame.nbytes != 0) return Malformed(peer, "a goodbye frame with a payload");
+      peer->said_bye.store(true);
+      return absl::OkStatus();
+    }
     peer->payload_got = 0;
     peer->target_exchange = nullptr;
     peer->target_keep.reset();
@@ -654,6 +733,14 @@ class Mesh {
         for (size_t r = 0; r < ex->members.size() && status.ok(); ++r) {
           if (ex->received[r]) continue;
           Peer* peer = peers_[ex->members[r]].get();
+          if (peer->said_bye.load() && !ex->arriving[r]) {
+            status = errors::Unavailable(
+                "nestpipe sockets: worker ", peer->index, " (", peer->address,
+                ") finished its program normally while worker ", index_,
+                " waits for its part of call '", ex->label, "' (call ", ex->seq,
+                " of its key): the workers ran different numbers of steps or calls");
+            break;
+          }
           const double silent = SecondsSince(peer->last_heard_nanos.load());
           if (silent > options_.stall_seconds) {
             status = errors::DeadlineExceeded(
@@ -706,7 +793,9 @@ class Mesh {
           std::lock_guard<std::mutex> lock(peer->send_mu);
           idle = peer->queue.empty();
         }
-        if (idle && (now - peer->last_sent_nanos) * 1e-9 >= kHeartbeatSeconds) {
+        // After the goodbye nothing more is sent (its side of the connection may be closed).
+        if (idle && !finished_.load() &&
+            (now - peer->last_sent_nanos) * 1e-9 >= kHeartbeatSeconds) {
           Frame beat;
           beat.type = kHeartbeat;
           Post(peer.get(), beat, nullptr, nullptr);
@@ -816,6 +905,7 @@ class Mesh {
   std::atomic<bool> connected_{false};
   std::atomic<bool> failed_{false};
   std::atomic<bool> abort_received_{false};
+  std::atomic<bool> finished_{false};
   int index_ = 0;
   int num_workers_ = 0;
   Options options_;
@@ -863,6 +953,9 @@ REGISTER_OP("NestpipeSocketAllToAll")
     .Attr("label: string = ''")
     .Attr("group: list(int) = []")
     .SetIsStateful()
+    // A failed peer is an UnavailableError, as for TensorFlow's own collectives (not turned
+    // into an InternalError as for ops that do not communicate).
+    .SetIsDistributedCommunication()
     .SetShapeFn([](shape_inference::InferenceContext* c) {
       shape_inference::ShapeHandle input;
       TF_RETURN_IF_ERROR(c->WithRankAtLeast(c->input(0), 2, &input));
@@ -878,6 +971,17 @@ across workers by (key, how many calls of key this process made before); `label`
 in errors. `ordering_token` (unread) is the stream's token: TensorFlow's automatic control
 dependencies order one stream's calls in program order and leave different streams free to
 overlap, as for its own collectives.
+)doc");
+
+REGISTER_OP("NestpipeSocketFinish")
+    .Attr("stall_seconds: float = 20")
+    .Output("delivered: bool")
+    .SetIsStateful()
+    .SetShapeFn(shape_inference::ScalarShape)
+    .Doc(R"doc(
+The program ended: sends every peer a goodbye after the frames still queued, waits for them to
+be delivered (giving up after `stall_seconds` without progress), then closes this side of the
+connections. `delivered` says whether everything arrived.
 )doc");
 
 REGISTER_OP("NestpipeSocketStats")
@@ -931,6 +1035,22 @@ class SocketStatsOp : public OpKernel {
   }
 };
 REGISTER_KERNEL_BUILDER(Name("NestpipeSocketStats").Device(DEVICE_CPU), SocketStatsOp);
+
+class SocketFinishOp : public OpKernel {
+ public:
+  explicit SocketFinishOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("stall_seconds", &stall_));
+  }
+  void Compute(OpKernelContext* ctx) override {
+    Tensor* out = nullptr;
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({}), &out));
+    out->scalar<bool>()() = Mesh::Get()->Finish(stall_);
+  }
+
+ private:
+  float stall_;
+};
+REGISTER_KERNEL_BUILDER(Name("NestpipeSocketFinish").Device(DEVICE_CPU), SocketFinishOp);
 
 class SocketAllToAllOp : public AsyncOpKernel {
  public:

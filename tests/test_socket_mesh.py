@@ -23,9 +23,36 @@ PROGRAM = os.path.join(PROGRAMS, "socket_mesh.py")
 def test_mesh_collectives_equal_numpy_on_three_workers():
     result = launch(3, [PROGRAM], timeout=300)
     assert result.returncode == 0, result.stdout[-4000:]
-    assert result.stdout.count("socket mesh ok 3") == 3, result.stdout[-4000:]
+    assert result.stdout.count("socket mesh ok 3 flat") == 3, result.stdout[-4000:]
     # Two I/O threads per process whatever the number of peers.
     assert result.stdout.count("'peers': 2, 'io_threads': 2}") == 3, result.stdout[-4000:]
+
+
+@pytest.mark.cluster
+def test_hierarchical_collectives_equal_numpy_on_two_hosts_of_two():
+    """The same checks with every all-to-all in two hops (within a "host" of 2 workers, then
+    across the 2 hosts), which must give exactly what the flat exchange gives."""
+    result = launch(4, [PROGRAM], timeout=300,
+                    env={"TF_NESTPIPE_TRANSPORT_HIERARCHICAL": "on",
+                         "TF_NESTPIPE_TRANSPORT_LOCAL_WORKERS": "2"})
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count("socket mesh ok 4 hosts (2, 2)") == 4, result.stdout[-4000:]
+
+
+def _config(**fields):
+    return TransportConfig(**fields).resolved()
+
+
+def test_the_host_layout_of_the_hierarchical_all_to_all():
+    two_by_two = [1, 1, 2, 2]
+    assert mesh.host_layout(two_by_two, _config(hierarchical="on")) == (2, 2)
+    assert mesh.host_layout(two_by_two, _config(hierarchical="off")) is None
+    assert mesh.host_layout(two_by_two, _config(hierarchical="auto")) is None  # only 4 workers
+    assert mesh.host_layout([1] * 32 + [2] * 32, _config(hierarchical="auto")) == (2, 32)
+    assert mesh.host_layout([1, 2, 1, 2], _config(hierarchical="on")) is None  # interleaved
+    assert mesh.host_layout([1, 1, 1, 2], _config(hierarchical="on")) is None  # uneven
+    assert mesh.host_layout([1, 1, 1, 1], _config(hierarchical="on")) is None  # one host
+    assert mesh.host_layout([1, 1, 1, 1], _config(hierarchical="on", local_workers=2)) == (2, 2)
 
 
 @pytest.mark.cluster
@@ -100,15 +127,15 @@ CONFIG = TransportConfig(connect_timeout_seconds=1.0).resolved()
 
 def test_the_cluster_falls_back_when_a_worker_cannot_listen():
     fake = _FakeCollectives(peer_port=-1, peer_connected=0)
-    connected, reason = mesh.open_socket_mesh(fake, "127.0.0.1", CONFIG)
+    connected, reason, _ = mesh.open_socket_mesh(fake, "127.0.0.1", CONFIG)
     assert not connected and reason == "worker 1 could not listen"
     assert fake.tags == ["nestpipe/sockets/addresses", "nestpipe/sockets/connected"]
 
 
 def test_the_cluster_falls_back_when_only_some_workers_have_a_secret(monkeypatch):
     monkeypatch.setenv("TF_NESTPIPE_TRANSPORT_SECRET", "s3cret")
-    connected, reason = mesh.open_socket_mesh(_FakeCollectives(4321, 0, peer_secret=0),
-                                              "127.0.0.1", CONFIG)
+    connected, reason, _ = mesh.open_socket_mesh(_FakeCollectives(4321, 0, peer_secret=0),
+                                                 "127.0.0.1", CONFIG)
     assert not connected
     assert "workers [0] have a transport secret and workers [1] none" in reason
 
@@ -125,9 +152,9 @@ def test_the_cluster_falls_back_when_a_peer_did_not_connect(monkeypatch):
     adopted = []
     monkeypatch.setattr(mesh, "Handshake", Connected)
     monkeypatch.setattr(mesh, "socket_adopt", lambda *args: adopted.append(args))
-    connected, reason = mesh.open_socket_mesh(_FakeCollectives(4321, 0), "127.0.0.1", CONFIG)
+    connected, reason, _ = mesh.open_socket_mesh(_FakeCollectives(4321, 0), "127.0.0.1", CONFIG)
     assert not connected and reason == "worker 1 could not connect" and not adopted
-    connected, reason = mesh.open_socket_mesh(_FakeCollectives(4321, 1), "127.0.0.1", CONFIG)
+    connected, reason, _ = mesh.open_socket_mesh(_FakeCollectives(4321, 1), "127.0.0.1", CONFIG)
     assert connected and reason == "" and adopted[0][1] == [-1, 99]
 
 

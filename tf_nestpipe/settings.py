@@ -326,6 +326,14 @@ TRANSPORT_SECRET_FILE = register(
     "TRANSPORT_SECRET_FILE", path, None,
     "A file holding the job's secret (e.g. a mounted Kubernetes Secret), where "
     "`TF_NESTPIPE_TRANSPORT_SECRET` is unset.")
+TRANSPORT_HIERARCHICAL = register(
+    "TRANSPORT_HIERARCHICAL", choice("auto", "on", "off"), "auto",
+    "Whether all-to-alls go within each host first, then across hosts between workers of the "
+    "same local rank (auto: from 64 workers on, where several share a host).")
+TRANSPORT_LOCAL_WORKERS = register(
+    "TRANSPORT_LOCAL_WORKERS", positive_number(int), None,
+    "Workers per host for the hierarchical all-to-all (unset: workers whose TF_CONFIG hosts "
+    "resolve to the same address share a host); consecutive indices form a host.")
 
 
 def markdown_table(set_by: Optional[str] = None) -> str:

@@ -4,9 +4,9 @@ Plain Python (no TensorFlow), so that the launcher can read the transport's sett
 and the factory that turns a config into one are in `tf_nestpipe.collectives.transport`.
 """
 import dataclasses
-import os
-import warnings
 from typing import Optional
+
+from tf_nestpipe import settings
 
 # The names a user may pass; "auto" is the socket mesh on CPU (TensorFlow's collectives where
 # the workers cannot reach each other's mesh ports) and TensorFlow's NCCL collectives on GPU.
@@ -19,29 +19,12 @@ DEFAULT_STALL_SECONDS = 20.0
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 32
 DEFAULT_MAX_BUFFERED_BYTES = 1 << 30
 
-# Earlier spellings, read (with a DeprecationWarning) when the new one is unset.
-_OLD_ENV = {"TF_NESTPIPE_TRANSPORT_CONNECT_TIMEOUT": "NESTPIPE_SOCKET_CONNECT_TIMEOUT",
-            "TF_NESTPIPE_TRANSPORT_STALL_SECONDS": "NESTPIPE_SOCKET_STALL_SECONDS"}
-
-SECRET_ENV = "TF_NESTPIPE_TRANSPORT_SECRET"
-SECRET_FILE_ENV = "TF_NESTPIPE_TRANSPORT_SECRET_FILE"
+SECRET_ENV = settings.TRANSPORT_SECRET.name
+SECRET_FILE_ENV = settings.TRANSPORT_SECRET_FILE.name
 
 
 class TransportError(RuntimeError):
     """The transport cannot be set up as configured (the message names the fix)."""
-
-
-def _env_number(name, default, minimum, kind=float):
-    raw = os.environ.get(name, "")
-    if raw.strip() == "":
-        return kind(default)
-    try:
-        value = kind(raw)
-    except ValueError:
-        value = None
-    if value is None or not value >= minimum:
-        raise ValueError("%s must be a number >= %g, got %r" % (name, minimum, raw))
-    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +59,12 @@ class TransportConfig:
       max_message_bytes: the largest frame a peer may announce (4 GiB).
       max_buffered_bytes: bytes of frames that arrive before their call starts that a worker
         buffers in all (1 GiB).
+      hierarchical: "auto" (default: from 64 workers on, where several share a host), "on" or
+        "off": whether an all-to-all goes within each host first, then across hosts between
+        workers of the same local rank (H-1 frames cross hosts per worker instead of W-L).
+        Needs workers numbered host by host, the same number on every host.
+      local_workers: workers per host (default: those whose `TF_CONFIG` hosts resolve to the
+        same address).
     """
 
     name: str = "auto"
@@ -89,12 +78,18 @@ class TransportConfig:
     require_secret: bool = False
     max_message_bytes: Optional[int] = None
     max_buffered_bytes: Optional[int] = None
+    hierarchical: Optional[str] = None
+    local_workers: Optional[int] = None
 
     def __post_init__(self):
         if self.name not in TRANSPORT_NAMES:
             raise ValueError("transport must be one of %s, got %r" % (TRANSPORT_NAMES, self.name))
+        if self.hierarchical not in (None, "auto", "on", "off"):
+            raise ValueError("TransportConfig.hierarchical must be 'auto', 'on' or 'off', got %r"
+                             % (self.hierarchical,))
         for field in ("timeout_seconds", "connect_timeout_seconds", "hello_timeout_seconds",
-                      "stall_seconds", "max_message_bytes", "max_buffered_bytes"):
+                      "stall_seconds", "max_message_bytes", "max_buffered_bytes",
+                      "local_workers"):
             value = getattr(self, field)
             if value is not None and not value > 0:
                 raise ValueError("TransportConfig.%s must be > 0, got %r" % (field, value))
@@ -106,39 +101,26 @@ class TransportConfig:
           A `TransportConfig` with no None numeric field.
 
         Raises:
-          ValueError: an environment variable holds something other than a positive number.
+          settings.SettingError: an environment variable holds a value it refuses.
         """
-        def pick(value, env, default, kind=float):
-            if value is not None:
-                return value
-            old = _OLD_ENV.get(env)
-            if old and os.environ.get(old, "").strip() and not os.environ.get(env, "").strip():
-                warnings.warn("%s is deprecated: set %s" % (old, env), DeprecationWarning)
-                env = old
-            return _env_number(env, default, 1e-3, kind)
+        def pick(value, setting):
+            return setting.value() if value is None else value
 
         return dataclasses.replace(
             self,
-            timeout_seconds=pick(self.timeout_seconds, "TF_NESTPIPE_TRANSPORT_TIMEOUT",
-                                 DEFAULT_TIMEOUT_SECONDS),
+            timeout_seconds=pick(self.timeout_seconds, settings.TRANSPORT_TIMEOUT),
             connect_timeout_seconds=pick(self.connect_timeout_seconds,
-                                         "TF_NESTPIPE_TRANSPORT_CONNECT_TIMEOUT",
-                                         DEFAULT_CONNECT_TIMEOUT_SECONDS),
+                                         settings.TRANSPORT_CONNECT_TIMEOUT),
             hello_timeout_seconds=pick(self.hello_timeout_seconds,
-                                       "TF_NESTPIPE_TRANSPORT_HELLO_TIMEOUT",
-                                       DEFAULT_HELLO_TIMEOUT_SECONDS),
-            stall_seconds=pick(self.stall_seconds, "TF_NESTPIPE_TRANSPORT_STALL_SECONDS",
-                               DEFAULT_STALL_SECONDS),
-            max_message_bytes=pick(self.max_message_bytes,
-                                   "TF_NESTPIPE_TRANSPORT_MAX_MESSAGE_BYTES",
-                                   DEFAULT_MAX_MESSAGE_BYTES, int),
+                                       settings.TRANSPORT_HELLO_TIMEOUT),
+            stall_seconds=pick(self.stall_seconds, settings.TRANSPORT_STALL_SECONDS),
+            max_message_bytes=pick(self.max_message_bytes, settings.TRANSPORT_MAX_MESSAGE_BYTES),
             max_buffered_bytes=pick(self.max_buffered_bytes,
-                                    "TF_NESTPIPE_TRANSPORT_MAX_BUFFERED_BYTES",
-                                    DEFAULT_MAX_BUFFERED_BYTES, int),
-            listen_port=(self.listen_port if self.listen_port is not None
-                         else int(_env_number("TF_NESTPIPE_TRANSPORT_PORT", 0, 0, int))),
-            listen_host=(self.listen_host if self.listen_host is not None
-                         else os.environ.get("TF_NESTPIPE_TRANSPORT_LISTEN_HOST") or None))
+                                    settings.TRANSPORT_MAX_BUFFERED_BYTES),
+            listen_port=pick(self.listen_port, settings.TRANSPORT_PORT),
+            listen_host=pick(self.listen_host, settings.TRANSPORT_LISTEN_HOST),
+            hierarchical=pick(self.hierarchical, settings.TRANSPORT_HIERARCHICAL),
+            local_workers=pick(self.local_workers, settings.TRANSPORT_LOCAL_WORKERS))
 
     @property
     def engine_owns_cluster(self):
@@ -158,10 +140,10 @@ class TransportConfig:
         """
         if self.secret:
             return self.secret.encode() if isinstance(self.secret, str) else bytes(self.secret)
-        value = os.environ.get(SECRET_ENV, "")
+        value = settings.TRANSPORT_SECRET.value()
         if value:
             return value.encode()
-        path = os.environ.get(SECRET_FILE_ENV, "")
+        path = settings.TRANSPORT_SECRET_FILE.value()
         if not path:
             return None
         try:

@@ -184,7 +184,9 @@ def main():
     check_all_to_all(collectives, me, num_workers)
     check_gradient(collectives, me, num_workers)
     check_gather_and_sum(collectives, me, num_workers)
-    print("socket mesh ok %d" % num_workers, flush=True)
+    hosts = collectives.hosts
+    print("socket mesh ok %d %s" % (num_workers, "hosts %s" % (hosts,) if hosts else "flat"),
+          flush=True)
     print("socket mesh stats %s" % socket_stats(), flush=True)
 
 

@@ -12,6 +12,7 @@ every other one connected, so the cluster agrees on the transport: where one can
 NAT address, a firewall or a Kubernetes NetworkPolicy that admits only TensorFlow's port), all
 fall back to TensorFlow's collectives (transport "auto") or fail (transport "sockets").
 """
+import atexit
 import os
 import socket
 import sys
@@ -22,9 +23,45 @@ import tensorflow as tf
 from tf_nestpipe.collectives.communication import Collectives
 from tf_nestpipe.collectives.mesh_handshake import Handshake, HandshakeError
 from tf_nestpipe.collectives.transport import TransportError
-from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all
+from tf_nestpipe.ops.sockets import socket_adopt, socket_all_to_all, socket_finish
 
 _SECRET_WORDS = 4  # a drawn secret travels as 4 int64 words (32 bytes)
+# Below this many workers a flat all-to-all's W-1 frames cost less than a second hop.
+_HIERARCHICAL_FROM_WORKERS = 64
+
+
+def host_layout(addresses, config):
+    """`(hosts, workers per host)` for the hierarchical all-to-all, or None for the flat one.
+
+    Args:
+      addresses: each worker's mesh address (workers with the same one share a host).
+      config: the resolved `TransportConfig` (`hierarchical`, `local_workers`).
+
+    Returns:
+      `(H, L)` where worker `h * L + l` is the l-th worker of host h, or None: turned off, too
+      few workers ("auto"), one host or one worker per host, or hosts that are not numbered
+      host by host with the same number of workers each (then "on" says why on stderr).
+    """
+    workers = len(addresses)
+    if config.hierarchical == "off" or (config.hierarchical == "auto"
+                                        and workers < _HIERARCHICAL_FROM_WORKERS):
+        return None
+    local = config.local_workers
+    if local is None:
+        local = 1
+        while local < workers and addresses[local] == addresses[0]:
+            local += 1
+    regular = workers % local == 0 and (config.local_workers is not None or all(
+        (addresses[w] == addresses[w - w % local]) == True  # noqa: E712  (numpy bools)
+        and (w % local != 0 or w == 0 or addresses[w] != addresses[w - 1])
+        for w in range(workers)))
+    if not regular or local < 2 or workers // local < 2:
+        if config.hierarchical == "on":
+            print("tf_nestpipe: the hierarchical all-to-all needs workers numbered host by host, "
+                  "the same number (>= 2) on each of >= 2 hosts (TF_NESTPIPE_TRANSPORT_LOCAL_"
+                  "WORKERS sets it); using the flat one", file=sys.stderr, flush=True)
+        return None
+    return workers // local, local
 
 
 def _ipv4_as_int(host):
@@ -76,8 +113,9 @@ def open_socket_mesh(collectives, host, config):
       config: the resolved `TransportConfig`.
 
     Returns:
-      `(True, "")` on every worker when every worker connected, else `(False, reason)` on every
-      worker.
+      `(connected, reason, addresses)`: `(True, "", ...)` on every worker when every worker
+      connected, else `(False, reason, ...)` on every worker; `addresses` the workers' mesh
+      addresses (ints, -1 where unknown).
 
     Raises:
       TransportError: `config.require_secret` and no secret is configured.
@@ -126,11 +164,15 @@ def open_socket_mesh(collectives, host, config):
     if not agreed.all():
         for sock in peers.values():
             sock.close()
-        return False, reason or "worker %d could not connect" % int(np.argmin(agreed))
+        return (False, reason or "worker %d could not connect" % int(np.argmin(agreed)),
+                table[:, 0].tolist())
     fds = [peers[j].detach() if j != me else -1 for j in range(workers)]
     socket_adopt(me, fds, ["%s:%d" % a for a in addresses], config.timeout_seconds,
                  config.stall_seconds, config.max_message_bytes, config.max_buffered_bytes)
-    return True, ""
+    # At the program's end the frames still queued (e.g. of the last step's exchange, which a
+    # slower peer still waits for) go out before the process exits, then a goodbye.
+    atexit.register(socket_finish, config.stall_seconds)
+    return True, "", table[:, 0].tolist()
 
 
 class SocketCollectives(Collectives):
@@ -143,6 +185,7 @@ class SocketCollectives(Collectives):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._mesh_open = False
+        self.hosts = None  # (hosts, workers per host) when all-to-alls go hierarchical
 
     @property
     def name(self):
@@ -165,26 +208,88 @@ class SocketCollectives(Collectives):
         """
         if self.num_workers == 1:
             return False, "one worker"
-        connected, reason = open_socket_mesh(self, host, config)
+        connected, reason, addresses = open_socket_mesh(self, host, config)
         self._mesh_open = connected
+        if connected:
+            self.hosts = host_layout(addresses, config)
         return connected, reason
 
     def _socket_exchange(self, tensor, tag, bucket, send_counts, fill):
         tensor = tf.convert_to_tensor(tensor)
         if send_counts is None:
             send_counts = tf.fill([self.num_workers], tf.shape(tensor)[1])
+        if self.hosts is not None:
+            return self._hierarchical_exchange(tensor, tag, bucket, send_counts, fill)
+        return self._group_exchange(tensor, tag, bucket, send_counts, fill)
+
+    def _group_exchange(self, tensor, tag, bucket, send_counts, fill, group=()):
+        """One all-to-all among `group` (every worker when empty); `(out, received counts)`."""
         received = []
 
         def issue(key, token):
             if token is None:  # eager: `_chained` passes no token, the op still takes one
                 token = self._ordering_token(self.current_stream()).handle
-            out, counts = socket_all_to_all(tensor, send_counts, fill, key, token, label=tag)
+            out, counts = socket_all_to_all(tensor, send_counts, fill, key, token, label=tag,
+                                            group=group)
             received.append(counts)
             return out
 
         out = self._chained(tag, issue, bucket)
         out.set_shape(tensor.shape)
         return out, received[0]
+
+    def _hierarchical_exchange(self, tensor, tag, bucket, send_counts, fill):
+        """The all-to-all in two hops: within this host, each worker hands every local peer
+        the blocks bound for that peer's local rank on every host; then across hosts, between
+        workers of the same local rank, only the entries with data (packed). Returns what the
+        flat exchange returns: `(out [W, C, ...], received counts [W])`."""
+        hosts, local = self.hosts
+        me = self.worker_index
+        my_host, my_rank = divmod(me, local)
+        capacity = tf.shape(tensor)[1]
+        entry = tf.shape(tensor)[2:]
+        counts = tf.reshape(tf.cast(send_counts, tf.int32), [hosts, local])
+        # Hop 1, within the host: local peer r gets [host, C, ...] blocks bound for (host, r).
+        by_rank = tf.transpose(tf.reshape(tensor, tf.concat([[hosts, local, capacity], entry], 0)),
+                               tf.concat([[1, 0], tf.range(2, tf.rank(tensor) + 1)], 0))
+        same_host = [my_host * local + r for r in range(local)]
+        first = tf.reshape(by_rank, tf.concat([[local, hosts * capacity], entry], 0))
+        got, _ = self._group_exchange(first, tag + "/host", bucket,
+                                      tf.fill([local], hosts * capacity), fill, same_host)
+        got_counts, _ = self._group_exchange(tf.transpose(counts)[:, :, tf.newaxis],
+                                             tag + "/host_counts", None, tf.fill([local], hosts),
+                                             0, same_host)
+        # got[s, h]: from local source s, bound for (h, my_rank); got_counts[s, h]: its count.
+        got = tf.reshape(got, tf.concat([[local, hosts, capacity], entry], 0))
+        got_counts = tf.reshape(got_counts, [local, hosts])
+        # Hop 2, across hosts: to (h, my_rank) the entries with data of every local source.
+        outgoing = tf.transpose(got, tf.concat([[1, 0], tf.range(2, tf.rank(tensor) + 1)], 0))
+        outgoing_counts = tf.transpose(got_counts)  # [hosts, local]
+        valid = tf.sequence_mask(outgoing_counts, capacity)  # [hosts, local, C]
+        packed_counts = tf.reduce_sum(outgoing_counts, axis=1)  # [hosts]
+        positions = tf.cast(tf.where(valid), tf.int32)
+        entries = tf.gather_nd(outgoing, positions)  # in (host, source, entry) order
+        slot = tf.sequence_mask(packed_counts, local * capacity)
+        packed = tf.scatter_nd(tf.cast(tf.where(slot), tf.int32), entries,
+                               tf.concat([[hosts, local * capacity], entry], 0))
+        same_rank = [h * local + my_rank for h in range(hosts)]
+        arrived, _ = self._group_exchange(packed, tag + "/across", bucket, packed_counts, fill,
+                                          same_rank)
+        arrived_counts, _ = self._group_exchange(outgoing_counts[:, :, tf.newaxis],
+                                                 tag + "/across_counts", None,
+                                                 tf.fill([hosts], local), 0, same_rank)
+        # arrived[h]: the packed entries of host h's sources s in order; counts [hosts, local].
+        arrived_counts = tf.reshape(arrived_counts, [hosts * local])
+        arrived_slot = tf.sequence_mask(tf.reduce_sum(tf.reshape(arrived_counts,
+                                                                 [hosts, local]), 1),
+                                        local * capacity)
+        values = tf.gather_nd(arrived, tf.cast(tf.where(arrived_slot), tf.int32))
+        out = tf.fill(tf.concat([[hosts * local, capacity], entry], 0),
+                      tf.cast(fill, tensor.dtype))
+        out = tf.tensor_scatter_nd_update(
+            out, tf.cast(tf.where(tf.sequence_mask(arrived_counts, capacity)), tf.int32), values)
+        out.set_shape(tensor.shape)
+        return out, arrived_counts
 
     def all_to_all(self, tensor, tag, bucket=None, send_counts=None, fill=0):
         """Sends the first `send_counts[j]` entries of `tensor[j]` (all of them without

@@ -54,6 +54,17 @@ def socket_all_to_all(tensor, send_counts, fill, key, ordering_token, label="", 
         tf.cast(key, tf.int64), ordering_token, label=label, group=list(group))
 
 
+def socket_finish(stall_seconds):
+    """Ends this process's part of the mesh: a goodbye to every peer after everything still
+    queued, and waits until the peers have it all (or `stall_seconds` pass without progress).
+
+    Returns:
+      Whether everything was delivered (False also when no mesh is open).
+    """
+    return bool(load_op_library().nestpipe_socket_finish(
+        stall_seconds=float(stall_seconds)).numpy())
+
+
 def socket_stats():
     """This process's mesh counters since it opened.
 
