@@ -754,9 +754,12 @@ def memory_lines(args):
 
 
 def run_steal_text(env):
-    """", CPU steal N% over the run" since `env["cpu_start"]` ("" when unknown)."""
+    """", L at the end, CPU steal N% over the run": the load average now (the other jobs that
+    shared the cores show in it) and the steal since `env["cpu_start"]` (left out when
+    unknown)."""
     share = steal_share(env.get("cpu_start"), cpu_times())
-    return "" if share is None else ", CPU steal %.0f%% over the run" % (100 * share)
+    text = ", %.2f at the end" % os.getloadavg()[0]
+    return text if share is None else text + ", CPU steal %.0f%% over the run" % (100 * share)
 
 
 # Loopback: a pipelined mode may cost at most this much more than none (issue 14).

@@ -353,18 +353,18 @@ def run_fit(args, data):
                 implementation=tf.distribute.experimental.CommunicationImplementation.RING))
         rank, workers, kind = strategy.cluster_resolver.task_id, strategy.num_replicas_in_sync, "keras"
     else:
-        options = {"pipeline": args.pipeline, "micro_batches": args.micro_batches,
-                   "auto_timed_steps": args.auto_timed_steps}
+        pipeline = {"micro_batches": args.micro_batches, "auto_timed_steps": args.auto_timed_steps}
         if args.auto_probe_rounds:
-            options["auto_probe_rounds"] = args.auto_probe_rounds
-        options["transport"] = args.collectives  # sockets, tf or horovod (issue 7)
-        if args.wire_dtype != "fp32":  # compressed exchanges (issue 19)
+            pipeline["auto_probe_rounds"] = args.auto_probe_rounds
+        if args.skip_buffer_sync:  # a diagnostic: what the look-ahead modes' sync costs
+            pipeline["unsafe_skip_buffer_sync"] = True
+        options = {"pipeline": tnp.PipelineConfig(args.pipeline, **pipeline)}
+        options["transport"] = args.collectives  # sockets, tf or horovod
+        if args.wire_dtype != "fp32":  # compressed exchanges
             forward, _, backward = args.wire_dtype.partition("-")
             options["wire_dtype"] = {"forward": forward, "backward": backward or forward}
-        options["placement"] = args.placement  # table placement (issue 15)
-        if args.skip_buffer_sync:  # a diagnostic: what the look-ahead modes' sync costs
-            options["unsafe_skip_buffer_sync"] = True
-        if args.memory_budget_bytes:  # per worker, tables + optimizer slots (issue 15)
+        options["placement"] = args.placement  # table placement
+        if args.memory_budget_bytes:  # per worker, tables + optimizer slots
             options["memory_budget_bytes"] = args.memory_budget_bytes
         strategy = tnp.NestPipeStrategy(**options)
         rank, workers, kind = strategy.worker_index, strategy.num_workers, "sharded"

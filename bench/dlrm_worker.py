@@ -66,9 +66,10 @@ def main():
     else:
         # row_wise: the pipelines' benchmarks time the tables' exchange ("auto", the default,
         # may replicate the small tables).
-        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, micro_batches=args.micro_batches,
-                                        cluster_samples=args.cluster_samples,
-                                        transport=args.collectives, placement="row_wise")
+        strategy = tnp.NestPipeStrategy(
+            pipeline=tnp.PipelineConfig(args.pipeline, micro_batches=args.micro_batches,
+                                        cluster_samples=args.cluster_samples),
+            transport=args.collectives, placement="row_wise")
         emulated_latency.install_from_env(strategy)
         kind = "per_table" if args.mode == "nestpipe_per_table" else "fused"
         rank = max(rank, strategy.worker_index)

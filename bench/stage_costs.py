@@ -122,7 +122,8 @@ def training_run(pipeline, batch, table_scale, dim, micro_batches, strategy=None
     if pipeline == "plain":  # no strategy at all (the same model, tables unsharded)
         strategy = tf.distribute.get_strategy()
     elif strategy is None:
-        strategy = tnp.NestPipeStrategy(pipeline=pipeline, micro_batches=micro_batches)
+        strategy = tnp.NestPipeStrategy(
+            pipeline=tnp.PipelineConfig(pipeline, micro_batches=micro_batches))
     model = dlrm.build_compiled_dlrm(strategy, "fused", table_sizes, dim)
     dataset = dlrm.make_dataset_fn(log, 0, 20, batch, repeat=True)(tf.distribute.InputContext())
     return model, dataset

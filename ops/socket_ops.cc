@@ -336,7 +336,7 @@ class Mesh {
       if (!failure_.ok()) {
         exchange->status = failure_;
         lock.unlock();
-        Finish(std::move(exchange));
+        Complete(std::move(exchange));
         return;
       }
       ex->seq = next_seq_[ex->key]++;
@@ -377,7 +377,7 @@ class Mesh {
       ex->self_done = true;
       complete = TakeIfReady(ex->key, ex->seq);
     }
-    if (complete) Finish(std::move(complete));
+    if (complete) Complete(std::move(complete));
   }
 
   // The program ended: tells every peer (a goodbye frame after everything queued), waits for
@@ -456,7 +456,7 @@ class Mesh {
     }
     failed_.store(true);
     Wake();  // the send thread sends the aborts and closes the connections
-    for (auto& ex : failed) Finish(std::move(ex));
+    for (auto& ex : failed) Complete(std::move(ex));
   }
 
  private:
@@ -478,7 +478,7 @@ class Mesh {
     peer->queue.push_back(std::move(message));
   }
 
-  static void Finish(std::unique_ptr<Exchange> ex) {
+  static void Complete(std::unique_ptr<Exchange> ex) {
     if (ex->cancellation != nullptr) ex->cancellation->TryDeregisterCallback(ex->token);
     ex->done(ex->status);
   }
@@ -675,7 +675,7 @@ class Mesh {
     }
     peer->buffered = std::vector<char>();
     peer->target_keep.reset();
-    if (complete) Finish(std::move(complete));
+    if (complete) Complete(std::move(complete));
     return absl::OkStatus();
   }
 

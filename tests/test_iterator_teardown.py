@@ -4,8 +4,7 @@ iterators prefetch per device without it (`tf_private.device_datasets_without_au
 
 In a 2-worker cluster on TF 2.21 an autotuning thread sometimes sleeps through the iterator's
 deletion, which (the end of every `fit`) then blocks for up to as long as the iterator has
-lived; the timings are in bench/results/iterator_teardown_1205.md and the README (no timed
-tests)."""
+lived; the timings are in bench/results/iterator_teardown.md (no timed tests)."""
 import os
 
 os.environ.setdefault("TF_USE_LEGACY_KERAS", "1")

@@ -29,6 +29,14 @@ def test_mesh_collectives_equal_numpy_on_three_workers():
 
 
 @pytest.mark.cluster
+def test_eight_workers_start_and_exchange_on_the_mesh():
+    result = launch(8, [PROGRAM], timeout=400)
+    assert result.returncode == 0, result.stdout[-4000:]
+    assert result.stdout.count("socket mesh ok 8 flat") == 8, result.stdout[-4000:]
+    assert result.stdout.count("'peers': 7, 'io_threads': 2}") == 8, result.stdout[-4000:]
+
+
+@pytest.mark.cluster
 def test_hierarchical_collectives_equal_numpy_on_two_hosts_of_two():
     """The same checks with every all-to-all in two hops (within a "host" of 2 workers, then
     across the 2 hosts), which must give exactly what the flat exchange gives."""

@@ -44,7 +44,7 @@ if not _started_as_launcher():
                                                    MaxSizePartitioner, MinSizePartitioner,
                                                    ModShardsPartitioner)
 
-    from tf_nestpipe.pipeline import TrainPipeline  # noqa: E402
+    from tf_nestpipe.pipeline import PipelineConfig, TrainPipeline  # noqa: E402
     from tf_nestpipe.pipeline import keras_integration as _keras_integration  # noqa: E402
 
     _keras_integration.install()
@@ -71,6 +71,7 @@ __all__ = [
     "ModShardsPartitioner",
     "NestPipeStrategy",
     "ParameterServerStrategy",
+    "PipelineConfig",
     "PreemptionCheckpointHandler",
     "ShardLayout",
     "ShardedCheckpoint",

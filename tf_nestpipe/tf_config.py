@@ -13,7 +13,13 @@ class TFConfigError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class ClusterConfig:
-    """A validated cluster: `cluster` maps role -> addresses; this process is `task_type:task_index`."""
+    """A validated cluster.
+
+    Attributes:
+        cluster: Role -> addresses ("host:port").
+        task_type: This process's role, or None.
+        task_index: This process's index within its role, or None.
+    """
 
     cluster: Dict[str, List[str]]
     task_type: Optional[str]
@@ -35,10 +41,17 @@ def _fail(field, problem, fix):
 
 
 def parse_tf_config(text: Optional[str] = None) -> Optional[ClusterConfig]:
-    """Parses `text` (default: the `TF_CONFIG` environment variable); None if it is unset/empty.
+    """Parses and validates a `TF_CONFIG`.
 
-    Raises `TFConfigError` naming the field for bad JSON, a missing or malformed `cluster` or
-    `task`, an unknown role, an address listed twice, or a task index out of range.
+    Args:
+        text: The JSON text; default: the `TF_CONFIG` environment variable.
+
+    Returns:
+        A `ClusterConfig`, or None if the text is unset or empty.
+
+    Raises:
+        TFConfigError: Bad JSON, a missing or malformed `cluster` or `task`, an unknown role,
+            an address listed twice, or a task index out of range, naming the field.
     """
     if text is None:
         text = os.environ.get("TF_CONFIG", "")

@@ -1,8 +1,8 @@
 """How AutoGraph treats tf_nestpipe: as a library, like TensorFlow and tf_keras themselves.
 
 tf_nestpipe's code builds graphs with TensorFlow ops only, so AutoGraph has nothing to convert in
-it; left to itself, it converted every function of ours a traced step reached (parsing and
-rewriting its source, then routing each call through `converted_call`): about 12% of the
+it; left to itself, it would convert every function of ours a traced step reaches (parsing
+and rewriting its source, then routing each call through `converted_call`), a large part of a
 pipelined step's first trace. `register_library` adds tf_nestpipe to AutoGraph's do-not-convert
 rules; the user functions our code calls inside a trace (a `TrainPipeline`'s step, route and
 reduce functions, a DOWNPOUR loss) go through `user_function`, which converts them as
@@ -42,8 +42,8 @@ class IteratorStep:
     without binding the iterator anew on every call.
 
     A `tf.function` call matches its arguments against its traces: for a distributed iterator
-    that computes the iterator's type (its element spec, per worker) and flattens it, about
-    0.5-1.3 ms per call on this testbed's CPU, a sixth of a small model's step. The first call
+    that computes the iterator's type (its element spec, per worker) and flattens it, a cost
+    a small model's step notices. The first call
     with an iterator goes through `function` (tracing it, creating variables, as usual) and keeps
     the concrete function it ran and the iterator's tensors (its resource handles, fixed for the
     iterator's life); later calls with the same iterator run that concrete function on them

@@ -100,7 +100,7 @@ def assemble(single, clusters, keys, global_batch, micro_batches, commands, mesh
             # Per fit step: 2 + 1 all-to-alls (the key counts ride in the keys exchange) and
             # the dense gradients' all-reduce, the loss mean's states riding on it
             # (`strategy.summed_reads`): no scalar all-reduce of its own (PipelineStats.
-            # collectives: 4 under none in bench/results/pipelines_natural_1203).
+            # collectives: 4 under none).
             "metric_all_reduces": 0,
         },
         "keys": keys,

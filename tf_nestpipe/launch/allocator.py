@@ -4,15 +4,11 @@ A worker allocates and frees the same large tensors every step (a DLRM step's ac
 exchange's buffers). glibc's malloc serves a multi-threaded process from several arenas and
 hands free memory at an arena's top back to the kernel, so the next step takes those pages again
 as fresh page faults, zeroed by the kernel. A NestPipe worker has more threads than a one-process
-job (the socket mesh, the gRPC server), hence more arenas. Our reading of why the top pad helps
-where `MALLOC_TRIM_THRESHOLD_` or `MALLOC_MMAP_THRESHOLD_` alone did not (measured): glibc also
-unmaps a thread arena's whole heap once it is free unless the pad keeps it. Measured on the
-2-core testbed (2 workers, worker 0, pipeline none, `bench/compare_worker.py`): the bandwidth
-cell (global batch 4096, dim 64) took ~40,000 minor page faults per step and more kernel than
-user time at 230 ms/step; with `M_TOP_PAD` = 64 MiB (an arena keeps up to that much free memory
-at its top instead of returning it) ~8,000 faults per step at 116 ms/step, and the natural cell
-11-14 ms -> 8.2-8.5 ms/step, for +1% peak resident memory. One process of the same model (the
-compute-only row) was unaffected (119 vs 123 ms).
+job (the socket mesh, the gRPC server), hence more arenas. The top pad (`M_TOP_PAD`: an arena
+keeps up to that much free memory at its top instead of returning it) helps where
+`MALLOC_TRIM_THRESHOLD_` or `MALLOC_MMAP_THRESHOLD_` alone do not, since glibc also unmaps a
+thread arena's whole heap once it is free unless the pad keeps it; it costs little peak
+resident memory. `bench/compare_worker.py` measures the page faults per step.
 
 `keep_freed_memory` sets it in-process (the strategy calls it at construction); the local
 launcher also puts `MALLOC_TOP_PAD_` in each task's environment (`allocator_env`), which glibc

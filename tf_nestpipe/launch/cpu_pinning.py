@@ -3,17 +3,14 @@ tasks the launcher starts, each task pinned to its own (CPU affinity, inherited 
 the task starts).
 
 Unpinned, the kernel moves the co-located workers' threads between the cores, so one worker's
-step is preempted by the other's, and by the other's socket threads, at random. Measured on the
-2-core testbed (natural-code DLRM cell, 2 workers, one thread per pool each,
-`bench/compare_worker.py --steps 80 --warmup 40`, worker 0, three runs of `none` each way):
-median 4.3-5.8 ms/step pinned against 5.4-8.1 unpinned, p90 4.8-7.9 against 7.4-11.2; 4 workers
-(2 per core) 9.9-13.5 against 13.2-15.3. Tasks are pinned only where every task gets the same
+step is preempted by the other's, and by the other's socket threads, at random: pinned steps
+are faster and steadier (`bench/compare_worker.py` times both). Tasks are pinned only where every task gets the same
 share (the tasks divide the cores, or the cores the tasks): a synchronous step waits for its
 slowest worker, so 3 workers on 2 cores, two of them sharing a core, would run at the pace of
 half a core where the kernel gives each two thirds. Like the thread split (`threads.py`; a
 pinned task's pools get one thread per CPU it has), it applies only where the launcher splits
 this machine's cores itself, and not in parameter-server mode (its ps and chief tasks mostly
-wait, and the coordinator's scheduling was not measured pinned).
+wait, and the coordinator's scheduling is not known to gain from pinning).
 
 Cores are whole physical cores (hyperthread siblings stay together, read from sysfs), so two
 tasks never share one through its siblings; where the topology cannot be read nothing is pinned.

@@ -3,18 +3,13 @@ the launcher starts on it.
 
 Every TensorFlow process sizes its intra-op and inter-op thread pools to all the cores it sees,
 so W co-located tasks run W times as many busy threads as there are cores, and their ops
-preempt one another (measured on the 2-core testbed: the natural-code DLRM step of 2 workers
-took 11.9 ms with TensorFlow's pools, 10.1 ms with one thread of each per task; see
-bench/results/). Like `torchrun`, which sets `OMP_NUM_THREADS=1` when it starts several
+preempt one another. Like `torchrun`, which sets `OMP_NUM_THREADS=1` when it starts several
 processes per node, the launcher gives each task `cores // tasks` threads (at least 1) through
 TensorFlow's environment variables. In parameter-server mode the inter-op pool keeps at least
 `MIN_PARAMETER_SERVER_INTEROP_THREADS`: with a single inter-op thread a `ClusterCoordinator`
-cluster deadlocks (measured: the DOWNPOUR program hung until the launcher's 240 s timeout, and
-finished in 22 s with 2). Synchronous (collective) workers keep one: their collectives never hold
+cluster deadlocks (a DOWNPOUR program hangs). Synchronous (collective) workers keep one: their collectives never hold
 an inter-op thread while they wait (TensorFlow's are asynchronous kernels; the socket mesh's
-exchange queues its messages and returns), and a second thread per worker preempted the first
-(natural DLRM step, 2 workers on 2 cores, 3 interleaved rounds, median ms/step with 1 vs 2
-inter-op threads: none 8.3 vs 10.7, dbp 9.6 vs 11.0, fwp 9.8 vs 9.9, nested 9.4 vs 13.1).
+exchange queues its messages and returns), and a second thread per worker preempts the first.
 A variable the user set (in the launcher's environment or with `--env`) is never overridden.
 Where the launcher also pins each task to its own cores (`cpu_pinning`), a task's pools get one
 thread per CPU it is pinned to instead of this equal split.

@@ -107,6 +107,23 @@ class TrainPipeline:
     (`optimizer.build`). A `tf.function` whose first trace creates variables is traced twice;
     with this the prime and the step are traced once each. Give every variable the optimizer
     updates: a tf_keras optimizer refuses to update a variable it was not built with.
+
+    Args:
+        strategy: The `NestPipeStrategy`.
+        step_fn: `step_fn(batch)`, per replica: forward, backward, optimizer update.
+        route_fn: `route_fn(batch)`: the same lookups as `step_fn` (e.g. the model called on
+            the features).
+        optimizer: The optimizer `step_fn` applies (its update decides which prefetched rows
+            are re-synced).
+        reduce_fn: `reduce_fn(outputs)`, optional, reduces the per-replica outputs.
+        skip_buffer_sync: Testing only: skip the re-sync (training goes stale).
+        lookahead: 1 (default): the Dual-Buffer Pipeline; 0: the fused exchange without
+            look-ahead.
+        trainable_variables: Optional callable returning the variables `optimizer` updates.
+
+    Raises:
+        ValueError: `lookahead` is not 0 or 1.
+        TypeError: `trainable_variables` is not callable.
     """
 
     def __init__(self, strategy, step_fn, route_fn, optimizer=None, reduce_fn=None,
@@ -397,8 +414,19 @@ class TrainPipeline:
         self.stats.first_lookup_rows += requested[0] if requested else 0
 
     def progress(self, iterator):
-        """Trains on the next batch of `iterator` and returns `step_fn`'s (reduced) outputs.
-        Raises StopIteration / OutOfRangeError once the iterator and the pipeline are empty."""
+        """Trains on the next batch of `iterator`.
+
+        Args:
+            iterator: An iterator of a distributed dataset (the same one, step after step; a
+                new one drops the look-ahead of the old).
+
+        Returns:
+            `step_fn`'s outputs (reduced by `reduce_fn`, if given).
+
+        Raises:
+            StopIteration: Or `tf.errors.OutOfRangeError`, once the iterator and the pipeline
+                are empty.
+            ValueError: The step did not look up the prefetched tables as `route_fn` did."""
         if not self._variables_created:
             self._create_variables(iterator)
         if self._lookahead == 0:
@@ -444,9 +472,14 @@ class TrainPipeline:
 
     def progress_held(self, iterator):
         """Trains the next batch the look-ahead holds from `iterator`, reading nothing more
-        (to switch to another pipeline without skipping a batch); None once it holds none, or
-        if `iterator` is not the one it read them from (they are dropped, as a new fit call
-        drops them)."""
+        (to switch to another pipeline without skipping a batch).
+
+        Args:
+            iterator: The iterator the look-ahead was read from.
+
+        Returns:
+            `step_fn`'s outputs; None once it holds no batch, or if `iterator` is not the one
+            it read them from (they are dropped, as a new fit call drops them)."""
         if self._lookahead == 0 or not self._primed:
             return None
         if self._iterator_ref is None or self._iterator_ref() is not iterator:

@@ -20,6 +20,16 @@ class ShardedEmbeddingCollection(tf_keras.layers.Layer):
     The fused `[sum(table_sizes), dim]` table is initialized as one table by
     `embeddings_initializer`. Ids outside `[0, table_sizes[f])` raise an error naming the layer
     (with the offending values), or embed to zero with `invalid_id_policy="zero"`.
+
+    Args:
+        table_sizes: Rows of each feature's table.
+        dim: The embedding dimension (shared).
+        embeddings_initializer: A tf_keras initializer for the fused table.
+        invalid_id_policy: "error" (default) or "zero".
+        **kwargs: tf_keras `Layer` arguments (`name`, ...).
+
+    Raises:
+        ValueError: Empty or non-positive `table_sizes`; at call time, ids not `[batch, F]`.
     """
 
     def __init__(self, table_sizes, dim, embeddings_initializer="uniform", invalid_id_policy="error",

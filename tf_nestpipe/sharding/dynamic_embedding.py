@@ -53,6 +53,22 @@ class DynamicEmbedding(tf_keras.layers.Layer):
     Inputs: ids `[batch]` / `[batch, k]` or ragged `[batch, None]` (needs a combiner). With
     `combiner=None` the output is `ids.shape + [dim]`; "sum" / "mean" pool the last id axis.
     Create it under `NestPipeStrategy.scope()` (one worker works too).
+
+    Args:
+        dim: The embedding dimension.
+        combiner: None, "sum" or "mean" (pools the last id axis; needed for ragged ids).
+        embeddings_initializer: A tf_keras initializer; an admitted id's first row depends only
+            on (its seed, the id), at any worker count.
+        capacity_per_worker: Rows each worker's hash table holds.
+        admission: An id is admitted the `admission`-th step it is seen in (1: at once).
+        eviction: "lru" or "lfu": which id a full table evicts for a new one.
+        ttl_steps: Ids unseen for this many steps are removed (0: never).
+        counter_capacity: Ids pending admission that are counted (default: the capacity).
+        **kwargs: tf_keras `Layer` arguments (`name`, ...).
+
+    Raises:
+        ValueError: A bad argument, naming it; or the layer is built outside a
+            `NestPipeStrategy` scope.
     """
 
     def __init__(self, dim, combiner=None, embeddings_initializer=None, capacity_per_worker=65536,
@@ -112,8 +128,15 @@ class DynamicEmbedding(tf_keras.layers.Layer):
 
     # --- lookup --------------------------------------------------------------------------------
     def owner_rows(self, ids, training):
-        """This worker's rows `[u, dim]` of the distinct ids `ids` it owns: the hash-table step
-        (training) or a find, fresh slots initialized, zero rows where not admitted."""
+        """This worker's rows of the distinct ids it owns: the hash-table step (training) or a
+        find, fresh slots initialized, zero rows where not admitted.
+
+        Args:
+            ids: `[u]` int64 distinct ids this worker owns.
+            training: Whether this is the step of the table (admission, eviction, counters).
+
+        Returns:
+            `[u, dim]` rows."""
         if training:
             slots, fresh = self.table.admit(ids)
             fresh_slots = tf.boolean_mask(slots, fresh)
@@ -131,7 +154,14 @@ class DynamicEmbedding(tf_keras.layers.Layer):
                                  tf.stack([tf.size(ids, out_type=tf.int64), self.dim]))
 
     def direct_lookup(self, flat_ids, training=False):
-        """The lookup itself: route to the owners, their table step, rows back."""
+        """The lookup itself: route to the owners, their table step, rows back.
+
+        Args:
+            flat_ids: `[n]` int64 (or string) ids.
+            training: Whether this is the step of the table.
+
+        Returns:
+            `[n, dim]` rows (zero where an id is not admitted)."""
         return dynamic_lookup(lambda ids: self.owner_rows(ids, training), flat_ids, self.dim,
                               self.num_workers, self.worker_index, self.collectives(),
                               "nestpipe/dynamic/" + self.name)

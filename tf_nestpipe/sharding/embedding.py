@@ -84,6 +84,18 @@ class ShardedEmbedding(tf_keras.layers.Layer):
     table on one worker, `self.layout.owner_shard`, looked up through the same exchange) or
     "data_parallel" (a mirrored whole table, local gathers; see
     `NestPipeStrategy(placement=...)`, "auto" by default: small tables replicated).
+
+    Args:
+        vocab_size: Rows of the table (ids in `[0, vocab_size)`).
+        dim: The embedding dimension.
+        combiner: None, "sum" or "mean" (pools the last id axis; needed for ragged ids).
+        embeddings_initializer: A tf_keras initializer (name or object); the standard ones
+            fill each worker's rows with exactly the values the whole table would hold.
+        invalid_id_policy: "error" (default) or "zero".
+        **kwargs: tf_keras `Layer` arguments (`name`, ...).
+
+    Raises:
+        ValueError: A bad argument, naming it; at call time, ids of the wrong shape or kind.
     """
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
@@ -181,14 +193,30 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         return self.vocab_size if self.invalid_id_policy == "error" else 0
 
     def checked_ids(self, flat_ids):
-        """`flat_ids` after checking they lie in the vocabulary (see `checked_vocab_size`)."""
+        """`flat_ids` after checking they lie in the vocabulary (see `checked_vocab_size`).
+
+        Args:
+            flat_ids: `[n]` int ids.
+
+        Returns:
+            The ids (with `invalid_id_policy="zero"`, out-of-range ones mapped to a zero row).
+
+        Raises:
+            tf.errors.InvalidArgumentError: An id out of range under "error", naming the
+                table and the id (when the step runs)."""
         if not self.checked_vocab_size:
             return flat_ids
         return ops.check_ids(flat_ids, self.vocab_size, self.name)
 
     def direct_lookup(self, flat_ids):
         """This table's own lookup, fused with no other: its exchange (row-wise, several
-        workers), a local gather (one worker), or the gather from the ps shards."""
+        workers), a local gather (one worker), or the gather from the ps shards.
+
+        Args:
+            flat_ids: `[n]` int ids, checked.
+
+        Returns:
+            `[n, dim]` rows."""
         if self._ps_row_order is not None:
             return self._parameter_server_lookup(flat_ids)
         if not self.exchanged:

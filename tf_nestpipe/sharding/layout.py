@@ -21,7 +21,15 @@ def _as_ids(ids):
 class ShardLayout:
     """Which rows of a `[vocab_size, dim]` table shard `shard_index` of `num_shards` holds: the
     rows of ids `k mod num_shards == shard_index`, or, with `owner_shard` (a table-wise table),
-    every row on that shard and none elsewhere."""
+    every row on that shard and none elsewhere.
+
+    Attributes:
+        vocab_size: Rows of the whole table.
+        dim: Its width.
+        num_shards: The workers it is spread over.
+        shard_index: The shard this layout describes.
+        owner_shard: The shard holding the whole table (table-wise), else None (row-wise).
+    """
 
     vocab_size: int
     dim: int
@@ -51,7 +59,13 @@ class ShardLayout:
         return self.rows_of_shard(self.shard_index)
 
     def rows_of_shard(self, shard: int) -> int:
-        """Number of rows shard `shard` stores."""
+        """Number of rows shard `shard` stores.
+
+        Args:
+            shard: A shard index in `[0, num_shards)`.
+
+        Returns:
+            The row count."""
         if self.table_wise:
             return self.vocab_size if shard == self.owner_shard else 0
         return max(0, (self.vocab_size - shard + self.num_shards - 1) // self.num_shards)
@@ -67,13 +81,25 @@ class ShardLayout:
         return ids[self.owner(ids) == self.shard_index]
 
     def owner(self, ids):
-        """Owner shard of each id (NumPy arrays or int64 tensors)."""
+        """Owner shard of each id.
+
+        Args:
+            ids: Ids, a NumPy array or an int64 tensor.
+
+        Returns:
+            The owner of each id, of the same kind and shape."""
         ids = _as_ids(ids)
         if self.table_wise:
             return ids * 0 + self.owner_shard
         return ids % self.num_shards
 
     def local_row(self, ids):
-        """Row of each id in its owner's shard (NumPy arrays or int64 tensors)."""
+        """Row of each id in its owner's shard.
+
+        Args:
+            ids: Ids, a NumPy array or an int64 tensor.
+
+        Returns:
+            The local row of each id, of the same kind and shape."""
         ids = _as_ids(ids)
         return ids if self.table_wise else ids // self.num_shards

@@ -55,8 +55,12 @@ class _ShardsFromPsCount:
 
 
 class MinSizePartitioner(_ShardsFromPsCount, _partitioners.MinSizePartitioner):
-    """As many shards as possible with each at least `min_shard_bytes`, up to `max_shards`
-    (None: the number of ps tasks, set by the strategy)."""
+    """As many shards as possible with each at least `min_shard_bytes`, up to `max_shards`.
+
+    Args:
+        min_shard_bytes: The least bytes of a shard.
+        max_shards: The most shards (None: the number of ps tasks, set by the strategy).
+        bytes_per_string: Bytes assumed per element of a string variable."""
 
     row_order = ROW_ORDER_DIV
     _ps_count_attr, _ps_count_arg = "_max_shards", "max_shards"
@@ -68,8 +72,11 @@ class MinSizePartitioner(_ShardsFromPsCount, _partitioners.MinSizePartitioner):
 
 
 class ModShardsPartitioner(_ShardsFromPsCount, _partitioners.FixedShardsPartitioner):
-    """`num_shards` shards (None: one per ps task) holding rows round-robin: row k on shard k mod
-    num_shards, at position k // num_shards. Balances Zipf-hot ids across the ps tasks."""
+    """Shards holding rows round-robin: row k on shard k mod num_shards, at position
+    k // num_shards. Balances Zipf-hot ids across the ps tasks.
+
+    Args:
+        num_shards: The shard count (None: one per ps task, set by the strategy)."""
 
     row_order = ROW_ORDER_MOD
     _ps_count_attr, _ps_count_arg = "_num_shards", "num_shards"

@@ -79,8 +79,13 @@ def _variable_keys(root):
 
 
 class ShardedCheckpoint:
-    """A checkpoint of `objects` (e.g. model=, optimizer=) for `strategy`'s workers, restorable
-    on another worker count (see the module docstring)."""
+    """A checkpoint of `objects` for `strategy`'s workers that keeps tables sharded and
+    restores on another worker count or placement (see the module docstring).
+
+    Args:
+        strategy: The `NestPipeStrategy`.
+        **objects: Trackables to save, by name (e.g. `model=model, optimizer=optimizer,
+            input=tnp.data.InputPosition()`)."""
 
     def __init__(self, strategy, **objects):
         self.strategy = strategy
@@ -91,8 +96,16 @@ class ShardedCheckpoint:
             self.strategy.extended.collectives.all_gather(tf.constant([1], tf.int32), tag)
 
     def save(self, directory, step):
-        """Writes this worker's part of step `step`; returns the step's directory. Call on every
-        worker at the same point of training."""
+        """Writes this worker's part of step `step` (the manifest once every worker is done).
+        Call on every worker at the same point of training.
+
+        Args:
+            directory: The checkpoint directory (`step-N/` subdirectories).
+            step: The step number.
+
+        Returns:
+            The step's directory.
+        """
         rank, workers = self.strategy.worker_index, self.strategy.num_workers
         prefix = _worker_prefix(directory, step, rank, workers)
         tf.io.gfile.makedirs(os.path.dirname(prefix))
@@ -108,8 +121,21 @@ class ShardedCheckpoint:
         return _step_dir(directory, step)
 
     def restore(self, directory, step=None):
-        """Restores step `step` (default: the latest complete one); returns the step. Call on
-        every worker."""
+        """Restores a step, on any number of workers (every table and slot resharded when the
+        count or the placement differs). Call on every worker.
+
+        Args:
+            directory: The checkpoint directory.
+            step: The step (default: the latest complete one).
+
+        Returns:
+            The step restored.
+
+        Raises:
+            FileNotFoundError: No complete step, or the step asked is incomplete.
+            ValueError: A damaged manifest, variables missing from the step, or a table of
+                another size (each named, with the fix).
+        """
         step = latest_step(directory) if step is None else step
         if step is None:
             raise FileNotFoundError("no complete checkpoint (step-N/%s) in %s" % (MANIFEST, directory))

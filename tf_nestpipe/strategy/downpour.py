@@ -88,18 +88,35 @@ def worker_local_variables(strategy):
 
 
 class LocalSGD:
-    """Local optimizer: v -= learning_rate * g (stateless)."""
+    """Local optimizer: v -= learning_rate * g (stateless).
+
+    Args:
+        learning_rate: The step size."""
 
     def __init__(self, learning_rate):
         self.learning_rate = float(learning_rate)
 
     def create_slots(self, variable):
-        """No state."""
+        """No state.
+
+        Args:
+            variable: Unused.
+
+        Returns:
+            None."""
         del variable
         return None
 
     def apply(self, variable, gradient, slot):
-        """One update of a worker-local variable; returns the op."""
+        """One update of a worker-local variable.
+
+        Args:
+            variable: The worker-local variable.
+            gradient: Its gradient (dense or `IndexedSlices`).
+            slot: Unused (None).
+
+        Returns:
+            The update op."""
         del slot
         if isinstance(gradient, tf.IndexedSlices):
             return variable.scatter_sub(tf.IndexedSlices(self.learning_rate * gradient.values,
@@ -109,7 +126,12 @@ class LocalSGD:
 
 class LocalAdagrad:
     """Local optimizer: acc += g^2; v -= learning_rate * g / sqrt(acc). The accumulator is a
-    variable on the worker that holds `variable`."""
+    variable on the worker that holds `variable`.
+
+    Args:
+        learning_rate: The step size.
+        initial_accumulator_value: The accumulator's starting value.
+        epsilon: Added to sqrt(acc)."""
 
     def __init__(self, learning_rate, initial_accumulator_value=0.1, epsilon=1e-7):
         self.learning_rate = float(learning_rate)
@@ -117,13 +139,27 @@ class LocalAdagrad:
         self.epsilon = float(epsilon)
 
     def create_slots(self, variable):
-        """The accumulator (created by the trainer as a per-worker variable)."""
+        """The accumulator (created by the trainer as a per-worker variable).
+
+        Args:
+            variable: The variable the accumulator belongs to.
+
+        Returns:
+            A `tf.Variable` of `variable`'s shape holding `initial_accumulator_value`."""
         return tf.Variable(tf.fill(variable.shape, tf.cast(self.initial_accumulator_value,
                                                            variable.dtype)),
                            trainable=False, name="local_adagrad_accumulator")
 
     def apply(self, variable, gradient, slot):
-        """One update of a worker-local variable and its accumulator; returns the op."""
+        """One update of a worker-local variable and its accumulator.
+
+        Args:
+            variable: The worker-local variable.
+            gradient: Its gradient (dense or `IndexedSlices`).
+            slot: Its accumulator.
+
+        Returns:
+            The update op."""
         if isinstance(gradient, tf.IndexedSlices):
             gradient = _dedup(gradient)
             squared = tf.IndexedSlices(tf.square(gradient.values), gradient.indices)
@@ -301,7 +337,19 @@ class DownpourTrainer:
     (e.g. tf_keras Adagrad) applied on the ps to each window's summed gradient (`model`: use this
     global model, built in the scope, instead of building one). `schedule` runs
     one window; `join` waits (explaining ps failures); `save` / `restore` checkpoint the global
-    state for a restart after a ps failure."""
+    state for a restart after a ps failure.
+
+    Args:
+        strategy: A `tnp.ParameterServerStrategy` with `update_window` and `local_optimizer`.
+        coordinator: The `tf.distribute.coordinator.ClusterCoordinator` of `strategy`.
+        model_fn: Builds the model (called in the scope, and again per worker).
+        loss_fn: `loss_fn(labels, outputs)` -> a scalar loss.
+        optimizer: The global optimizer (a tf_keras optimizer) applied on the ps.
+        model: A global model already built in the scope, used instead of `model_fn()`'s.
+
+    Raises:
+        ValueError: `model_fn` builds models of different parameters on a worker and in the
+            scope."""
 
     def __init__(self, strategy, coordinator, model_fn, loss_fn, optimizer, model=None):
         self.strategy = strategy
@@ -443,15 +491,29 @@ class DownpourTrainer:
 
     def save(self, directory):
         """Joins, then writes the global model, the global optimizer and the number of windows
-        run so far to `directory` (a `tf.train.CheckpointManager` there); returns the path.
-        Workers' local state (the local copy and local optimizer slots) is scratch and not saved."""
+        run so far. Workers' local state (the local copy and local optimizer slots) is scratch
+        and not saved.
+
+        Args:
+            directory: Where a `tf.train.CheckpointManager` keeps the checkpoints.
+
+        Returns:
+            The path of the checkpoint written.
+
+        Raises:
+            ParameterServerUnavailableError: A ps task failed (named, with the fix)."""
         self.join()
         self._windows_done.assign(self.windows)
         return self._manager(directory).save(checkpoint_number=self.windows)
 
     def restore(self, directory):
-        """Restores the latest checkpoint of `directory` onto the (possibly restarted) ps tasks;
-        returns the number of windows it had run (0 when there is none)."""
+        """Restores the latest checkpoint of `directory` onto the (possibly restarted) ps tasks.
+
+        Args:
+            directory: Where `save` wrote.
+
+        Returns:
+            The number of windows the checkpoint had run (0 when there is none)."""
         latest = tf.train.latest_checkpoint(directory)
         if latest is None:
             return 0
@@ -460,9 +522,17 @@ class DownpourTrainer:
         return self.windows
 
     def schedule(self, iterator):
-        """Schedules one window on some worker; returns a RemoteValue of (mean loss, values
-        pushed, values pulled). A ps failure of an earlier window (which `ClusterCoordinator`
-        raises here) is raised as a `ParameterServerUnavailableError`, as in `join`."""
+        """Schedules one window (T batches) on some worker.
+
+        Args:
+            iterator: A per-worker iterator (`coordinator.create_per_worker_dataset(...)`).
+
+        Returns:
+            A `RemoteValue` of (mean loss, values pushed, values pulled).
+
+        Raises:
+            ParameterServerUnavailableError: A ps failure of an earlier window (which
+                `ClusterCoordinator` raises here), naming the task, as in `join`."""
         # schedule raises the error of an earlier window
         with explaining_ps_failures(getattr(self, "_ps_addresses", None)):
             remote = self.coordinator.schedule(self._window, args=(iterator,))

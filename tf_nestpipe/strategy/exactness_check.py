@@ -17,9 +17,16 @@ from tf_nestpipe.strategy.row_shard_saving import gather_full_rows
 
 @dataclasses.dataclass
 class ExactnessReport:
-    """The result of `check_exactness`: `max_difference` over all parameters, and per parameter
-    (by position in `model.trainable_variables`, with its name) the largest absolute
-    difference between the pipelined run and the reference."""
+    """The result of `check_exactness`.
+
+    Attributes:
+        pipeline: The pipeline mode checked.
+        steps: Training steps run each way.
+        max_difference: The largest absolute difference of any parameter.
+        differences: Per parameter (by position in `model.trainable_variables`, with its
+            name), its largest absolute difference between the pipelined run and the
+            reference.
+    """
 
     pipeline: str
     steps: int
@@ -50,8 +57,21 @@ def check_exactness(model_fn, dataset, steps, strategy=None, seed=0):
     """Fits `model_fn()` (builds and compiles a tf_keras model; called inside the strategy's
     scope) for `steps` steps of `dataset` (a distributed dataset, or a `dataset_fn(InputContext)`
     for `distribute_datasets_from_function`; each `fit` starts it from its beginning) with the
-    strategy's pipeline and without one, from the same initial values (`seed`), and returns an
-    `ExactnessReport`. `strategy` defaults to the current one (a `NestPipeStrategy`)."""
+    strategy's pipeline and without one, from the same initial values (`seed`). A collective:
+    call it on every worker.
+
+    Args:
+        model_fn: Builds and compiles a tf_keras model (called in the strategy's scope).
+        dataset: A distributed dataset, or a `dataset_fn(InputContext)`.
+        steps: Training steps each way.
+        strategy: The `NestPipeStrategy` (default: the current one).
+        seed: The initial values' seed, shared by both runs.
+
+    Returns:
+        An `ExactnessReport` (`print` it to see the worst parameter).
+
+    Raises:
+        ValueError: No `NestPipeStrategy`, or `model_fn` builds different models."""
     strategy = strategy or tf.distribute.get_strategy()
     if not isinstance(strategy, NestPipeStrategy):
         raise ValueError("check_exactness needs a tnp.NestPipeStrategy (pass strategy=, or call "

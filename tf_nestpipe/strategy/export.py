@@ -177,7 +177,20 @@ def export_saved_model(model, path, input_signature=None, strategy=None):
     features of `input_signature` (name -> `tf.TensorSpec`, or `tf.RaggedTensorSpec` passed as
     `<name>_values` and `<name>_row_splits`; by default the model's own inputs, see
     `infer_input_signature`) and returning {"outputs": ...}. Call on every worker (the tables
-    are gathered); worker 0 writes (`strategy` defaults to the model's). Returns `path`."""
+    are gathered); worker 0 writes. The SavedModel serves without tf_nestpipe.
+
+    Args:
+        model: A tf_keras model built under a `NestPipeStrategy`.
+        path: The SavedModel directory.
+        input_signature: {feature name: `tf.TensorSpec` or `tf.RaggedTensorSpec`}; default:
+            the model's own inputs.
+        strategy: Default: the model's.
+
+    Returns:
+        `path`.
+
+    Raises:
+        TypeError: No signature given and the model has no known inputs (call it first)."""
     pack = lambda inputs: inputs  # noqa: E731
     if input_signature is None:
         input_signature, pack = infer_input_signature(model)

@@ -45,9 +45,19 @@ def is_global(tensor):
 
 
 def global_in_batch_candidates(candidate_embeddings, *extra, strategy=None):
-    """Every worker's candidates `[W * b, ...]`, this worker's first (see module); with `extra`
-    tensors (`[b, ...]` each), returns `(candidates, *gathered_extra)`. Call in the replica
-    context of a `NestPipeStrategy` step, on every worker."""
+    """Every worker's in-batch candidates, this worker's first (see module), for TFRS
+    retrieval on the global batch's negatives. Call in the replica context of a
+    `NestPipeStrategy` step, on every worker; local batches must be equal.
+
+    Args:
+        candidate_embeddings: `[b, d]` this worker's candidate embeddings.
+        *extra: Tensors gathered alike (`[b, ...]` each), e.g. candidate ids or sampling
+            probabilities.
+        strategy: Default: the current one.
+
+    Returns:
+        `[W * b, d]` candidates; with `extra`, `(candidates, *gathered_extra)`. Gradients go
+        back to each candidate's worker."""
     strategy = strategy or _strategy_or_none()
     if strategy is None or strategy.num_workers == 1:
         return (candidate_embeddings,) + extra if extra else candidate_embeddings

@@ -13,7 +13,12 @@ class BackupAndRestore(tf_keras.callbacks.BackupAndRestore):
     shards it backs up whole (see `row_shard_saving`): an interrupted `fit` resumes at the last
     backed-up epoch (or step, with an integer `save_freq`) on any number of workers. tf_keras'
     own `BackupAndRestore` accepts NestPipeStrategy too (`accept_nestpipe_strategy`, installed
-    at import): this class is the same callback under tf_nestpipe's name."""
+    at import): this class is the same callback under tf_nestpipe's name.
+
+    Args:
+        *args: tf_keras `BackupAndRestore`'s arguments (`backup_dir`, ...).
+        **kwargs: tf_keras `BackupAndRestore`'s keyword arguments (`save_freq`,
+            `delete_checkpoint`, ...)."""
 
 
 def accept_nestpipe_strategy(init):
@@ -32,7 +37,11 @@ class DynamicTableStats(tf_keras.callbacks.Callback):
     (every `every_n_steps` train batches too, if given): summed over the workers (a collective:
     fit runs callbacks on every worker), logged as one line per table and added to the epoch's
     `logs` as `<table>/<counter>` (so a `TensorBoard` callback placed after this one records
-    them). Counters: size, admitted, evicted, expired, refused, pending, pending_dropped."""
+    them). Counters: size, admitted, evicted, expired, refused, pending, pending_dropped.
+
+    Args:
+        every_n_steps: Also report every this many train batches (None: at epoch ends only).
+        log: Where the lines go (default `print`; worker 0 only)."""
 
     def __init__(self, every_n_steps=None, log=print):
         super().__init__()

@@ -28,7 +28,7 @@ from tf_nestpipe.data.autoshard import check_auto_shard, equal_static_shares
 from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.tf_config import check_synchronous_roles, parse_tf_config
 from tf_nestpipe.ops import load_op_library
-from tf_nestpipe.pipeline.modes import PIPELINES
+from tf_nestpipe.pipeline.config import as_pipeline_config
 from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear, costs_source,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
@@ -619,13 +619,19 @@ def _transport_config(transport, collectives, collective_timeout_seconds):
 
 
 class NestPipeStrategy(distribute_lib.Strategy):
-    """Synchronous NestPipe training: row-sharded `ShardedEmbedding` tables, mirrored dense weights.
+    """Synchronous NestPipe training: embedding tables placed per table, dense weights mirrored,
+    the same parameters as one process on the same global batches.
 
     Reads the cluster from `TF_CONFIG` (a single local worker without it). Build models under
     `strategy.scope()` and train them with tf_keras `fit`, `tnp.TrainPipeline` or `strategy.run`
     in a custom loop. Under `fit` (and `TrainPipeline`) every row-wise lookup of a step goes
     through one exchange per group of tables (one dim and dtype), however many layers the model
-    has; `strategy.run` loops exchange each table on its own.
+    has; `strategy.run` loops exchange each table on its own. Before TensorFlow's server starts,
+    the tasks of a `TF_CONFIG` cluster check that all were given the same cluster
+    (`tf_nestpipe.launch.cluster_check`). The arguments are grouped by concern: the cluster,
+    the transport (`transport`), the pipeline (`pipeline`), placement (`placement`,
+    `memory_budget_bytes`), the wire encoding (`wire_dtype`) and process settings.
+
     It is deliberately not a `tf.distribute.MultiWorkerMirroredStrategy` (nor a
     `CollectiveAllReduceStrategy`): code that asks `isinstance(strategy, ...)` for those takes
     their paths, which assume every variable mirrored on every worker (row shards are not) and
@@ -634,68 +640,71 @@ class NestPipeStrategy(distribute_lib.Strategy):
     adapted instead (BackupAndRestore, saving, predict, step outputs, loss reduction), and
     mixed_float16, whose loss scaling tf_keras allows only under those strategies, is refused
     with the reason (use mixed_bfloat16).
-    `communication` picks the dense all-reduce and embedding all-to-all implementation: AUTO
-    (NCCL on GPU, RING on CPU), RING or NCCL (falls back to RING without a GPU).
-    `pipeline="auto"` (default) tries none, fwp, dbp and nested (fwp and nested with each
-    micro-batch count of `auto_micro_batches`, default 2 and `micro_batches`) on the first steps
-    of `fit`, interleaved over `auto_probe_rounds` rounds (each round `auto_timed_steps` timed
-    steps per candidate, after `auto_warmup_steps` untimed ones in the first round and one in
-    later ones; every step is exact training) and continues with the fastest by median (another
-    mode than none only if it is more than 5% faster on the slowest worker), logging the
-    timings (see `tf_nestpipe.pipeline.auto`). The probe stops early, keeping the best
-    candidate timed so far, where going on would cost more than `strategy.auto_probe_budget`
-    (default 0.05; None: no limit) of fit's first epoch.
-    `pipeline="dbp"` runs tf_keras `fit` (and `TrainPipeline` loops) through the Dual-Buffer
-    Pipeline: the next batch's rows are routed and retrieved while the current batch computes.
-    `pipeline="fwp"` runs each `fit` step as `micro_batches` micro-batches in a frozen window: the
-    all-to-all of one micro-batch overlaps the dense compute of another. `pipeline="nested"` is
-    both: the next batch is prefetched micro-batch by micro-batch while the current batch's
-    micro-batches compute from their buffers. `cluster_samples=True` forms the micro-batches by
-    key-centric sample clustering (same result, fewer keys in the first micro-batch).
-    `transport` (a `tnp.TransportConfig` or its name) says how workers talk. "auto" (default)
-    carries the embedding exchange's all-to-alls, and the dense gradient and metric sums, on a
-    TCP mesh between the workers opened and authenticated at start-up
-    (`tf_nestpipe.collectives.sockets`: one frame per peer with the real split sizes, every
-    call under a deadline), falling back to TensorFlow's collectives, with a line on worker 0
-    saying why, when the workers cannot reach each other's mesh ports (or on GPU); "sockets"
-    insists on the mesh, "tf" never tries it. "horovod" runs every cross-worker exchange
-    through Horovod (Gloo): the embedding all-to-alls with the real split sizes
-    (`hvd.alltoall`), dense gradients with `hvd.allreduce`; the cluster is Horovod's
-    (`horovodrun --gloo`, or `python -m tf_nestpipe.launch --horovod`, which also checks it
-    against `TF_CONFIG`). `collective_timeout_seconds` sets `TransportConfig.timeout_seconds`
-    (default 600 s): a collective that waits longer on a live peer that does not make it fails
-    every worker, naming the peer and the call. `collectives` is the old spelling of
-    `transport` (deprecated).
-    Before starting TensorFlow's server, the tasks of a `TF_CONFIG` cluster check that all were
-    given the same cluster (see `tf_nestpipe.launch.cluster_check`): a disagreement, a duplicate
-    task or a task that never starts fails every task within `startup_timeout_seconds`
-    (default `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s) with the field or address to fix.
-    A step whose workers got shares of different sizes of the global batch (the last batch of a
-    dataset batched without `drop_remainder=True`) is refused on every worker before it runs
-    (`check_equal_shares`, see `tf_nestpipe.strategy.equal_shares`): its mean gradient would
-    differ from one process's.
-    `placement` says how each `ShardedEmbedding` table is laid out (see
-    `tf_nestpipe.plan.placement`): "auto" (default: the planner picks data_parallel or row_wise
-    per table from its size and the collective costs of the transport in use, worker 0's on
-    every worker), "row_wise" (row-sharded, looked up through the fused exchange),
-    "table_wise" (only when requested, auto never picks it: the whole table on one worker,
-    tables balanced over the workers by bytes, looked up through the same fused exchange),
-    "data_parallel" (a mirrored variable on every worker: local gathers, its gradient in the
-    dense all-reduce) or a dict {table name: placement or "auto"} (tables it does not name:
-    "auto"). "column_wise" is refused: not implemented. One worker holds every table whole
-    under any placement. `memory_budget_bytes` bounds the bytes per worker of all tables with
-    their optimizer slots (2 slots assumed): auto places row_wise the tables whose replica does
-    not fit, and a table that does not fit even so is refused with its name, its bytes and what
-    to change. The plan is printed on worker 0 at the first training step (`placement_plan()`
-    returns it).
-    `wire_dtype` compresses the embedding exchanges (docs/guides/compressed_exchanges.md): a string
-    for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8", "backward": "fp32" |
-    "bf16" | "fp16"}`; the default "fp32" is exact. Tables and optimizer state stay fp32.
-    `malloc_top_pad_bytes` (default 64 MiB; 0: leave the allocator alone) is the freed memory
-    each glibc malloc arena of this process keeps instead of returning it to the kernel
-    (`mallopt(M_TOP_PAD)`, see `tf_nestpipe.launch.allocator`): without it every step's large
-    tensors are page-faulted in afresh (measured: 2x the bandwidth cell's step, 1.4x the natural
-    cell's). A `MALLOC_TOP_PAD_` in the environment wins; `malloc_top_pad` says what was done.
+
+    Args:
+        cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`; default: from
+            `TF_CONFIG`.
+        communication: `tf.distribute.experimental.CommunicationImplementation` of TensorFlow's
+            collectives: AUTO (NCCL on GPU, RING on CPU), RING or NCCL (RING without a GPU).
+        communication_options: `tf.distribute.experimental.CommunicationOptions`; wins over
+            `communication` when given.
+        collective_timeout_seconds: Sets `TransportConfig.timeout_seconds`: a collective that
+            waits longer on a live peer that does not make the matching call fails every
+            worker, naming the peer and the call.
+        pipeline: A `tnp.PipelineConfig`, or its mode: "auto" (default: the first steps of
+            `fit` try none, fwp, dbp and nested and keep the fastest on the slowest worker,
+            see `tf_nestpipe.pipeline.auto`; its probe stops early where it would cost more
+            than `strategy.auto_probe_budget`, default 0.05, of fit's first epoch), "none",
+            "dbp" (the next batch's rows are routed
+            and retrieved while the current batch computes), "fwp" (each step as micro-batches
+            in a frozen window) or "nested" (both). Every mode is exact.
+        micro_batches: Deprecated: `PipelineConfig.micro_batches`.
+        cluster_samples: Deprecated: `PipelineConfig.cluster_samples`.
+        unsafe_skip_buffer_sync: Deprecated: `PipelineConfig.unsafe_skip_buffer_sync`.
+        collectives: Deprecated spelling of `transport`.
+        auto_warmup_steps: Deprecated: `PipelineConfig.auto_warmup_steps`.
+        auto_timed_steps: Deprecated: `PipelineConfig.auto_timed_steps`.
+        auto_probe_rounds: Deprecated: `PipelineConfig.auto_probe_rounds`.
+        auto_micro_batches: Deprecated: `PipelineConfig.auto_micro_batches`.
+        startup_timeout_seconds: How long the start-up cluster check waits for every task
+            (default `$TF_NESTPIPE_STARTUP_TIMEOUT`, else 30 s).
+        check_equal_shares: Refuse, on every worker, a training step whose workers got shares
+            of different sizes of the global batch (its mean gradient would differ from one
+            process's; see `tf_nestpipe.strategy.equal_shares`). Settable later.
+        wire_dtype: The encoding of the embedding exchanges (docs/guides/compressed_exchanges.md):
+            a string for both directions or `{"forward": "fp32" | "bf16" | "fp16" | "int8",
+            "backward": "fp32" | "bf16" | "fp16"}`; the default "fp32" is exact. Tables and
+            optimizer state stay fp32.
+        placement: How each `ShardedEmbedding` table is laid out (`tf_nestpipe.plan.placement`):
+            "auto" (default: data_parallel or row_wise per table from its size and the
+            collective costs of the transport in use, worker 0's on every worker), "row_wise",
+            "table_wise" (only when requested: the whole table on one worker, tables balanced
+            by bytes), "data_parallel" (a mirrored variable, its gradient in the dense
+            all-reduce) or a dict {table name: placement or "auto"}. The plan is printed on
+            worker 0 at the first training step, with the costs it used (`placement_plan()`
+            returns it). Settable later.
+        memory_budget_bytes: Bytes per worker all tables and their optimizer slots (2 assumed)
+            may take: auto places row_wise the tables whose replica does not fit. Settable.
+        malloc_top_pad_bytes: Freed memory each glibc malloc arena of this process keeps
+            instead of returning it to the kernel (`mallopt(M_TOP_PAD)`, default 64 MiB; 0:
+            leave the allocator alone), so that a step's large tensors are not page-faulted in
+            afresh. A `MALLOC_TOP_PAD_` in the environment wins; `malloc_top_pad` says what
+            was done.
+        transport: A `tnp.TransportConfig` or its name: "auto" (default: a TCP mesh between
+            the workers for the exchanges and the dense sums, falling back to TensorFlow's
+            collectives, saying why, when the workers cannot reach each other's mesh ports, or
+            on GPU), "sockets" (the mesh or an error), "tf" or "horovod" (the cluster is
+            Horovod's: `horovodrun --gloo` or `python -m tf_nestpipe.launch --horovod`).
+
+    Raises:
+        ValueError: A bad argument (an unknown pipeline mode, placement or wire dtype, a count
+            out of range, a `PipelineConfig` together with deprecated pipeline arguments),
+            naming it.
+        tf_nestpipe.TFConfigError: A malformed `TF_CONFIG`.
+        tf_nestpipe.launch.cluster_check.ClusterMismatchError: The tasks disagree about the
+            cluster, or one never starts within `startup_timeout_seconds`.
+        RuntimeError: Keras 3 or the `mixed_float16` policy is in use (the message names the
+            fix).
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -703,9 +712,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
                  communication_options=None, collective_timeout_seconds=None, pipeline="auto",
-                 micro_batches=4, cluster_samples=False, unsafe_skip_buffer_sync=False,
-                 collectives=None, auto_warmup_steps=1, auto_timed_steps=4,
-                 auto_probe_rounds=6, auto_micro_batches=None,
+                 micro_batches=None, cluster_samples=None, unsafe_skip_buffer_sync=None,
+                 collectives=None, auto_warmup_steps=None, auto_timed_steps=None,
+                 auto_probe_rounds=None, auto_micro_batches=None,
                  startup_timeout_seconds=None, check_equal_shares=True, wire_dtype="fp32",
                  placement="auto", memory_budget_bytes=None,
                  malloc_top_pad_bytes=allocator.DEFAULT_TOP_PAD_BYTES, transport=None):
@@ -714,38 +723,32 @@ class NestPipeStrategy(distribute_lib.Strategy):
         if transport.engine_owns_cluster and cluster_resolver is not None:
             raise ValueError("transport='horovod' takes the cluster from Horovod (hvd.rank(), "
                              "hvd.size()); pass no cluster_resolver")
-        if pipeline not in PIPELINES:
-            raise ValueError("pipeline must be one of %s, got %r" % (PIPELINES, pipeline))
-        if int(micro_batches) < 1:
-            raise ValueError("micro_batches must be >= 1, got %r" % (micro_batches,))
-        if int(auto_warmup_steps) < 0 or int(auto_timed_steps) < 1 or int(auto_probe_rounds) < 1:
-            raise ValueError("auto_warmup_steps must be >= 0, auto_timed_steps >= 1 and "
-                             "auto_probe_rounds >= 1, got %r, %r and %r"
-                             % (auto_warmup_steps, auto_timed_steps, auto_probe_rounds))
-        if auto_micro_batches is None:
-            auto_micro_batches = (2, int(micro_batches))
-        if not auto_micro_batches or any(int(m) < 1 for m in auto_micro_batches):
-            raise ValueError("auto_micro_batches must be micro-batch counts >= 1 (those >= 2 are "
-                             "tried with fwp and nested), got %r" % (auto_micro_batches,))
+        config = as_pipeline_config(
+            pipeline, micro_batches=micro_batches, cluster_samples=cluster_samples,
+            unsafe_skip_buffer_sync=unsafe_skip_buffer_sync, auto_warmup_steps=auto_warmup_steps,
+            auto_timed_steps=auto_timed_steps, auto_probe_rounds=auto_probe_rounds,
+            auto_micro_batches=auto_micro_batches)
         Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
         # --- compressed exchanges (checked before the cluster starts) ---
         self.wire_dtype = parse_wire_dtype(wire_dtype)
-        self.pipeline = pipeline
-        self.auto_warmup_steps = int(auto_warmup_steps)
-        self.auto_timed_steps = int(auto_timed_steps)
-        self.auto_probe_rounds = int(auto_probe_rounds)
+        self.pipeline_config = config
+        # The pipeline layer reads the config's fields as the strategy's attributes.
+        self.pipeline = config.mode
+        self.micro_batches = config.micro_batches
+        self.cluster_samples = config.cluster_samples
+        self.auto_warmup_steps = config.auto_warmup_steps
+        self.auto_timed_steps = config.auto_timed_steps
+        self.auto_probe_rounds = config.auto_probe_rounds
         # The fraction of fit's first epoch auto's probe may cost (None: probe every round).
         self.auto_probe_budget = 0.05
-        self.auto_micro_batches = tuple(int(m) for m in auto_micro_batches)
-        self.micro_batches = int(micro_batches)
-        self.cluster_samples = bool(cluster_samples)
+        self.auto_micro_batches = config.auto_micro_batches
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
-        self.unsafe_skip_buffer_sync = bool(unsafe_skip_buffer_sync)
+        self.unsafe_skip_buffer_sync = config.unsafe_skip_buffer_sync
         load_op_library()
         # Freed memory stays in the process: every step's tensors are page-faulted in afresh
-        # otherwise (tf_nestpipe.launch.allocator: ~2x the step on the testbed).
+        # otherwise (tf_nestpipe.launch.allocator).
         self.malloc_top_pad = allocator.keep_freed_memory(malloc_top_pad_bytes)
         if cluster_resolver is None:
             # A clear TFConfigError for a malformed TF_CONFIG; a ClusterMismatchError within

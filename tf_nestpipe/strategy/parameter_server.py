@@ -44,6 +44,21 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
     glibc malloc arena of the chief keeps instead of returning it to the kernel, as in
     `tnp.NestPipeStrategy` (`tf_nestpipe.launch.allocator`; `malloc_top_pad` says what was
     done). The worker and ps tasks do the same in `python -m tf_nestpipe.server`.
+
+    Args:
+        cluster_resolver: Default: from `TF_CONFIG` (after the start-up cluster check).
+        variable_partitioner: Shards variables over the ps tasks (e.g.
+            `tnp.MinSizePartitioner()`).
+        update_window: DOWNPOUR's T (1: push every step).
+        local_optimizer: DOWNPOUR's local optimizer: "sgd", "adagrad", `tnp.LocalSGD(lr)` or
+            `tnp.LocalAdagrad(lr)`.
+        malloc_top_pad_bytes: As `tnp.NestPipeStrategy`'s.
+
+    Raises:
+        ValueError: A bad `update_window` or `local_optimizer`.
+        tf_nestpipe.TFConfigError: A malformed `TF_CONFIG`.
+        tf_nestpipe.launch.cluster_check.ClusterMismatchError: The tasks disagree about the
+            cluster, or one never starts.
     """
 
     def __init__(self, cluster_resolver=None, variable_partitioner=None, update_window=1,

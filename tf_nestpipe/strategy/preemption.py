@@ -19,7 +19,14 @@ PREEMPTED_EXIT_CODE = 42
 class PreemptionCheckpointHandler:
     """Saves `checkpoint` (a `tnp.ShardedCheckpoint`) to `directory` and exits on every worker
     once any worker got SIGTERM. Call `step_end(step)` after each training step (same steps on
-    every worker)."""
+    every worker).
+
+    Args:
+        strategy: The `NestPipeStrategy`.
+        checkpoint: The `tnp.ShardedCheckpoint` to save.
+        directory: Where it is saved.
+        check_every: Check the workers' flags every this many steps (one tiny all-gather).
+        exit_fn: Called to exit after the save (default: exit with code 42)."""
 
     def __init__(self, strategy, checkpoint, directory, check_every=1, exit_fn=None):
         if int(check_every) < 1:
@@ -45,8 +52,10 @@ class PreemptionCheckpointHandler:
         return bool(tf.reduce_max(flags).numpy())
 
     def step_end(self, step):
-        """After training step `step` (1-based count of finished steps): if a worker was
-        preempted, saves step `step` on every worker and exits."""
+        """If a worker was preempted, saves step `step` on every worker and exits.
+
+        Args:
+            step: The count of finished training steps (1-based), the same on every worker."""
         if step % self.check_every:
             return
         if self.any_worker_signalled():

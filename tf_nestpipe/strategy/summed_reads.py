@@ -3,8 +3,8 @@ riding on the dense gradients' all-reduce when it can.
 
 A Keras metric's `result()` reads its state variables in cross-replica context (tf_keras wraps
 it in a `merge_call`), and every read of a sync-on-read variable there is a `strategy.reduce`
-of its own: a Mean (the loss tracker) costs 2 collectives per step, an AUC 4, each ~1-3 ms on
-TensorFlow's CPU collectives whatever its size. Inside `SummedReads.within_step` (entered around
+of its own: a Mean (the loss tracker) costs 2 collectives per step, an AUC 4, each paying
+a CPU collective's fixed cost whatever its size. Inside `SummedReads.within_step` (entered around
 a train / test step while it is traced) the step's variables (every metric's state) are packed
 flat, one vector per dtype, and summed over the workers once per traced graph:
 
