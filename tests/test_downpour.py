@@ -358,3 +358,57 @@ def test_join_names_a_ps_whose_address_refuses_connections_while_it_waits():
     finally:
         listening.close()
     assert ps_watch.call_watching_ps(lambda: 7, None) == 7  # no addresses: a plain call
+
+
+def test_a_plain_cluster_coordinator_explains_a_ps_failure():
+    """A script driving ClusterCoordinator itself over a tnp.ParameterServerStrategy: a ps
+    failure from join() / schedule() is a ParameterServerUnavailableError naming the task, and
+    a join() that would wait forever on a dead ps (TensorFlow retrying a "transient" failure)
+    fails within the ps watch's probes. Positive control: another strategy's coordinator
+    passes TensorFlow's error unchanged."""
+    import socket
+    import time
+
+    import tensorflow as tf
+    import tf_nestpipe as tnp
+    from tf_nestpipe.strategy.coordinator_errors import explained
+    from tf_nestpipe.strategy.downpour import ParameterServerUnavailableError
+
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    dead = "127.0.0.1:%d" % closed.getsockname()[1]
+    closed.close()  # nothing listens there: the port refuses
+    strategy = object.__new__(tnp.ParameterServerStrategy)
+    strategy._nestpipe_ps_addresses = [dead]  # pylint: disable=protected-access
+    raw = tf.errors.UnavailableError(None, None, (
+        "Socket closed\nAdditional GRPC error information from remote target "
+        "/job:ps/replica:0/task:0 while calling /tensorflow.WorkerService/RunGraph"))
+
+    class Coordinator:
+        def __init__(self, strategy):
+            self.strategy = strategy
+
+        def join(self):
+            raise raw
+
+        def schedule(self, fn, args=None, kwargs=None):
+            raise raw
+
+    Coordinator.join = explained(Coordinator.join, watch=True)
+    Coordinator.schedule = explained(Coordinator.schedule, watch=False)
+    ours, other = Coordinator(strategy), Coordinator(object())
+    for call in (ours.join, lambda: ours.schedule(None)):
+        with pytest.raises(ParameterServerUnavailableError, match="/job:ps/task:0"):
+            call()
+    with pytest.raises(tf.errors.UnavailableError):
+        other.join()
+
+    class Hanging(Coordinator):
+        def join(self):
+            time.sleep(60)
+
+    Hanging.join = explained(Hanging.join, watch=True)
+    start = time.time()
+    with pytest.raises(ParameterServerUnavailableError, match="stopped accepting connections"):
+        Hanging(strategy).join()
+    assert time.time() - start < 20

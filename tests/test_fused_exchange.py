@@ -665,3 +665,61 @@ def test_route_pass_records_each_lookup_and_runs_none_of_its_dense_reads(tmp_pat
 
     assert executed(own, "own")["ReadVariableOp"] == 0
     assert executed(inline, "inline")["ReadVariableOp"] == 3
+
+
+class _TracingPipeline(_FakePipeline):
+    """A candidate whose first step also traces (sleeps `trace` seconds more)."""
+
+    def __init__(self, name, trained, seconds, trace):
+        super().__init__(name, trained, seconds=seconds)
+        self.trace = trace
+
+    def progress(self, iterator):
+        if self.trace:
+            import time
+            time.sleep(self.trace)
+            self.trace = 0
+        return super().progress(iterator)
+
+
+def _budgeted_probe(epoch_steps, steps):
+    trained, logged, budget_agreements = [], [], []
+    candidates = [("none", _TracingPipeline("none", trained, 0.002, 0.05)),
+                  ("dbp", _TracingPipeline("dbp", trained, 0.001, 0.05)),
+                  ("fwp", _TracingPipeline("fwp", trained, 0.001, 0.05))]
+
+    def agree_budget(values):
+        budget_agreements.append(values)
+        return values
+
+    auto = AutoPipeline(candidates, lambda times: times, warmup_steps=1, timed_steps=2,
+                        log=logged.append, rounds=2, epoch_steps=lambda: epoch_steps,
+                        agree_budget=agree_budget)
+    iterator = iter(range(1000))
+    outputs = [auto.progress(iterator) for _ in range(steps)]
+    assert outputs == list(range(steps))  # every batch trained once, in order
+    return auto, trained, logged, budget_agreements
+
+
+def test_auto_probe_of_a_short_job_stops_within_its_budget():
+    """A 40-step epoch of ~2 ms steps: tracing another candidate (~50 ms) would cost more than
+    5% of it, so the probe stops after the baseline and keeps it; the workers agreed on it."""
+    auto, trained, logged, agreements = _budgeted_probe(40, 40)
+    assert auto.choice == "none" and [n for n, _ in trained] == ["none"] * 40
+    assert auto.stopped_early and "5% of the first epoch (40 steps" in auto.stopped_early
+    assert "the probe stopped after 0 of 2 rounds" in logged[0]
+    assert len(agreements) == 1
+
+
+def test_auto_probe_of_a_long_job_runs_every_round():
+    """Positive control: a 100,000-step epoch affords the probe; it runs every round and
+    picks a faster candidate."""
+    auto, trained, logged, agreements = _budgeted_probe(100_000, 30)
+    assert auto.stopped_early is None and auto.choice is not None
+    assert {n for n, _ in trained[:18]} == {"none", "dbp", "fwp"}
+    assert "stopped" not in logged[0] and len(agreements) >= 4
+
+
+def test_auto_probe_without_a_known_epoch_length_is_not_budgeted():
+    auto, _, _, agreements = _budgeted_probe(None, 30)
+    assert auto.stopped_early is None and auto.choice is not None and not agreements

@@ -457,3 +457,34 @@ def test_metrics_updated_inside_call_train_as_one_process(surface):
                                        rtol=1e-5, atol=1e-6, err_msg=key)
         assert "call_metrics/largest_logit" in run.files
     assert ref["call_metrics/mean_logit"][0] != ref["call_metrics/mean_logit"][1]  # it moved
+
+
+def test_a_table_built_outside_the_scope_of_two_workers_is_refused(surface):
+    for rank in (0, 1):
+        message = str(surface[rank]["outside_scope"])
+        assert "outside the scope of the 2-worker NestPipeStrategy" in message, message
+        assert "inside `with strategy.scope():`" in message
+    assert str(surface["ref"]["outside_scope"]) == "built"  # one process: an ordinary embedding
+
+
+def test_get_and_set_weights_hold_whole_tables(surface):
+    """get_weights() gives whole tables on every worker (as one process), set_weights() takes
+    them: the copy predicts as the trained model; a table of another size is refused."""
+    for run in (surface[0], surface[1], surface["ref"]):
+        assert list(run["get_weights/shapes"]) == [VOCAB_A, VOCAB_B]
+        np.testing.assert_allclose(run["set_weights/predict"], run["predict"], rtol=0, atol=1e-6)
+        assert str(run["set_weights/wrong"]) != "no error"
+    for rank in (0, 1):
+        message = str(surface[rank]["set_weights/wrong"])
+        assert "whole table, %d rows" % (VOCAB_A + 2) in message, message
+
+
+def test_a_worker_loads_the_path_it_just_saved_to(surface):
+    """A shared disk: every worker loads the chief's complete file right after the save. A
+    disk of its own: the non-chief's load says why the file is not there (positive control:
+    the chief loads its own)."""
+    for rank in (0, 1):
+        assert str(surface[rank]["load_after_save/shared"]) == "ok"
+    assert str(surface[0]["load_after_save/own"]) == "ok"
+    message = str(surface[1]["load_after_save/own"])
+    assert message.startswith("FileNotFoundError") and "only the chief (worker 0) writes" in message

@@ -186,3 +186,85 @@ def test_metric_updates_trace_to_nothing_only_within_untouched_metrics():
     tracked.update_state(5.0)
     loose(3.0)
     assert float(tracked.result()) == 5.0 and float(loose.result()) == 3.0
+
+
+def test_a_table_built_outside_a_multi_worker_scope_is_refused(strategy):
+    """With a strategy of several workers in the process, a table built outside any strategy
+    scope is refused with the fix; inside a scope, or with no such strategy, it builds."""
+    from tf_nestpipe.sharding import embedding
+
+    class TwoWorkers:  # stands for a 2-worker NestPipeStrategy of this process
+        num_workers = 2
+
+    layer = tnp.ShardedEmbedding(10, 3, name="outside")
+    layer.build((None,))  # positive control: no multi-worker strategy yet
+    two = TwoWorkers()
+    embedding.register_multi_worker_strategy(two)
+    try:
+        with pytest.raises(ValueError, match="'outside2' is built outside the scope of the "
+                                             "2-worker TwoWorkers.*inside `with strategy.scope"):
+            tnp.ShardedEmbedding(10, 3, name="outside2").build((None,))
+        with strategy.scope():
+            tnp.ShardedEmbedding(10, 3).build((None,))  # in a scope: built
+    finally:
+        embedding._multi_worker_strategies.discard(two)  # pylint: disable=protected-access
+
+
+class _TwoIdenticalWorkers:
+    """A stand-in for a 2-worker strategy whose workers hold the same predictions."""
+    num_workers = 2
+
+    @staticmethod
+    def gather(value, axis):
+        return tf.concat([value, value], axis=axis)
+
+
+@pytest.mark.parametrize("value", [np.arange(6, dtype=np.float32).reshape(3, 2),
+                                   np.arange(3, dtype=np.float32), np.float32(4.0)])
+def test_predictions_of_unknown_rank_are_concatenated(value):
+    """`predict` of a model whose output has unknown rank (traced with an unknown-rank
+    signature): every worker's rows in worker order, as for a known rank (positive control)."""
+    from tf_nestpipe.pipeline.keras_outputs import concat_predictions
+
+    def concat(v):
+        return concat_predictions(_TwoIdenticalWorkers, v)
+
+    unknown = tf.function(concat, input_signature=[tf.TensorSpec(None, tf.float32)])
+    known = tf.function(concat)
+    want = np.concatenate([np.reshape(value, (-1,) + np.shape(value)[1:])] * 2)
+    np.testing.assert_array_equal(unknown(value).numpy(), want)
+    np.testing.assert_array_equal(known(value).numpy(), want)
+
+
+def test_tf_keras_backup_and_restore_accepts_the_strategy(strategy, tmp_path):
+    """tf_keras' own BackupAndRestore (a script written for one process) backs up a fit in
+    the scope: its `NotImplementedError` for strategies it does not know is not raised."""
+    with strategy.scope():
+        ids = tf_keras.Input((2,), dtype="int64")
+        model = tf_keras.Model(ids, tf_keras.layers.Dense(1)(
+            tnp.ShardedEmbedding(20, 4, combiner="sum")(ids)))
+        model.compile("sgd", "mse")
+    backup = tf_keras.callbacks.BackupAndRestore(str(tmp_path / "backup"), save_freq=1)
+    x = np.arange(16, dtype=np.int64).reshape(8, 2)
+    model.fit(x, np.ones((8, 1), np.float32), batch_size=4, epochs=1, callbacks=[backup],
+              verbose=0)
+    assert isinstance(strategy, backup._supported_strategies)  # pylint: disable=protected-access
+
+
+def test_mixed_float16_is_refused_with_the_policy_to_use(strategy):
+    """mixed_float16 (dynamic loss scaling) set once inside the scope: layers and loss scale
+    optimizers are refused with our reason and the fix (mixed_bfloat16), not tf_keras' generic
+    refusal; outside the scope (positive control) tf_keras' own check passes."""
+    from tf_nestpipe.strategy.keras_checks import FLOAT16_MESSAGE
+
+    try:
+        with strategy.scope():
+            tf_keras.mixed_precision.set_global_policy("mixed_float16")
+            with pytest.raises(ValueError) as error:
+                tf_keras.layers.Dense(1)
+            with pytest.raises(ValueError, match="mixed_bfloat16"):
+                tf_keras.mixed_precision.LossScaleOptimizer(tf_keras.optimizers.SGD())
+        assert str(error.value) == FLOAT16_MESSAGE
+        tf_keras.layers.Dense(1)  # outside any strategy: allowed
+    finally:
+        tf_keras.mixed_precision.set_global_policy("float32")

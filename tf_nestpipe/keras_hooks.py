@@ -7,6 +7,7 @@ of one job each:
 - saving: `strategy.keras_saving` (`.h5`, `.weights.h5`, `.keras` files hold whole tables and
   load on any worker count; `model.save(dir)` writes a SavedModel that serves without
   tf_nestpipe);
+- `get_weights` / `set_weights`: whole tables (`strategy.keras_weights`);
 - checks: `strategy.keras_checks` (the tf_keras `Embedding` warning);
 - losses a model's own step calls (TFRS tasks): reduced over the global batch as compile
   reduces its loss (`pipeline.task_losses`);
@@ -24,17 +25,22 @@ import shutil
 import tempfile
 import threading
 
+import numpy as np
 import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import keras_outputs, task_losses
-from tf_nestpipe.strategy import downpour_fit, keras_checks, keras_saving
+from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_saving,
+                                  keras_weights)
+from tf_nestpipe import tf_private
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
 
 _HOOKED = "_nestpipe_hooked"
 _state = threading.local()
+# Paths a non-chief worker of this process saved to (its copy went to a scratch path).
+_diverted_paths = set()
 _original_reduce_per_replica = keras_training.reduce_per_replica
 
 
@@ -126,6 +132,47 @@ def _non_chief_target(model, filepath):
     return scratch, os.path.join(scratch, os.path.basename(os.path.normpath(os.fspath(filepath))))
 
 
+def _every_worker_saved(model, failure, diverted, filepath):
+    """After a save on every worker: returns once every worker (the chief included) finished
+    writing, so a worker that loads the path next finds the chief's complete file where the
+    workers share a disk; raises on every worker when another one's save failed (`failure`:
+    this worker's error, raised by the caller). Records a non-chief's diverted path for
+    `_load`'s error."""
+    strategy = getattr(model, "distribute_strategy", None)
+    if not _is_nestpipe(strategy) or strategy.num_workers == 1:
+        return
+    failed = strategy.extended.collectives.all_gather(
+        tf.constant([int(failure is not None)], tf.int32), "nestpipe/keras_saved").numpy()
+    if diverted:
+        _diverted_paths.add(os.path.abspath(os.fspath(filepath)))
+    if failure is None and failed.any():
+        raise RuntimeError("saving %s failed on worker(s) %s (their logs have the error)" % (
+            filepath, [int(k) for k in np.flatnonzero(failed)]))
+
+
+def _load(method, args, kwargs):
+    """tf_keras' load: a path this (non-chief) worker saved to, missing here, is explained."""
+    _state.saving = True
+    try:
+        with keras_saving.keras_saving_context(False):
+            return method(*args, **kwargs)
+    except (OSError, tf.errors.NotFoundError) as error:
+        filepath = args[1] if len(args) > 1 else (args[0] if args and isinstance(
+            args[0], (str, os.PathLike)) else kwargs.get("filepath"))
+        if (isinstance(filepath, (str, os.PathLike))
+                and os.path.abspath(os.fspath(filepath)) in _diverted_paths
+                and not os.path.exists(filepath)):
+            raise FileNotFoundError(
+                "%s does not exist on this worker: only the chief (worker 0) writes a tf_keras "
+                "save under NestPipeStrategy (as under MultiWorkerMirroredStrategy: this "
+                "worker's copy went to a scratch path, removed after the save), and the "
+                "chief's file is not on this worker's disk. Save to storage every worker "
+                "reads (a shared or cloud path), or load on the chief." % filepath) from error
+        raise
+    finally:
+        _state.saving = False
+
+
 def _wrap_saving(name, method):
     serving = name in ("save", "save_model")  # may write a SavedModel
     writes = name in ("save", "save_model", "save_weights")
@@ -147,14 +194,24 @@ def _wrap_saving(name, method):
                     args = (args[0], path) + tuple(args[2:])
                 else:
                     kwargs["filepath"] = path
+        if name in ("load_weights", "load_model"):
+            return _load(method, args, kwargs)
         _state.saving = True
+        failure = result = None
         try:
             with keras_saving.keras_saving_context(serving):
-                return method(*args, **kwargs)
+                result = method(*args, **kwargs)
+        except Exception as error:  # pylint: disable=broad-except
+            failure = error
         finally:
             _state.saving = False
             if scratch is not None:
                 shutil.rmtree(scratch, ignore_errors=True)
+        if writes and args:
+            _every_worker_saved(args[0], failure, scratch is not None, filepath)
+        if failure is not None:
+            raise failure
+        return result
 
     setattr(wrapped, _HOOKED, True)
     return wrapped
@@ -171,6 +228,25 @@ def install():
         original = getattr(model, name)
         if not getattr(original, _HOOKED, False):
             setattr(model, name, _with_model_context(original))
+    # mixed_float16 (loss scaling) refused with the reason and the policy to use.
+    scaling = tf_private.keras_loss_scale
+    if not getattr(scaling.strategy_supports_loss_scaling, _HOOKED, False):
+        scaling.strategy_supports_loss_scaling = keras_checks.refuse_loss_scaling(
+            scaling.strategy_supports_loss_scaling)
+    # tf_keras' own BackupAndRestore accepts NestPipeStrategy (strategy.keras_callbacks).
+    backup = tf_keras.callbacks.BackupAndRestore
+    if not getattr(backup.__init__, _HOOKED, False):
+        wrapped_init = keras_callbacks.accept_nestpipe_strategy(backup.__init__)
+        setattr(wrapped_init, _HOOKED, True)
+        backup.__init__ = wrapped_init
+    # get_weights / set_weights: whole tables (strategy.keras_weights).
+    layer = tf_keras.layers.Layer
+    if not getattr(layer.get_weights, _HOOKED, False):
+        for name, wrap in (("get_weights", keras_weights.whole_get_weights),
+                           ("set_weights", keras_weights.whole_set_weights)):
+            wrapped = wrap(getattr(layer, name))
+            setattr(wrapped, _HOOKED, True)
+            setattr(layer, name, wrapped)
     # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
     for name in ("save", "save_weights", "load_weights"):
         setattr(model, name, _wrap_saving(name, getattr(model, name)))

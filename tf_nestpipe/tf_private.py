@@ -33,6 +33,7 @@ from tensorflow.python.trackable import base as trackable_base  # noqa: F401
 from tensorflow.python.trackable import trackable_utils  # noqa: F401
 from tf_keras.src.engine import training as keras_training  # noqa: F401  (Model, reduce_per_replica)
 from tf_keras.src.layers.core import embedding as keras_embedding  # noqa: F401  (Embedding)
+from tf_keras.src.mixed_precision import loss_scale_optimizer as keras_loss_scale  # noqa: F401
 from tf_keras.src.saving import saving_api as keras_saving_api  # noqa: F401  (save_model, load_model)
 
 
@@ -225,3 +226,10 @@ def variable_shape(handle):
     """The shape (int32) of the variable behind resource `handle`, as a gather's gradient reads
     it."""
     return resource_variable_ops.variable_shape(handle)
+
+
+def accept_strategy_in_backup(callback, strategy_class):
+    """Adds `strategy_class` to the strategies a tf_keras `BackupAndRestore` accepts."""
+    supported = tuple(callback._supported_strategies)  # pylint: disable=protected-access
+    if strategy_class not in supported:
+        callback._supported_strategies = supported + (strategy_class,)  # pylint: disable=protected-access

@@ -245,6 +245,7 @@ def main(argv):
     # probe round of 1 timed step each, so that the probe and its choice fit in the STEPS steps.
     strategy = tnp.NestPipeStrategy(micro_batches=2, auto_timed_steps=1, auto_probe_rounds=1,
                                     auto_micro_batches=(2,))
+    strategy.auto_probe_budget = None  # every candidate probed, however short the run
     for run in runs:
         if run.startswith(("rehash=", "rehash_sharded=")):
             kind, _, target = run.partition("=")

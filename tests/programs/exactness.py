@@ -346,6 +346,7 @@ def main():
     # second after a settling step), so that its probe and choice fit in the runs' 20 steps.
     strategy = tnp.NestPipeStrategy(micro_batches=3, auto_warmup_steps=0, auto_timed_steps=1,
                                     auto_probe_rounds=2, auto_micro_batches=(3,))
+    strategy.auto_probe_budget = None  # every candidate probed, however short the run
     batches = make_batches(steps)
     if "--invalid-id" in sys.argv:  # one id outside the vocabulary, seen by the last worker
         batches[0][0][-1, 0] = VOCAB_A + 5

@@ -176,7 +176,8 @@ def main():
 
         # The usual Keras way: the resumed model is built lazily by fit, so the backup is
         # restored before its tables and slots exist (restored when they are created).
-        lazy_backup = tnp.BackupAndRestore(os.path.join(out, "backup_lazy"))
+        # tf_keras' own callback, as a script written for one process has it.
+        lazy_backup = tf_keras.callbacks.BackupAndRestore(os.path.join(out, "backup_lazy"))
         tf_keras.utils.set_random_seed(1)
         try:
             new_model(strategy, batches).fit(

@@ -311,6 +311,45 @@ def call_metrics_run(strategy, x, y):
         strategy.pipeline = pipeline
 
 
+def weight_copy(strategy, model, predict_ds):
+    """Keras's weight-copy idiom: a fresh ranker given the trained one's get_weights() (whole
+    tables on every worker count) predicts as it does; a table of another size is refused."""
+    weights = model.get_weights()
+    out = {"get_weights/shapes": np.array([w.shape[0] for w in weights[:2]])}
+    with strategy.scope():
+        copy = ranker(seed=80)
+    copy.set_weights(weights)
+    out["set_weights/predict"] = copy.predict(predict_ds, verbose=0)
+    with strategy.scope():
+        wrong = ranker(vocab_a=VOCAB_A + 2, seed=81)
+    try:
+        wrong.set_weights(weights)
+        out["set_weights/wrong"] = "no error"
+    except ValueError as error:
+        out["set_weights/wrong"] = str(error)
+    return out
+
+
+def load_after_save(model, out):
+    """Every worker loads the path it just saved to: on a disk every worker shares (the
+    chief's file is complete when the save returns), and on a disk of its own (a non-chief
+    finds no file there: an error saying why)."""
+    results = {}
+    shared = os.path.join(out, "later.h5")  # after the listing of out
+    model.save_weights(shared)
+    model.load_weights(shared)
+    results["load_after_save/shared"] = "ok"
+    own = tempfile.mkdtemp(prefix="own_disk")
+    try:
+        model.save_weights(os.path.join(own, "w.h5"))
+        model.load_weights(os.path.join(own, "w.h5"))
+        results["load_after_save/own"] = "ok"
+    except Exception as error:  # pylint: disable=broad-except
+        results["load_after_save/own"] = "%s: %s" % (type(error).__name__, error)
+    shutil.rmtree(own)
+    return results
+
+
 def read_counts(strategy, before, prefix):
     """The strategy's packed metric reads since the `before` counts, as results."""
     after = strategy.extended.metric_read_counts
@@ -416,9 +455,15 @@ def main():
     results.update(metric_reads(strategy, model))
     results.update(mixed_precision_run(strategy, x, y))
     results.update(call_metrics_run(strategy, x, y))
+    try:  # outside the scope: each worker would train its own model
+        tf_keras.Sequential([tnp.ShardedEmbedding(VOCAB_A, DIM)]).build((None,))
+        results["outside_scope"] = "built"
+    except ValueError as error:
+        results["outside_scope"] = str(error)
     results.update(overridden_metrics_fit(strategy, x, y))
     predict_ds = tf.data.Dataset.from_tensor_slices(px).batch(16)
     results["predict"] = model.predict(predict_ds, verbose=0)
+    results.update(weight_copy(strategy, model, predict_ds))
     if rank == 0:
         np.savez(os.path.join(out, "x_predict.npz"), **px)
 
@@ -436,6 +481,7 @@ def main():
     tnp.export_saved_model(model, os.path.join(out, "export"))
     results["files"] = np.array(sorted(os.listdir(out)))
     results.update(string_lookup_export(strategy, out))
+    results.update(load_after_save(model, out))
     if rank == 0:  # the saves are complete: a run given this one as its reference may read them
         open(os.path.join(out, "w0.h5.done"), "w").close()
 

@@ -26,6 +26,14 @@ The log also gives this worker's process CPU time per timed step of each candida
 thread: TensorFlow's pools, the exchange's) and the cores it kept busy (CPU time / wall time):
 a worker whose baseline already keeps its cores busy all step has little waiting for a pipeline
 to hide, and a pipeline's own work then shows in its step time one for one.
+
+A short job does not pay for the probe: given the first epoch's length (`epoch_steps`, from
+`fit`), the probe stops, and keeps the best candidate timed so far (the baseline unless another
+was clearly faster), as soon as going on would make its cost exceed `budget` (5%) of that
+epoch at the baseline's step time. Its cost is every probe step's time beyond the baseline's
+median step, plus, before a candidate's first step, that step's trace (estimated as the largest
+first step seen). A model too small to gain from a pipeline thus never traces one, and the
+progress bar's step times stay those of the baseline but for that 5%.
 """
 import statistics
 import sys
@@ -55,7 +63,7 @@ class AutoPipeline:
     (e.g. the max over workers); `log(text)` reports the choice."""
 
     def __init__(self, candidates, agree, warmup_steps=1, timed_steps=4, log=None, margin=0.05,
-                 rounds=6, settle_steps=1):
+                 rounds=6, settle_steps=1, epoch_steps=None, budget=0.05, agree_budget=None):
         if (warmup_steps < 0 or timed_steps < 1 or rounds < 1 or settle_steps < 0
                 or not 0 <= margin < 1):
             raise ValueError("auto pipeline needs warmup_steps >= 0, timed_steps >= 1, "
@@ -81,6 +89,15 @@ class AutoPipeline:
         self.timings_ms = None  # {str(name): agreed median ms/step}
         self.cpu = None  # {str(name): CpuUse of this worker's timed steps}
         self.probe_log = []  # a ProbeStep per step a candidate ran while probing
+        # The probe's budget (see `_within_budget`): `epoch_steps()` gives the first epoch's
+        # steps (None: unknown, no budget); `agree_budget(values)` their max over the workers.
+        self._epoch_steps = epoch_steps
+        self._budget = budget
+        self._agree_budget = agree_budget or agree
+        self._extra_seconds = 0.0  # the probe's cost so far: its steps beyond the baseline's
+        self._runs = {}  # steps each candidate ran while probing
+        self._first_steps = {}  # each candidate's first step (its trace), seconds
+        self.stopped_early = None  # why the probe stopped before its rounds, if it did
 
     @property
     def probe_steps_bound(self):
@@ -124,10 +141,46 @@ class AutoPipeline:
         if timed:
             self._times[name].append(elapsed)
             self._cpu_times[name].append(cpu)
+        self._count_cost(name, elapsed)
         self.probe_log.append(ProbeStep(str(name), start, end, timed))
         if self._steps == untimed + self._timed:
             self._next_candidate(pipeline)
         return outputs
+
+    def _count_cost(self, name, elapsed):
+        """Counts a probe step: its time beyond the baseline's median step is the probe's cost
+        (a candidate's first step: its trace too)."""
+        self._runs[name] = self._runs.get(name, 0) + 1
+        if self._runs[name] == 1:
+            self._first_steps[name] = elapsed
+        baseline = self._candidates[0][0]
+        if name != baseline and self._times[baseline]:
+            self._extra_seconds += max(elapsed - statistics.median(self._times[baseline]), 0.0)
+
+    def _within_budget(self, next_name):
+        """Whether the probe may run `next_name`'s next steps: its cost so far (every probe
+        step's time beyond the baseline's median step) plus the next candidate's first step
+        if it has not run yet (a trace, estimated as the largest seen: the baseline's own
+        first step beyond its median, or another candidate's) stays within `budget` of the
+        first epoch (its steps at the baseline's median step). Agreed over the workers (the
+        largest cost against the smallest budget), so every worker stops at the same step."""
+        steps = self._epoch_steps() if self._epoch_steps is not None else None
+        baseline = self._candidates[0][0]
+        if not steps or not self._times[baseline]:
+            return True
+        base = statistics.median(self._times[baseline])
+        upcoming = 0.0 if self._runs.get(next_name) else max(
+            max(self._first_steps.values()) - base, 0.0)
+        cost, negative_budget = self._agree_budget(
+            [self._extra_seconds + upcoming, -self._budget * steps * base])
+        if cost <= -negative_budget:
+            return True
+        self.stopped_early = (
+            "its cost would exceed %.0f%% of the first epoch (%d steps of %.1f ms: %.0f ms; "
+            "spent %.0f ms, next %s's first step ~%.0f ms)" % (
+                100 * self._budget, steps, 1e3 * base, -1e3 * negative_budget,
+                1e3 * self._extra_seconds, next_name, 1e3 * upcoming))
+        return False
 
     def _next_candidate(self, pipeline):
         self._steps = 0
@@ -138,29 +191,39 @@ class AutoPipeline:
             if self._round == self._rounds:
                 self._choose()
         if self.choice is None:
-            self._index = round_order(len(self._candidates), self._round)[self._place]
+            index = round_order(len(self._candidates), self._round)[self._place]
+            if self._within_budget(self._candidates[index][0]):
+                self._index = index
+            else:
+                self._choose()
         if self.pipeline is not pipeline:
             self._held = pipeline  # its look-ahead batches come next
 
     def _choose(self):
         names = [name for name, _ in self._candidates]
-        local = [statistics.median(self._times[name]) for name in names]
+        # A candidate the probe stopped before timing is never chosen.
+        local = [statistics.median(self._times[name]) if self._times[name] else float("inf")
+                 for name in names]
         agreed = self._agree(local)
         self.timings_ms = {str(name): 1e3 * t for name, t in zip(names, agreed)}
         self.cpu = {str(name): CpuUse.of(self._cpu_times[name], self._times[name])
-                    for name in names}
+                    if self._times[name] else None for name in names}
         best = min(range(len(names)), key=lambda i: agreed[i])
         if agreed[best] > agreed[0] * (1 - self._margin):
             best = 0  # not clearly faster than the baseline
         self.choice = names[best]
+        stopped = ("" if self.stopped_early is None else
+                   " (the probe stopped after %d of %d rounds: %s)" % (
+                       self._round, self._rounds, self.stopped_early))
         self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d rounds of %d "
                   "timed steps (slowest worker) %s; another mode than %r needs to be %.0f%% "
-                  "faster; this worker's process CPU ms/step (cores busy) %s"
+                  "faster; this worker's process CPU ms/step (cores busy) %s%s"
                   % (str(self.choice), self._rounds, self._timed, ", ".join(
-                      "%s %.1f" % (name, ms) for name, ms in self.timings_ms.items()),
+                      "%s %.1f" % (name, ms) if ms != float("inf") else "%s not run" % name
+                      for name, ms in self.timings_ms.items()),
                       str(names[0]), 100 * self._margin, ", ".join(
                           "%s %.1f (%.2f)" % (name, use.ms_per_step, use.cores_busy)
-                          for name, use in self.cpu.items())))
+                          for name, use in self.cpu.items() if use is not None), stopped))
 
 
 def round_order(count, round_index):

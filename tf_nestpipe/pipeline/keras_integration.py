@@ -30,6 +30,7 @@ coordinator.
 """
 import functools
 import sys
+import threading
 
 import tensorflow as tf
 import tf_keras
@@ -45,7 +46,10 @@ from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 from tf_nestpipe import tf_private
 
 _ORIGINAL = keras_training.Model.make_train_function
+_ORIGINAL_FIT = keras_training.Model.fit
+_ORIGINAL_CALLBACK_LIST_INIT = tf_keras.callbacks.CallbackList.__init__
 _PATCHED_ATTR = "_nestpipe_patched"
+_fit_state = threading.local()
 
 
 def _standard_train_step(model):
@@ -122,7 +126,11 @@ def make_train_function(self, force=False):
             [(c, _train_pipeline(self, strategy, c.mode, c.micro_batches)) for c in candidates],
             agree=lambda times: _slowest_worker(strategy, times),
             warmup_steps=strategy.auto_warmup_steps, timed_steps=strategy.auto_timed_steps,
-            rounds=strategy.auto_probe_rounds, log=lambda text: _log(strategy, text))
+            rounds=strategy.auto_probe_rounds, log=lambda text: _log(strategy, text),
+            epoch_steps=(None if getattr(strategy, "auto_probe_budget", None) is None
+                         else lambda: fit_epoch_steps(self)),
+            budget=getattr(strategy, "auto_probe_budget", None) or 0.05,
+            agree_budget=lambda values: _slowest_worker(strategy, values, "nestpipe/auto_budget"))
     else:
         pipeline = _train_pipeline(self, strategy, strategy.pipeline)
     self._nestpipe_pipeline = pipeline  # pylint: disable=protected-access
@@ -157,10 +165,10 @@ def _train_pipeline(model, strategy, pipeline, micro_batches=None):
                          trainable_variables=lambda: model.trainable_variables)
 
 
-def _slowest_worker(strategy, times):
+def _slowest_worker(strategy, times, tag="nestpipe/auto"):
     """Each of `times` (this worker's seconds per candidate) as its max over the workers."""
     gathered = strategy.extended.embedding_exchange.collectives.all_gather(
-        tf.constant([times], tf.float32), "nestpipe/auto")
+        tf.constant([times], tf.float32), tag)
     return tf.reduce_max(gathered, axis=0).numpy().tolist()
 
 
@@ -277,9 +285,38 @@ def _check_standard_train_step(model, pipeline):
             "(see tnp.pipeline.split_batch), or use pipeline='dbp'." % (pipeline, type(model).__name__))
 
 
+def fit_epoch_steps(model):
+    """The steps of an epoch of the `fit` that made `model`'s train function (what the
+    progress bar counts), or None when unknown."""
+    return getattr(model, "_nestpipe_epoch_steps", None)
+
+
+def _fit(self, *args, **kwargs):
+    """`Model.fit`, its epoch length recorded (`fit_epoch_steps`) from its callback list."""
+    previous = getattr(_fit_state, "model", None)
+    _fit_state.model = self
+    try:
+        return _ORIGINAL_FIT(self, *args, **kwargs)
+    finally:
+        _fit_state.model = previous
+
+
+def _callback_list_init(self, callbacks=None, add_history=False, add_progbar=False, model=None,
+                        **params):
+    fitting = getattr(_fit_state, "model", None)
+    if model is not None and model is fitting and "steps" in params:
+        # fit's own list (the first made in it): its steps per epoch.
+        model._nestpipe_epoch_steps = params["steps"]  # pylint: disable=protected-access
+        _fit_state.model = None
+    _ORIGINAL_CALLBACK_LIST_INIT(self, callbacks, add_history, add_progbar, model, **params)
+
+
 def install():
-    """Wraps tf_keras `Model.make_train_function` (idempotent)."""
+    """Wraps tf_keras `Model.make_train_function`, and `Model.fit` to know its epoch length
+    (idempotent)."""
     if getattr(keras_training.Model.make_train_function, _PATCHED_ATTR, False):
         return
     setattr(make_train_function, _PATCHED_ATTR, True)
     keras_training.Model.make_train_function = make_train_function
+    keras_training.Model.fit = functools.wraps(_ORIGINAL_FIT)(_fit)
+    tf_keras.callbacks.CallbackList.__init__ = _callback_list_init

@@ -70,13 +70,16 @@ def concat_predictions(strategy, value):
         raise ValueError("predict under NestPipeStrategy gathers dense predictions only; got a "
                          "%s: return a dense tensor from the model" % type(value).__name__)
     value = tf.convert_to_tensor(value)
-    scalar = value.shape.rank == 0
-    if scalar:
+    if value.shape.rank == 0:
         value = tf.reshape(value, [1])
+    elif value.shape.rank is None:
+        # Rank known only when it runs: a scalar becomes one row, a batch stays as it is.
+        value = tf.reshape(value, tf.concat([[-1], tf.shape(value)[1:]], axis=0))
     rows = tf.shape(value)[0]
     counts = strategy.gather(tf.reshape(rows, [1]), axis=0)
     capacity = tf.reduce_max(counts)
-    pad = [[0, capacity - rows]] + [[0, 0]] * (value.shape.rank - 1)
+    pad = tf.concat([[[0, capacity - rows]], tf.zeros([tf.rank(value) - 1, 2], tf.int32)],
+                    axis=0)
     gathered = strategy.gather(tf.pad(value, pad), axis=0)  # [W * capacity, ...]
     # Keep each worker's first counts[w] rows, in worker order.
     index = tf.reshape(tf.range(capacity)[None, :] < counts[:, None], [-1])

@@ -1,6 +1,7 @@
 """`ShardedEmbedding`: a tf_keras embedding layer whose table a NestPipeStrategy places over its
 workers (row-sharded, whole on one worker, or replicated: the strategy's planner decides)."""
 import contextlib
+import weakref
 
 import numpy as np
 import tensorflow as tf
@@ -32,6 +33,27 @@ DATA_PARALLEL = "data_parallel"
 # The placement under which the whole table is one worker's row shard (`ShardLayout.owner_shard`),
 # looked up through the same fused exchange as the row-wise tables.
 TABLE_WISE = "table_wise"
+
+
+# The multi-worker strategies of this process (see `register_multi_worker_strategy`).
+_multi_worker_strategies = weakref.WeakSet()
+
+
+def register_multi_worker_strategy(strategy):
+    """Records `strategy`, a strategy of several workers whose tables this layer shards: a
+    `ShardedEmbedding` built outside its scope (and outside any other strategy's) is refused,
+    since each worker would silently train a model of its own."""
+    _multi_worker_strategies.add(strategy)
+
+
+def _check_not_outside_the_scope(layer):
+    strategies = [s for s in _multi_worker_strategies if s.num_workers > 1]
+    if strategies and not tf.distribute.has_strategy():
+        raise ValueError(
+            "ShardedEmbedding '%s' is built outside the scope of the %d-worker %s: each worker "
+            "would train a model of its own and no table would be sharded. Create the model "
+            "(and compile it) inside `with strategy.scope():`." % (
+                layer.name, strategies[0].num_workers, type(strategies[0]).__name__))
 
 
 def placement_of(strategy, layer):
@@ -122,6 +144,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             return
         if self._strategy is None and embedding_exchange_of(tf.distribute.get_strategy()):
             self._strategy = tf.distribute.get_strategy()
+        if self._strategy is None:
+            _check_not_outside_the_scope(self)
         scope = creation = contextlib.nullcontext()
         if self._strategy is not None:
             self.placement = placement_of(self._strategy, self)

@@ -308,7 +308,7 @@ def explain_ps_failure(error, ps_addresses=None):
 
 
 @contextlib.contextmanager
-def _explaining_ps_failures(ps_addresses=None):
+def explaining_ps_failures(ps_addresses=None):
     """Re-raises a ps failure (as `ClusterCoordinator.schedule` / `join` report it, or as the
     ps watch finds it: `ps_watch`) as a `ParameterServerUnavailableError`; other errors pass
     unchanged. `ps_addresses` name the failed task when the error does not (`explain_ps_failure`)."""
@@ -480,7 +480,7 @@ class DownpourTrainer:
         every ps address is probed, and one that refuses 3 probes in a row is a failure
         (`ps_watch`)."""
         addresses = getattr(self, "_ps_addresses", None)
-        with _explaining_ps_failures(addresses):
+        with explaining_ps_failures(addresses):
             call_watching_ps(self.coordinator.join, addresses)
 
     def _manager(self, directory, max_to_keep=3):
@@ -534,7 +534,7 @@ class DownpourTrainer:
             ParameterServerUnavailableError: A ps failure of an earlier window (which
                 `ClusterCoordinator` raises here), naming the task, as in `join`."""
         # schedule raises the error of an earlier window
-        with _explaining_ps_failures(getattr(self, "_ps_addresses", None)):
+        with explaining_ps_failures(getattr(self, "_ps_addresses", None)):
             remote = self.coordinator.schedule(self._window, args=(iterator,))
         self.windows += 1
         return remote

@@ -1,4 +1,6 @@
 """tf_keras callbacks that need to know about `NestPipeStrategy`."""
+import functools
+
 import tf_keras
 
 from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
@@ -7,18 +9,27 @@ from tf_nestpipe import tf_private
 
 
 class BackupAndRestore(tf_keras.callbacks.BackupAndRestore):
-    """tf_keras `BackupAndRestore` that also accepts `NestPipeStrategy`, whose table shards it
-    backs up whole (see `row_shard_saving`): an interrupted `fit` resumes at the last backed-up
-    epoch (or step, with an integer `save_freq`) on any number of workers.
+    """tf_keras `BackupAndRestore` (same arguments), accepting `NestPipeStrategy`, whose table
+    shards it backs up whole (see `row_shard_saving`): an interrupted `fit` resumes at the last
+    backed-up epoch (or step, with an integer `save_freq`) on any number of workers. tf_keras'
+    own `BackupAndRestore` accepts NestPipeStrategy too (`accept_nestpipe_strategy`, installed
+    at import): this class is the same callback under tf_nestpipe's name.
 
     Args:
         *args: tf_keras `BackupAndRestore`'s arguments (`backup_dir`, ...).
         **kwargs: tf_keras `BackupAndRestore`'s keyword arguments (`save_freq`,
             `delete_checkpoint`, ...)."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self._supported_strategies = tuple(self._supported_strategies) + (NestPipeStrategy,)
+
+def accept_nestpipe_strategy(init):
+    """Wraps tf_keras `BackupAndRestore.__init__`: the callback accepts `NestPipeStrategy` (it
+    refuses strategies it does not know with a `NotImplementedError`)."""
+    @functools.wraps(init)
+    def wrapped(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        tf_private.accept_strategy_in_backup(self, NestPipeStrategy)
+
+    return wrapped
 
 
 class DynamicTableStats(tf_keras.callbacks.Callback):

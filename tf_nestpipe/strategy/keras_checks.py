@@ -10,6 +10,7 @@ instead of generic errors or silently different training.
 - A `tf_keras.layers.Embedding` built in the scope is a full table replicated on every worker
   (its gradient all-reduced densely): a warning names the layer, its size and `ShardedEmbedding`.
 """
+import functools
 import os
 import sys
 import warnings
@@ -25,6 +26,14 @@ def _keras3_loaded():
     keras = sys.modules.get("keras")
     version = getattr(keras, "__version__", "") if keras is not None else ""
     return version.split(".")[0].isdigit() and int(version.split(".")[0]) >= 3
+
+
+FLOAT16_MESSAGE = (
+    "NestPipeStrategy does not support the mixed_float16 policy: tf_keras' dynamic loss "
+    "scaling checks only this worker's gradients (its row-shard gradients differ per worker), "
+    "so one worker would skip a step the others apply and the models would drift apart. Use "
+    "the mixed_bfloat16 policy (bfloat16 compute needs no loss scaling; the tables stay "
+    "float32): tf_keras.mixed_precision.set_global_policy('mixed_bfloat16'), or float32.")
 
 
 def check_keras_environment():
@@ -43,12 +52,7 @@ def check_keras_environment():
     if tf_keras is not None:
         policy = tf_keras.mixed_precision.global_policy()
         if policy.name == "mixed_float16":
-            raise ValueError(
-                "NestPipeStrategy does not support the mixed_float16 policy: tf_keras' dynamic "
-                "loss scaling checks only this worker's gradients (its row-shard gradients "
-                "differ per worker), so one worker would skip a step the others apply and the "
-                "models would drift apart. Use the float32 policy "
-                "(tf_keras.mixed_precision.set_global_policy('float32')).")
+            raise ValueError(FLOAT16_MESSAGE)
 
 
 def check_keras3_variable(frame):
@@ -84,6 +88,24 @@ def warn_replicated_embedding(build):
                    strategy.num_workers, self.input_dim, self.output_dim, self.name),
                 ReplicatedEmbeddingWarning, stacklevel=3)
         return build(self, input_shape)
+
+    wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
+    return wrapped
+
+
+def refuse_loss_scaling(supports_loss_scaling):
+    """Wraps tf_keras' `strategy_supports_loss_scaling` (asked where a mixed_float16 layer or a
+    `LossScaleOptimizer` is made): under a `NestPipeStrategy` it refuses with the reason and
+    the policy to use, instead of tf_keras' generic "not supported with the Strategy"."""
+    @functools.wraps(supports_loss_scaling)
+    def wrapped():
+        import tensorflow as tf  # pylint: disable=import-outside-toplevel
+        from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+
+        if tf.distribute.has_strategy() and isinstance(tf.distribute.get_strategy(),
+                                                       NestPipeStrategy):
+            raise ValueError(FLOAT16_MESSAGE)
+        return supports_loss_scaling()
 
     wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
     return wrapped

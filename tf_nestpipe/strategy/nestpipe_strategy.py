@@ -32,6 +32,7 @@ from tf_nestpipe.pipeline.config import as_pipeline_config
 from tf_nestpipe.plan.placement import (Planner, TableSpec, collectives_from_linear, costs_source,
                                         default_collectives, linear_costs, render_plan)
 from tf_nestpipe.sharding.dynamic_slots import fresh_slots_of
+from tf_nestpipe.sharding.embedding import register_multi_worker_strategy
 from tf_nestpipe.sharding.exchange import EmbeddingExchange
 from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
                                             row_shard_being_created, row_shard_layout)
@@ -631,6 +632,15 @@ class NestPipeStrategy(distribute_lib.Strategy):
     the transport (`transport`), the pipeline (`pipeline`), placement (`placement`,
     `memory_budget_bytes`), the wire encoding (`wire_dtype`) and process settings.
 
+    It is deliberately not a `tf.distribute.MultiWorkerMirroredStrategy` (nor a
+    `CollectiveAllReduceStrategy`): code that asks `isinstance(strategy, ...)` for those takes
+    their paths, which assume every variable mirrored on every worker (row shards are not) and
+    report metrics and step values summed over the workers (NestPipe reports one process's
+    global values), so it would be wrong rather than refused. tf_keras' paths that matter are
+    adapted instead (BackupAndRestore, saving, predict, step outputs, loss reduction), and
+    mixed_float16, whose loss scaling tf_keras allows only under those strategies, is refused
+    with the reason (use mixed_bfloat16).
+
     Args:
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`; default: from
             `TF_CONFIG`.
@@ -643,7 +653,9 @@ class NestPipeStrategy(distribute_lib.Strategy):
             worker, naming the peer and the call.
         pipeline: A `tnp.PipelineConfig`, or its mode: "auto" (default: the first steps of
             `fit` try none, fwp, dbp and nested and keep the fastest on the slowest worker,
-            see `tf_nestpipe.pipeline.auto`), "none", "dbp" (the next batch's rows are routed
+            see `tf_nestpipe.pipeline.auto`; its probe stops early where it would cost more
+            than `strategy.auto_probe_budget`, default 0.05, of fit's first epoch), "none",
+            "dbp" (the next batch's rows are routed
             and retrieved while the current batch computes), "fwp" (each step as micro-batches
             in a frozen window) or "nested" (both). Every mode is exact.
         micro_batches: Deprecated: `PipelineConfig.micro_batches`.
@@ -729,6 +741,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.auto_warmup_steps = config.auto_warmup_steps
         self.auto_timed_steps = config.auto_timed_steps
         self.auto_probe_rounds = config.auto_probe_rounds
+        # The fraction of fit's first epoch auto's probe may cost (None: probe every round).
+        self.auto_probe_budget = 0.05
         self.auto_micro_batches = config.auto_micro_batches
         # Test-only: skip the dual-buffer re-sync to demonstrate that training then goes stale.
         self.unsafe_skip_buffer_sync = config.unsafe_skip_buffer_sync
@@ -753,6 +767,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.extended.embedding_exchange.set_wire_dtype(self.wire_dtype)
         self._placement, self._memory_budget_bytes = placement, memory_budget_bytes
         self.extended.set_placement(placement, memory_budget_bytes)
+        register_multi_worker_strategy(self)  # a table built outside its scope is refused
 
     @property
     def placement(self):

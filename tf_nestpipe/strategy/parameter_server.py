@@ -6,6 +6,7 @@ from tf_nestpipe.tf_private import tfconfig_cluster_resolver
 
 from tf_nestpipe.launch import allocator, cluster_check
 from tf_nestpipe.tf_config import parse_tf_config
+from tf_nestpipe.strategy import coordinator_errors
 from tf_nestpipe.strategy.downpour import local_optimizer_from
 from tf_nestpipe.ops import load_op_library
 from tf_nestpipe import tf_private
@@ -84,6 +85,7 @@ class ParameterServerStrategy(tf.distribute.ParameterServerStrategy):
         super().__init__(cluster_resolver, variable_partitioner=variable_partitioner)
         self.update_window = int(update_window)
         self.local_optimizer = local_optimizer
+        coordinator_errors.install()  # a ps failure under a plain ClusterCoordinator explained
 
     @property
     def variable_partitioner(self):
