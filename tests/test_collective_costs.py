@@ -116,9 +116,10 @@ def test_the_bench_path_check_sees_one(tmp_path):
 _OPENED = {"on": False, "paths": []}
 
 
-def _audit(event, args):
-    if _OPENED["on"] and event == "open" and isinstance(args[0], str):
-        _OPENED["paths"].append(os.path.abspath(args[0]))
+def _audit(event, args, opened=_OPENED, abspath=os.path.abspath):
+    # Bound as defaults: the hook outlives the module's globals at interpreter exit.
+    if opened["on"] and event == "open" and isinstance(args[0], str):
+        opened["paths"].append(abspath(args[0]))
 
 
 sys.addaudithook(_audit)  # gated by _OPENED["on"]: costs nothing outside the tests below
