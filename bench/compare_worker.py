@@ -495,7 +495,9 @@ def pipeline_facts(model):
         facts["auto_choice"] = str(pipeline.choice)
         facts["auto_timings_ms"] = pipeline.timings_ms
         if getattr(pipeline, "cpu", None):  # this worker's process CPU per probed mode
-            facts["auto_cpu"] = {name: list(use) for name, use in pipeline.cpu.items()}
+            # A mode the probe stopped before timing (its budget spent) has no CPU use.
+            facts["auto_cpu"] = {name: list(use) for name, use in pipeline.cpu.items()
+                                 if use is not None}
     return facts
 
 
