@@ -46,6 +46,7 @@ def host_layout(addresses, config):
       few workers ("auto"), one host or one worker per host, or hosts that are not numbered
       host by host with the same number of workers each (then "on" says why on stderr).
     """
+    addresses = [int(a) for a in addresses]
     workers = len(addresses)
     if config.hierarchical == "off" or (config.hierarchical == "auto"
                                         and workers < _HIERARCHICAL_FROM_WORKERS):
@@ -55,10 +56,13 @@ def host_layout(addresses, config):
         local = 1
         while local < workers and addresses[local] == addresses[0]:
             local += 1
-    regular = workers % local == 0 and (config.local_workers is not None or all(
-        (addresses[w] == addresses[w - w % local]) == True  # noqa: E712  (numpy bools)
-        and (w % local != 0 or w == 0 or addresses[w] != addresses[w - 1])
-        for w in range(workers)))
+    def host_by_host():
+        """Each run of `local` consecutive workers shares one address, and runs differ."""
+        return all(addresses[w] == addresses[w - w % local]
+                   and (w % local != 0 or w == 0 or addresses[w] != addresses[w - 1])
+                   for w in range(workers))
+
+    regular = workers % local == 0 and (config.local_workers is not None or host_by_host())
     if not regular or local < 2 or workers // local < 2:
         if config.hierarchical == "on":
             print("tf_nestpipe: the hierarchical all-to-all needs workers numbered host by host, "
