@@ -81,14 +81,15 @@ class Setting:
             return environ[self.legacy_name]
         return None
 
-    def value(self, environ: Optional[Mapping[str, str]] = None) -> Any:
+    def value(self, environ: Optional[Mapping[str, str]] = None, default: Any = None) -> Any:
         """The variable's value in `environ` (default: `os.environ`), else the default.
 
         Args:
             environ: The environment to read; `os.environ` when None.
+            default: The value when the variable is unset or empty (None: the setting's own).
 
         Returns:
-            The parsed value, or `default` when the variable is unset or empty.
+            The parsed value, or the default when the variable is unset or empty.
 
         Raises:
             SettingError: The variable holds a value the setting refuses; the message names the
@@ -96,7 +97,7 @@ class Setting:
         """
         text = self.raw(environ)
         if text is None:
-            return self.default
+            return self.default if default is None else default
         try:
             return self._parse(text)
         except ValueError as error:

@@ -34,9 +34,7 @@ def heartbeat_timeout_from_env(default=DEFAULT_HEARTBEAT_TIMEOUT_SECONDS):
     Raises:
         tf_nestpipe.settings.SettingError: The variable is not a number >= 1.
     """
-    if not settings.HEARTBEAT_TIMEOUT_SECONDS.is_set():
-        return float(default)
-    return settings.HEARTBEAT_TIMEOUT_SECONDS.value()
+    return settings.HEARTBEAT_TIMEOUT_SECONDS.value(default=float(default))
 
 
 def configure_coordination_service(cluster_resolver, heartbeat_timeout_seconds=None):

@@ -36,9 +36,7 @@ def grace_from_env(default=DEFAULT_GRACE_SECONDS):
     Raises:
         tf_nestpipe.settings.SettingError: The variable is not a number >= 0.
     """
-    if not settings.EXIT_GRACE_SECONDS.is_set():
-        return float(default)
-    return settings.EXIT_GRACE_SECONDS.value()
+    return settings.EXIT_GRACE_SECONDS.value(default=float(default))
 
 
 def _guarded_excepthook(kind, value, traceback):
