@@ -281,8 +281,7 @@ class LocalCluster:
         # A pinned task's pools: one thread per CPU it has, unless the user sized them (an
         # explicit --threads-per-task wins, also with --pin-cpus); otherwise the equal split.
         threads = len(cpus) if cpus and self._pools_per_cpu else self.threads_per_task
-        env.update(thread_pools.thread_env(threads, env,
-                                           parameter_server=self.parameter_server_mode))
+        env.update(thread_pools.thread_env(threads, env))
         env.update(allocator_env(env))  # freed memory stays in the task (launch.allocator)
         try:  # its server listens only on its TF_CONFIG address, not on every interface
             env.update(listen_only_env(self.cluster[role][index], env))
