@@ -423,20 +423,25 @@ class LocalCluster:
         codes = [self._exit_code(t.process.returncode) for t in self.tasks if t.runs_command]
         return next((c for c in codes if c), 0)
 
-    def _wait_after_preemption(self, role: str):
+    def _wait_after_preemption(self, role: str) -> bool:
         """`role` exited after its preemption save: the other training tasks save the same step
-        and exit; waits up to the grace period for them (what still runs is then killed)."""
+        and exit; waits up to the grace period for them (what still runs is then killed).
+        Returns whether every training task exited with 0 or `PREEMPTED_EXIT_CODE`."""
         self._say("%s saved on preemption (exit %d); waiting up to %.0f s for the other tasks"
                   % (role, PREEMPTED_EXIT_CODE, self.grace_period))
         running = self._wait_for_training_tasks()
         if running:
             self._say("%s still running %.0f s after %s's preemption exit; killing them"
                       % (", ".join(running), self.grace_period, role))
+            return False
+        return all(t.process.returncode in (0, PREEMPTED_EXIT_CODE)
+                   for t in self.tasks if t.runs_command)
 
     def wait(self, timeout: Optional[float] = None) -> int:
-        """Waits until every command task succeeded (0) or one failed / timed out (non-zero)."""
+        """Waits until every command task succeeded (0) or one failed / timed out (non-zero:
+        `PREEMPTED_EXIT_CODE` when every training task exited after its preemption save)."""
         deadline = None if timeout is None else time.time() + timeout
-        failed, failed_task, signalled = None, None, None
+        failed, failed_task, signalled, preempted = None, None, None, False
         try:
             while True:
                 if self._signal is not None:
@@ -450,7 +455,7 @@ class LocalCluster:
                     elif code != 0 and not self._restart_if_worker_server(position, code):
                         failed, failed_task = (task.role, code), task
                         if code == PREEMPTED_EXIT_CODE and task.runs_command:
-                            self._wait_after_preemption(task.role)
+                            preempted = self._wait_after_preemption(task.role)
                         break
                 self._note_exits()
                 if failed or not pending:
@@ -461,15 +466,20 @@ class LocalCluster:
                 time.sleep(0.1)
         finally:
             self.kill_all()
-        if failed_task is not None:
+        if preempted:
+            self._say("every training task saved on preemption; the cluster stopped (exit %d)"
+                      % PREEMPTED_EXIT_CODE)
+        elif failed_task is not None:
             self._show_tail(failed_task)
-        if failed:
+        if failed and not preempted:
             self._say("task %s failed (%s); the cluster was torn down" % failed)
         for line in self.summary():
             self._say(line)
         if signalled is not None:
             self._say("stopped on signal %d; exit %d" % (self._signal, signalled))
             return signalled
+        if preempted:
+            return PREEMPTED_EXIT_CODE
         return 1 if failed else 0
 
     def run(self, timeout: Optional[float] = None, restarts: int = 0) -> int:
