@@ -128,6 +128,7 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     Controls: the same resume without the skip of the trained batches differs, and
     save_before_preemption=False leaves SIGTERM alone (no handler: the process would die)."""
     import signal
+    import tensorflow as tf
     import tf_keras
     import tf_nestpipe as tnp
     from tf_nestpipe.strategy import keras_preemption
@@ -137,9 +138,10 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     strategy = tnp.NestPipeStrategy(placement="row_wise")
     data, _ = kc.dataset(strategy)
 
-    def fit(callbacks, seed=5):
-        tf_keras.utils.set_random_seed(seed)
-        model = kc.lazy_model(strategy)
+    def fit(callbacks, model=None):
+        if model is None:
+            tf_keras.utils.set_random_seed(5)
+            model = kc.lazy_model(strategy)
         model.fit(data, epochs=kc.EPOCHS, steps_per_epoch=kc.STEPS_PER_EPOCH, verbose=0,
                   callbacks=callbacks)
         return model
@@ -169,8 +171,10 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     backup_dir = str(tmp_path / "preempted")
     before = signal.getsignal(signal.SIGTERM)
     first = Sigterm(at=(1, 0))
+    preempted = kc.lazy_model(strategy)
     with pytest.raises(SystemExit) as exit_info:
-        fit([tf_keras.callbacks.BackupAndRestore(backup_dir, save_before_preemption=True), first])
+        fit([tf_keras.callbacks.BackupAndRestore(backup_dir, save_before_preemption=True), first],
+            preempted)
     assert exit_info.value.code == 42
     # (1, 1) ran too: the backup callback, listed first, exited at its end.
     assert first.steps == [(0, 0), (0, 1), (0, 2), (1, 0)]
@@ -178,9 +182,14 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     shutil.copytree(backup_dir, backup_dir + "-copy")
 
     def resumed_from(directory):
+        # The preempted model again (its train function traced once), every variable and slot
+        # overwritten with other values: all must come from the backup.
+        for variable in preempted.variables + preempted.optimizer.variables:
+            variable.assign(tf.random.uniform(variable.shape, seed=6, dtype=variable.dtype)
+                            if variable.dtype.is_floating else tf.zeros_like(variable))
         resumed = Sigterm(at=None)
         model = fit([tf_keras.callbacks.BackupAndRestore(directory, save_before_preemption=True),
-                     resumed], seed=6)  # other initial values: all must come from the backup
+                     resumed], preempted)
         assert resumed.steps == [(1, 2)] + [(e, b) for e in (2, 3) for b in range(3)]
         return kc.state(strategy, model)
 
