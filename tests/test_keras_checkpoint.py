@@ -22,7 +22,9 @@ def keras_checkpoint_runs(tmp_path_factory):
     fit, killed = run_together(
         (launch, 2, [PROGRAM, str(out), "fit"]),
         (run_command, [sys.executable, "-m", "tf_nestpipe.launch", "--workers", "2", UNPINNED,
-                       "--restarts", "2", "--output", "all", "--", sys.executable, PROGRAM,
+                       "--restarts", "2", "--output", "all",
+                       # the workers agree on a preemption at every step (default: every ~1 s)
+                       "--env", "TF_NESTPIPE_PREEMPTION_CHECK_SECONDS=0", "--", sys.executable, PROGRAM,
                        str(out), "killed"], 300))
     assert fit.returncode == 0, fit.stdout[-5000:]
     assert "resumed run trained epochs [2, 3]" in fit.stdout
@@ -135,6 +137,7 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     sys.path.insert(0, PROGRAMS)
     import keras_checkpoint as kc
 
+    monkeypatch.setenv("TF_NESTPIPE_PREEMPTION_CHECK_SECONDS", "0")  # agree at every step
     strategy = tnp.NestPipeStrategy(placement="row_wise")
     data, _ = kc.dataset(strategy)
 
@@ -199,3 +202,29 @@ def test_preemption_backup_and_restore_in_one_process(tmp_path, monkeypatch):
     monkeypatch.setattr(keras_preemption, "skip_trained_batches", lambda model, iterator: None)
     unskipped = resumed_from(backup_dir + "-copy")
     assert max(np.abs(reference[k] - unskipped[k]).max() for k in reference) > 1e-4
+
+
+def test_preemption_agreements_come_about_every_interval_and_at_the_same_steps_everywhere():
+    """The workers agree on a preemption at the first batch, then after as many steps as the
+    interval takes at the slowest worker's pace (from gathered values, so every worker counts
+    the same); 0 agrees at every step."""
+    from tf_nestpipe.strategy.keras_preemption import (AgreementSchedule,
+                                                       MAX_STEPS_BETWEEN_CHECKS)
+
+    class Flag:
+        def __init__(self):
+            self.calls, self.pace = [], 0.02
+
+        def agree(self, seconds_per_step):
+            self.calls.append(seconds_per_step)
+            return len(self.calls) == 3, self.pace  # the slowest worker's pace, not this one's
+
+    flag = Flag()
+    schedule = AgreementSchedule(flag, interval_seconds=1.0)
+    assert schedule.steps_between(0.02) == 50 and schedule.steps_between(5.0) == 1
+    assert schedule.steps_between(1e-6) == MAX_STEPS_BETWEEN_CHECKS
+    answers = [schedule.preempted() for _ in range(101)]
+    assert [i for i, a in enumerate(answers) if a] == [100]  # agreements at batches 0, 50, 100
+    assert len(flag.calls) == 3
+    every = AgreementSchedule(Flag(), interval_seconds=0)
+    assert [every.preempted() for _ in range(3)] == [False, False, True]

@@ -7,10 +7,15 @@ Cloud (its preemption notices come from the platform); elsewhere it accepts the 
 does nothing. Here the notice is the SIGTERM Kubernetes (and `tf_nestpipe.launch`) sends before
 killing a task:
 - the signal only sets a flag (`preemption.SigtermFlag`): the step in flight finishes;
-- at every train batch end the workers agree whether any of them was signalled (one tiny
+- at scheduled train batch ends the workers agree whether any of them was signalled (one tiny
   all-gather), so all of them back up the same step: the callback's usual backup (whole tables,
   optimizer slots, epoch, batch) with the batch that ended, then exit with
-  `preemption.PREEMPTED_EXIT_CODE`;
+  `preemption.PREEMPTED_EXIT_CODE`. The agreement costs a collective and a wait for the step
+  to finish, so it runs about every `TF_NESTPIPE_PREEMPTION_CHECK_SECONDS` (default 1) of
+  training, not every step (0: every step): each
+  agreement also gathers the slowest worker's seconds per step, from which every worker
+  computes the same number of steps to the next one (a save comes that much later, well within
+  a grace period of tens of seconds);
 - an epoch-end backup records its epoch as complete, so a relaunch never repeats its last batch;
 - the relaunched `fit` resumes at (epoch, batch + 1) and first skips the batches the interrupted
   epoch already trained on (Keras restarts each epoch's data from its beginning; without the
@@ -23,13 +28,58 @@ epoch); an endless stream with `steps_per_epoch` restarts from its beginning, as
 tf_keras' epoch-level restore.
 """
 import functools
+import math
+import time
 
+from tf_nestpipe import settings
 from tf_nestpipe.strategy import preemption
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
 
 # Model attribute: batches the next train function call skips before its first step.
 _RESUME_SKIP = "_nestpipe_resume_skip"
 _TRAIN_MODE = "train"  # tf_keras' ModeKeys.TRAIN
+# The most steps between two agreements (however fast the steps).
+MAX_STEPS_BETWEEN_CHECKS = 1000
+
+
+class AgreementSchedule:
+    """When the workers next agree on a preemption: the first train batch, then every
+    `steps_between(slowest seconds per step)` batches, from values every worker shares, so all
+    of them agree at the same batches.
+
+    Args:
+        flag: The `preemption.SigtermFlag` to agree on.
+        interval_seconds: About how often to agree (default: `TF_NESTPIPE_PREEMPTION_CHECK_SECONDS`;
+            0: every step).
+    """
+
+    def __init__(self, flag, interval_seconds=None):
+        self.flag = flag
+        self.interval_seconds = (settings.PREEMPTION_CHECK_SECONDS.value()
+                                 if interval_seconds is None else float(interval_seconds))
+        self._countdown = 1
+        self._since = time.perf_counter()
+        self._steps = 0
+
+    def steps_between(self, seconds_per_step):
+        """Steps to the next agreement after steps of `seconds_per_step` (at least 1)."""
+        if seconds_per_step <= 0 or self.interval_seconds <= 0:
+            return 1
+        return max(1, min(MAX_STEPS_BETWEEN_CHECKS,
+                          int(math.ceil(self.interval_seconds / seconds_per_step))))
+
+    def preempted(self):
+        """Call at every train batch end (every worker): whether any worker was signalled,
+        agreed on at the scheduled batches (False at the others)."""
+        self._steps += 1
+        self._countdown -= 1
+        if self._countdown > 0:
+            return False
+        now = time.perf_counter()
+        signalled, slowest = self.flag.agree((now - self._since) / self._steps)
+        self._since, self._steps = now, 0
+        self._countdown = self.steps_between(slowest)
+        return signalled
 
 
 def _on_nestpipe(callback):
@@ -105,6 +155,9 @@ def on_train_begin(original):
             if flag is not None:
                 flag.close()
             raise
+        # The schedule starts after the restore, at this fit's first batch on every worker.
+        self._nestpipe_agreement = (  # pylint: disable=protected-access
+            AgreementSchedule(flag) if flag is not None else None)
         if _on_nestpipe(self) and _resumes_mid_epoch(self):
             state = self._training_state  # pylint: disable=protected-access
             state.maybe_load_initial_counters_from_ckpt = functools.partial(
@@ -123,10 +176,10 @@ def on_train_batch_end(original):
             return original(self, batch, logs)
         self._training_state._ckpt_saved_batch.assign(batch)  # pylint: disable=protected-access
         original(self, batch, logs)
-        flag = getattr(self, "_nestpipe_sigterm", None)
-        if flag is not None and flag.any_worker_signalled():
+        agreement = getattr(self, "_nestpipe_agreement", None)
+        if agreement is not None and agreement.preempted():
             self._backup(epoch=self._current_epoch, batch=batch)  # pylint: disable=protected-access
-            flag.close()
+            agreement.flag.close()
             print("tf_nestpipe: preempted; every worker backed up epoch %d batch %d to %s"
                   % (self._current_epoch + 1, batch + 1, self.backup_dir), flush=True)
             preemption.exit_preempted()
@@ -154,7 +207,7 @@ def on_train_end(original):
         flag = getattr(self, "_nestpipe_sigterm", None)
         if flag is not None:
             flag.close()
-            self._nestpipe_sigterm = None  # pylint: disable=protected-access
+            self._nestpipe_sigterm = self._nestpipe_agreement = None  # pylint: disable=protected-access
         return original(self, logs)
 
     return wrapped

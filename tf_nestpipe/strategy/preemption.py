@@ -53,6 +53,22 @@ class SigtermFlag:
         flags = self.strategy.extended.collectives.all_gather(flag, "nestpipe/preemption")
         return bool(tf.reduce_max(flags).numpy())
 
+    def agree(self, seconds_per_step):
+        """Whether any worker got SIGTERM, and the slowest worker's `seconds_per_step`: one tiny
+        all-gather on more than one worker, so every worker must call it at the same step.
+
+        Args:
+            seconds_per_step: This worker's recent seconds per training step.
+
+        Returns:
+            `(signalled, slowest_seconds_per_step)`, the same on every worker."""
+        mine = tf.constant([[float(self.signalled), float(seconds_per_step)]], tf.float32)
+        if self.strategy.num_workers == 1:
+            return bool(self.signalled), float(seconds_per_step)
+        gathered = self.strategy.extended.collectives.all_gather(mine, "nestpipe/preemption_agree")
+        slowest = tf.reduce_max(gathered, axis=0).numpy()
+        return bool(slowest[0] > 0), float(slowest[1])
+
     def close(self):
         """Restores the SIGTERM handler that was there before."""
         signal.signal(signal.SIGTERM, self._previous)
