@@ -488,3 +488,18 @@ def test_a_worker_loads_the_path_it_just_saved_to(surface):
     assert str(surface[0]["load_after_save/own"]) == "ok"
     message = str(surface[1]["load_after_save/own"])
     assert message.startswith("FileNotFoundError") and "only the chief (worker 0) writes" in message
+
+
+def test_a_loop_over_a_distributed_iterator_inside_a_tf_function_trains_as_one_process(surface):
+    """TensorFlow's ctl_correctness pattern (next(iterator) inside a tf.function, a nested
+    tf.function step, a synchronized batch norm) under the launcher's default thread split:
+    with one inter-op thread per task it hung (MultiWorkerMirrored too); the launcher now gives
+    every task at least two, and the run equals one process's."""
+    ref = surface["ref"]
+    keys = [k for k in ref.files if k.startswith("loop_in_function/") and "threads" not in k]
+    assert len(keys) == 9, keys  # 2 dense layers' kernel and bias, the norm's 4, the loss
+    for rank in (0, 1):
+        run = surface[rank]
+        assert int(run["loop_in_function/inter_op_threads"]) >= 2
+        for key in keys:
+            np.testing.assert_allclose(run[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
