@@ -233,3 +233,28 @@ def accept_strategy_in_backup(callback, strategy_class):
     supported = tuple(callback._supported_strategies)  # pylint: disable=protected-access
     if strategy_class not in supported:
         callback._supported_strategies = supported + (strategy_class,)  # pylint: disable=protected-access
+
+
+# --- Keras 3 (`import keras`, TensorFlow backend) -------------------------------------------------
+# Imported on first use: a tf_keras user's process never loads Keras 3.
+def keras3_tf_trainer_module():
+    """Keras 3's TensorFlow trainer module (`TensorFlowTrainer`, its `reduce_per_replica`)."""
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+    return trainer
+
+
+def keras3_tf_optimizer_class():
+    """Keras 3's TensorFlow optimizer base class (`TFOptimizer`: its gradients' all-reduce)."""
+    from keras.src.backend.tensorflow import optimizer  # pylint: disable=import-outside-toplevel
+    return optimizer.TFOptimizer
+
+
+def keras3_base_optimizer_class():
+    """Keras 3's backend-independent optimizer base class (its `load_own_variables`)."""
+    from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
+    return base_optimizer.BaseOptimizer
+
+
+def keras3_trackable_layers(model):
+    """Every layer of a Keras 3 model or layer, nested ones included (itself first)."""
+    return list(model._flatten_layers())  # pylint: disable=protected-access
