@@ -4,6 +4,9 @@ tf_keras layer (`tf_nestpipe.ShardedEmbedding`), placed and looked up by the sam
 import keras
 import numpy as np
 
+import tensorflow as tf
+
+from tf_nestpipe.keras3.checks import refuse_parameter_server
 from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe.sharding.row_shard import row_shard_layout
 
@@ -56,6 +59,13 @@ class ShardedEmbedding(ShardedTableLayer, keras.layers.Layer):
     Raises:
         ValueError: A bad argument, naming it; at call time, ids of the wrong shape or kind.
     """
+
+    def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
+                 invalid_id_policy="error", **kwargs):
+        refuse_parameter_server(tf.distribute.get_strategy(), "tnpk.ShardedEmbedding")
+        super().__init__(vocab_size, dim, combiner=combiner,
+                         embeddings_initializer=embeddings_initializer,
+                         invalid_id_policy=invalid_id_policy, **kwargs)
 
     @property
     def embeddings(self):
