@@ -32,9 +32,27 @@ def keras3_results(tmp_path_factory):
         (launch, 3, [program, str(out / "three")] + RUNS[3]))
     for result in (single, two, three):
         assert result.returncode == 0, result.stdout[-6000:]
-    return {(workers, run): np.load(out / ("%s.%s.npz" % (prefix, run.replace(":", "."))))
-            for workers, prefix in ((1, "one"), (2, "two"), (3, "three"))
-            for run in RUNS[workers]}
+    results = {(workers, run): np.load(out / ("%s.%s.npz" % (prefix, run.replace(":", "."))))
+               for workers, prefix in ((1, "one"), (2, "two"), (3, "three"))
+               for run in RUNS[workers]}
+    results["served"] = run_command([sys.executable, "-c", _SERVE, str(out / "three.none:mix")],
+                                    fresh=True, timeout=120)
+    return results
+
+
+# Serves the 3-worker run's `tnp.export_saved_model` with plain TensorFlow (tf_nestpipe never
+# imported) and prints the largest difference to the predictions the model gave.
+_SERVE = """
+import sys
+import numpy as np
+import tensorflow as tf
+inputs = dict(np.load(sys.argv[1] + ".export_check.npz"))
+expected = inputs.pop("predictions")
+served = tf.saved_model.load(sys.argv[1] + ".export").signatures["serving_default"]
+got = served(**{k: tf.constant(v) for k, v in inputs.items()})["outputs"].numpy()
+assert "tf_nestpipe" not in sys.modules and "keras" not in sys.modules
+print("SERVED", got.shape, float(np.max(np.abs(got - expected))))
+"""
 
 
 @pytest.mark.parametrize("workers,run", [(2, "none:rw"), (2, "dbp:mix"), (3, "none:mix")])
@@ -73,6 +91,16 @@ def test_keras3_files_hold_whole_tables_on_every_worker(keras3_results):
     (checked inside the program on every worker; a failure fails the launch)."""
     assert int(keras3_results[(2, "none:rw")]["saving_ok"]) == 1
     assert int(keras3_results[(3, "none:mix")]["saving_ok"]) == 1
+
+
+def test_keras3_export_of_three_workers_is_served_by_plain_tensorflow(keras3_results):
+    """`tnp.export_saved_model` of the 3-worker Keras 3 model (row-wise, table-wise and
+    replicated tables) loads and serves in a process with neither tf_nestpipe nor Keras 3,
+    predicting what the model predicted."""
+    served = keras3_results["served"]
+    assert served.returncode == 0, served.stdout[-3000:]
+    line = [l for l in served.stdout.splitlines() if l.startswith("SERVED")][-1]
+    assert line.startswith("SERVED (24, 1) ") and float(line.split()[-1]) < 1e-5, line
 
 
 # --- in-process: one worker ---------------------------------------------------------------------

@@ -258,3 +258,24 @@ def keras3_base_optimizer_class():
 def keras3_trackable_layers(model):
     """Every layer of a Keras 3 model or layer, nested ones included (itself first)."""
     return list(model._flatten_layers())  # pylint: disable=protected-access
+
+
+def is_keras3_object(obj):
+    """Whether `obj` is an instance of a Keras 3 class (a `keras.src` module's), without
+    importing Keras 3."""
+    return any(cls.__module__.startswith("keras.src.") for cls in type(obj).__mro__)
+
+
+def keras3_variable_value(variable):
+    """The `tf.Variable` behind a Keras 3 variable (anything else as it is)."""
+    return variable.value if is_keras3_object(variable) else variable
+
+
+def keras3_input_structure(model):
+    """A Keras 3 functional model's inputs as `tf.TensorSpec`s in the structure it is called
+    with (None for a model without symbolic inputs)."""
+    structure = getattr(model, "_inputs_struct", None)  # Functional's, Keras 3.15
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype, name=getattr(t, "name", None)), structure)

@@ -10,7 +10,9 @@ same global batches, evaluates and predicts, and saves to `PREFIX.RUN.npz`: the 
 the dense weights, the history, the evaluation, the predictions and the fused exchange's count.
 The first run also checks the Keras files on every worker: `model.save(".keras")` loaded by
 `keras.models.load_model` with no custom_objects, and `save_weights` / `load_weights` into a
-fresh model, give the same whole tables and predictions (`saving_ok` in its npz).
+fresh model, give the same whole tables and predictions (`saving_ok` in its npz); and it writes
+`tnp.export_saved_model` to `PREFIX.RUN.export` with the inputs and predictions to serve it
+with in `PREFIX.RUN.export_check.npz`.
 """
 import os
 import sys
@@ -110,6 +112,10 @@ def check_saving(strategy, model, prefix, batches):
     np.testing.assert_allclose(fresh.predict(x, verbose=0), before, atol=1e-6)
     whole = model.get_layer("table_a").get_weights()[0]
     assert whole.shape == (VOCAB["table_a"], 8), whole.shape
+    # Served by plain TensorFlow (the test loads it in a process without tf_nestpipe).
+    tnp.export_saved_model(model, prefix + ".export")
+    if strategy.worker_index == 0:
+        np.savez(prefix + ".export_check.npz", predictions=before, **x)
     return 1
 
 
