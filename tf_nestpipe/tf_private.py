@@ -7,6 +7,8 @@ It imports nothing of tf_nestpipe, so every layer (ops, collectives, sharding, p
 strategy) may import it. The modules are re-exported under the names below; the functions wrap
 the private attributes the package reads."""
 # pylint: disable=unused-import
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
 from tensorflow.python.checkpoint import graph_view  # noqa: F401
@@ -279,3 +281,18 @@ def keras3_input_structure(model):
         return None
     return tf.nest.map_structure(
         lambda t: tf.TensorSpec(t.shape, t.dtype, name=getattr(t, "name", None)), structure)
+
+
+@contextlib.contextmanager
+def keras3_eager_variable_creation():
+    """Within this context Keras 3 creates variables at once, outside any `StatelessScope`
+    (where it would defer them to the scope's exit) and any function graph (`tf.init_scope`):
+    a sharded table must be created while its row-shard context is active."""
+    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+    previous = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", previous)

@@ -23,8 +23,9 @@ if _keras.backend.backend() != "tensorflow":
                       "(KERAS_BACKEND=tensorflow), found %r" % _keras.backend.backend())
 
 from tf_nestpipe.keras3 import hooks as _hooks  # noqa: E402
+from tf_nestpipe.keras3.distributed_embedding import DistributedEmbedding  # noqa: E402
 from tf_nestpipe.keras3.layers import ShardedEmbedding  # noqa: E402
 
 _hooks.install()
 
-__all__ = ["ShardedEmbedding"]
+__all__ = ["DistributedEmbedding", "ShardedEmbedding"]

@@ -6,6 +6,7 @@ import numpy as np
 
 import tensorflow as tf
 
+from tf_nestpipe import tf_private
 from tf_nestpipe.keras3.checks import refuse_parameter_server
 from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe.sharding.row_shard import row_shard_layout
@@ -86,8 +87,11 @@ class ShardedEmbedding(ShardedTableLayer, keras.layers.Layer):
         return keras.initializers.serialize(initializer)
 
     def _add_table_weight(self, shape, initializer):
-        return self.add_weight(name="embeddings", shape=shape, initializer=initializer,
-                               trainable=True, autocast=False)
+        # At once, even while Keras 3 builds the model symbolically (a subclassed model's first
+        # fit): a deferred variable would be created after the row-shard context ended.
+        with tf_private.keras3_eager_variable_creation():
+            return self.add_weight(name="embeddings", shape=shape, initializer=initializer,
+                                   trainable=True, autocast=False)
 
     def compute_output_shape(self, input_shape):
         input_shape = tuple(input_shape)
