@@ -19,7 +19,8 @@ from tf_nestpipe.keras3 import checks  # noqa: E402
 
 # One launch per worker count, several runs each (see programs/keras3_fit.py); the first run of
 # each launch also saves and loads the model's Keras files on every worker.
-RUNS = {1: ["none:rw", "dbp:mix", "none:mix"], 2: ["none:rw", "dbp:mix"], 3: ["none:mix"]}
+RUNS = {1: ["none:rw", "dbp:mix", "none:mix", "none:front"], 2: ["none:rw", "dbp:mix", "none:front"],
+        3: ["none:mix"]}
 
 
 @pytest.fixture(scope="session")
@@ -55,11 +56,13 @@ print("SERVED", got.shape, float(np.max(np.abs(got - expected))))
 """
 
 
-@pytest.mark.parametrize("workers,run", [(2, "none:rw"), (2, "dbp:mix"), (3, "none:mix")])
+@pytest.mark.parametrize("workers,run", [(2, "none:rw"), (2, "dbp:mix"), (3, "none:mix"),
+                                         (2, "none:front")])
 def test_keras3_fit_on_several_workers_equals_one_process(keras3_results, workers, run):
     """50 steps of Keras 3 fit (Adam, a global AUC metric), then evaluate and predict: the whole
     tables, dense weights, history (global AUC, not a per-worker one), evaluation and every
-    worker's predictions as one process's."""
+    worker's predictions as one process's. "front": the tables of a `tnpk.DistributedEmbedding`
+    configured with keras-rs's TableConfig / FeatureConfig in a subclassed model."""
     single, multi = keras3_results[(1, run)], keras3_results[(workers, run)]
     keys = [k for k in single.files if k.startswith(("table/", "dense/", "history/", "eval/"))]
     assert len([k for k in keys if k.startswith("table/")]) == 3
@@ -82,6 +85,10 @@ def test_keras3_tables_are_placed_and_fused(keras3_results):
         assert [str(run["placement/table_%s" % t]) for t in "abc"] == [
             "row_wise", "table_wise", "data_parallel"]
     assert int(rw["exchanges"]) == 2 and int(mix["exchanges"]) == 1 and int(mix3["exchanges"]) == 1
+    # The front's three tables (two features on table_a): one exchange per dim too.
+    front = keras3_results[(2, "none:front")]
+    assert {str(front["placement/table_%s" % t]) for t in "abc"} == {"row_wise"}
+    assert int(front["exchanges"]) == 2
     assert "exchanges" not in keras3_results[(1, "none:rw")].files  # one process: no exchange
 
 

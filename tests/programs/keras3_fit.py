@@ -3,9 +3,11 @@
     python keras3_fit.py PREFIX RUN [RUN ...]
 
 Each RUN is `PIPELINE:PLACEMENT` with PIPELINE one of none, dbp, auto and PLACEMENT one of
-rw (every table row_wise) and mix (table_a row_wise, table_b table_wise, table_c
-data_parallel). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
-dense tower in `strategy.scope()`, fits it for STEPS steps (2 epochs) on per-worker slices of the
+rw (every table row_wise), mix (table_a row_wise, table_b table_wise, table_c
+data_parallel) and front (every table row_wise, the tables of a `tnpk.DistributedEmbedding`
+configured with keras-rs's `TableConfig` / `FeatureConfig` in a subclassed model, table_a shared
+by two features). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
+dense tower (or the front's model) in `strategy.scope()`, fits it for STEPS steps (2 epochs) on per-worker slices of the
 same global batches, evaluates and predicts, and saves to `PREFIX.RUN.npz`: the whole tables,
 the dense weights, the history, the evaluation, the predictions and the fused exchange's count.
 The first run also checks the Keras files on every worker: `model.save(".keras")` loaded by
@@ -19,6 +21,7 @@ import sys
 
 import numpy as np
 import keras
+import keras_rs
 import tensorflow as tf
 
 import tf_nestpipe as tnp
@@ -80,14 +83,54 @@ def build_model():
     return model
 
 
-PLACEMENTS = {"rw": "row_wise",
+class FrontModel(keras.Model):
+    """keras-rs's DistributedEmbedding usage: feature dict in, embedding dict out."""
+
+    def __init__(self):
+        super().__init__()
+        tables = {name: keras_rs.layers.TableConfig(
+            name=name, vocabulary_size=VOCAB[name], embedding_dim=dim, combiner=combiner,
+            initializer="uniform") for name, dim, combiner in (
+                ("table_a", 8, "sum"), ("table_b", 8, "mean"), ("table_c", 4, "sum"))}
+        shapes = {"a": (GLOBAL_BATCH, 3), "a_first": (GLOBAL_BATCH,), "b": (GLOBAL_BATCH, 2),
+                  "c": (GLOBAL_BATCH, 1)}
+        dims = {"a": 8, "a_first": 8, "b": 8, "c": 4}
+        table_of = {"a": "table_a", "a_first": "table_a", "b": "table_b", "c": "table_c"}
+        self.embedding = tnpk.DistributedEmbedding({
+            key: keras_rs.layers.FeatureConfig(name=key, table=tables[table_of[key]],
+                                               input_shape=shapes[key],
+                                               output_shape=(GLOBAL_BATCH, dims[key]))
+            for key in shapes})
+        self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
+        self.logit = keras.layers.Dense(1, name="logit")
+
+    def call(self, x):
+        out = self.embedding({"a": x["a"], "a_first": x["a"][:, 0], "b": x["b"], "c": x["c"]})
+        return self.logit(self.hidden(keras.ops.concatenate(
+            [out["a"], out["a_first"], out["b"], out["c"], x["dense"]], axis=1)))
+
+
+def build_front_model():
+    keras.utils.set_random_seed(7)
+    model = FrontModel()
+    model.compile(optimizer=keras.optimizers.Adam(0.05),
+                  loss=keras.losses.BinaryCrossentropy(from_logits=True),
+                  metrics=[keras.metrics.AUC(from_logits=True, name="auc")])
+    return model
+
+
+PLACEMENTS = {"rw": "row_wise", "front": "row_wise",
               "mix": {"table_a": "row_wise", "table_b": "table_wise",
                       "table_c": "data_parallel"}}
 
 
+def sharded_layers(model):
+    return [layer for layer in model._flatten_layers()  # pylint: disable=protected-access
+            if isinstance(layer, tnpk.ShardedEmbedding)]
+
+
 def tables_of(model):
-    return {layer.name: layer.full_table() for layer in model.layers
-            if isinstance(layer, tnpk.ShardedEmbedding)}
+    return {layer.name: layer.full_table() for layer in sharded_layers(model)}
 
 
 def check_saving(strategy, model, prefix, batches):
@@ -124,7 +167,7 @@ def run(strategy, batches, name, prefix, check_files):
     strategy.pipeline = pipeline
     strategy.placement = PLACEMENTS[placement]
     with strategy.scope():
-        model = build_model()
+        model = build_front_model() if placement == "front" else build_model()
     dataset = strategy.distribute_datasets_from_function(dataset_fn_of(batches))
     history = model.fit(dataset, epochs=2, steps_per_epoch=len(batches) // 2, verbose=0)
     evaluation = model.evaluate(strategy.distribute_datasets_from_function(
@@ -133,12 +176,11 @@ def run(strategy, batches, name, prefix, check_files):
         dataset_fn_of(batches[:2])), steps=2, verbose=0)
     pipe = getattr(model, "_nestpipe_pipeline", None)
     extra = {"exchanges": pipe.stats.exchanges} if pipe is not None else {}
-    extra.update({"placement/" + layer.name: layer.placement for layer in model.layers
-                  if isinstance(layer, tnpk.ShardedEmbedding)})
+    extra.update({"placement/" + layer.name: layer.placement for layer in sharded_layers(model)})
     if check_files:
         extra["saving_ok"] = check_saving(strategy, model, "%s.%s" % (prefix, name), batches)
     dense = {"dense/" + v.path: v.numpy() for v in model.trainable_variables
-             if not v.path.startswith("table_")}
+             if "table_" not in v.path}
     out = {"table/" + k: v for k, v in tables_of(model).items()}
     out.update(dense)
     out.update({"history/" + k: np.asarray(v) for k, v in history.history.items()})
@@ -155,7 +197,7 @@ def main():
     strategy = tnp.NestPipeStrategy()
     batches = make_batches(STEPS)
     for i, name in enumerate(runs):
-        run(strategy, batches, name, prefix, check_files=(i == 0))
+        run(strategy, batches, name, prefix, check_files=(i == 0 and "front" not in name))
 
 
 if __name__ == "__main__":
