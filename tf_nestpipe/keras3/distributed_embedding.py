@@ -84,34 +84,38 @@ class DistributedEmbedding(keras.layers.Layer):
         del weights, training
         return inputs
 
-    def _embed(self, config, ids, weights):
-        layer = self.tables[config.table.name]
+    def _flat(self, ids, weights):
+        """A feature's ids as `(flat ids, flat weights or None, segments, count)`; segments is
+        None for one id per example (`[batch]` ids)."""
         if isinstance(ids, tf.RaggedTensor):
-            rows = layer(tf.cast(ids.flat_values, tf.int64))
-            w = (tf.ones_like(rows[:, 0]) if weights is None
-                 else tf.cast(weights.flat_values, rows.dtype))
-            segments, count = ids.value_rowids(), ids.nrows()
-        else:
-            ids = tf.convert_to_tensor(ids)
-            if ids.shape.rank == 1:  # one id per example: its row ("sum": times its weight)
-                if weights is not None and config.table.combiner == "sum":
-                    return layer(ids) * tf.cast(tf.reshape(weights, [-1, 1]), layer.compute_dtype)
-                return layer(ids)
-            flat = tf.reshape(ids, [-1])
-            rows = layer(flat)
-            w = (tf.ones_like(rows[:, 0]) if weights is None
-                 else tf.cast(tf.reshape(weights, [-1]), rows.dtype))
-            count = tf.shape(ids, out_type=tf.int64)[0]
-            segments = tf.repeat(tf.range(count), tf.shape(ids, out_type=tf.int64)[1])
+            w = None if weights is None else tf.reshape(weights.flat_values, [-1])
+            return (tf.cast(ids.flat_values, tf.int64), w, ids.value_rowids(),
+                    ids.nrows(out_type=tf.int64))
+        ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
+        w = None if weights is None else tf.reshape(weights, [-1])
+        if ids.shape.rank == 1:
+            return ids, w, None, None
+        count = tf.shape(ids, out_type=tf.int64)[0]
+        segments = tf.repeat(tf.range(count), tf.shape(ids, out_type=tf.int64)[1])
+        return tf.reshape(ids, [-1]), w, segments, count
+
+    def _pool(self, combiner, rows, flat):
+        _, w, segments, count = flat
+        if segments is None:  # one id per example: its row ("sum": times its weight)
+            if w is not None and combiner == "sum":
+                return rows * tf.cast(w, rows.dtype)[:, None]
+            return rows
+        w = tf.ones_like(rows[:, 0]) if w is None else tf.cast(w, rows.dtype)
         pooled = tf.math.unsorted_segment_sum(rows * w[:, None], segments, count)
-        if config.table.combiner == "mean":
-            total = tf.math.unsorted_segment_sum(w, segments, count)
-            pooled = tf.math.divide_no_nan(pooled, total[:, None])
+        if combiner == "mean":
+            pooled = tf.math.divide_no_nan(
+                pooled, tf.math.unsorted_segment_sum(w, segments, count)[:, None])
         return pooled
 
     def call(self, inputs, weights=None, training=False):
         """Embeds `inputs` (the feature configs' structure of ids; optional `weights` of the
-        same structure) into the same structure of `[batch, embedding_dim]` embeddings."""
+        same structure) into the same structure of `[batch, embedding_dim]` embeddings. The
+        features of one table are looked up together (one lookup per table)."""
         del training
         flat_inputs = keras.tree.flatten(inputs)
         flat_weights = ([None] * len(flat_inputs) if weights is None
@@ -119,8 +123,16 @@ class DistributedEmbedding(keras.layers.Layer):
         if len(flat_inputs) != len(self._features):
             raise ValueError("DistributedEmbedding got %d features, its configs name %d (%s)" % (
                 len(flat_inputs), len(self._features), self._paths))
-        outputs = [self._embed(config, ids, w)
-                   for config, ids, w in zip(self._features, flat_inputs, flat_weights)]
+        flats = [self._flat(ids, w) for ids, w in zip(flat_inputs, flat_weights)]
+        outputs = [None] * len(flats)
+        for name, layer in self.tables.items():
+            mine = [i for i, c in enumerate(self._features) if c.table.name == name]
+            if not mine:
+                continue
+            rows = layer(tf.concat([flats[i][0] for i in mine], axis=0))
+            parts = tf.split(rows, [tf.size(flats[i][0]) for i in mine], axis=0)
+            for i, part in zip(mine, parts):
+                outputs[i] = self._pool(self._features[i].table.combiner, part, flats[i])
         return keras.tree.pack_sequence_as(self._feature_configs_structure, outputs)
 
     def compute_output_spec(self, inputs, weights=None, training=False):
