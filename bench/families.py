@@ -35,6 +35,8 @@ class Cell:
         auto_timed_steps: The auto probe's timed steps per candidate and round.
         auto_probe_rounds: The auto probe's rounds.
         row_timeout: Seconds a row may take before it is listed as failed.
+        profile_steps: Steps of ours profiled after the timed ones (the exposure and the stage
+            that bounds a missed target; 0: none).
     """
 
     models: Tuple[str, ...] = ("dlrm",)
@@ -54,10 +56,11 @@ class Cell:
     auto_timed_steps: Optional[int] = None
     auto_probe_rounds: Optional[int] = None
     row_timeout: int = 900
+    profile_steps: int = 0
 
     def argv(self, output):
         """`bench/compare.py`'s arguments for this cell, writing bench/results/OUTPUT.*."""
-        argv = ["--profile-steps", "0", "--row-timeout", str(self.row_timeout),
+        argv = ["--profile-steps", str(self.profile_steps), "--row-timeout", str(self.row_timeout),
                 "--models", *self.models, "--data", *self.data,
                 "--workers", *map(str, self.workers), "--networks", *self.networks,
                 "--systems", *self.systems, "--global-batch", str(self.global_batch),
@@ -144,7 +147,8 @@ FAMILIES: Dict[str, Family] = {
         "compare.py", cell=Cell(
             systems=("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall",
                      "nestpipe:none:sockets", "nestpipe:auto:sockets"),
-            global_batch=1024, steps=40, warmup=8, row_timeout=300)),
+            global_batch=1024, steps=40, warmup=8, rounds=3, profile_steps=5,
+            row_timeout=300)),
     "compare_models": Family(
         "DCN and DLRM on synthetic and MovieLens-1M data against the baselines, 2 workers",
         "compare.py", cell=Cell(
