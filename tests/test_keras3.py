@@ -201,3 +201,27 @@ def test_keras3_variables_need_the_keras3_module():
     assert len(lines) == 2, result.stdout[-3000:]
     assert lines[0].startswith("without refused:") and "from tf_nestpipe import keras3" in lines[0]
     assert lines[1] == "with accepted"
+
+
+def test_keras3_adagrad_sparse_update_equals_the_dense_one():
+    """Keras 3's Adagrad on a table's IndexedSlices gradient (duplicate ids included) updates
+    only the touched rows, to the values its dense update gives (positive control: the dense
+    gradient through Keras 3's own arithmetic)."""
+    rng = np.random.default_rng(0)
+    init = rng.normal(size=(10, 3)).astype(np.float32)
+    values = rng.normal(size=(4, 3)).astype(np.float32)
+    indices = tf.constant([2, 7, 2, 5])
+    results = []
+    for sparse in (True, False):
+        variable = keras.Variable(init)
+        optimizer = keras.optimizers.Adagrad(0.1)
+        optimizer.build([variable])
+        for _ in range(3):
+            grad = tf.IndexedSlices(tf.constant(values), indices, tf.constant([10, 3]))
+            optimizer.apply_gradients([(grad if sparse else tf.convert_to_tensor(grad), variable)])
+        results.append((variable.numpy(), optimizer.variables[-1].numpy()))
+    np.testing.assert_allclose(results[0][0], results[1][0], rtol=0, atol=1e-7)
+    np.testing.assert_allclose(results[0][1], results[1][1], rtol=0, atol=1e-7)
+    untouched = [0, 1, 3, 4, 6, 8, 9]
+    np.testing.assert_array_equal(results[0][0][untouched], init[untouched])
+    assert not np.allclose(results[0][0][[2, 5, 7]], init[[2, 5, 7]])

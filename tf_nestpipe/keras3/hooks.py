@@ -13,6 +13,8 @@
   `nestpipe_route(data)`) runs in a `TrainPipeline`, every table of a step in one fused exchange
   per group ("none", lookahead 0) or with the dual-buffer pipeline ("dbp"). The micro-batching
   modes ("fwp", "nested") split a batch inside tf_keras's train step and are refused.
+- Adagrad: a table's sparse gradient updates only the rows it touches (Keras 3 would update the
+  whole table and accumulator densely every step), with the same arithmetic.
 - Saving: `save` / `save_weights` / `load_weights` / `load_model` / `get_weights` /
   `set_weights` hold whole tables (any worker count loads them); non-chief workers write to a
   scratch path, as under tf_keras.
@@ -60,6 +62,31 @@ def _all_reduce_sum_gradients(original):
             lambda distribution, pairs: distribution.extended.batch_reduce_to(
                 tf.distribute.ReduceOp.SUM, pairs), args=(present,)) if present else [])
         return [(None if g is None else next(reduced), v) for g, v in grads_and_vars]
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
+def _sparse_adagrad_update_step(original):
+    """Keras 3's `Adagrad.update_step` for a sparse gradient (a table's `IndexedSlices`): the
+    same arithmetic on the rows the gradient touches only (duplicate ids summed first, as the
+    dense conversion sums them), instead of a dense update of the whole table and accumulator
+    every step. Other rows' update is zero either way."""
+    @functools.wraps(original)
+    def wrapped(self, gradient, variable, learning_rate):
+        if not isinstance(gradient, tf.IndexedSlices):
+            return original(self, gradient, variable, learning_rate)
+        target = tf_private.keras3_variable_value(variable)
+        accumulator = tf_private.keras3_variable_value(
+            self._accumulators[self._get_variable_index(variable)])  # pylint: disable=protected-access
+        lr = tf.cast(learning_rate, target.dtype)
+        rows, positions = tf.unique(gradient.indices)
+        summed = tf.math.unsorted_segment_sum(tf.cast(gradient.values, target.dtype), positions,
+                                              tf.size(rows))
+        accumulated = tf.gather(accumulator, rows) + tf.square(summed)
+        accumulator.scatter_update(tf.IndexedSlices(accumulated, rows))
+        target.scatter_sub(tf.IndexedSlices(
+            lr * summed / tf.sqrt(accumulated + tf.cast(self.epsilon, target.dtype)), rows))
 
     setattr(wrapped, _HOOKED, True)
     return wrapped
@@ -239,6 +266,8 @@ def install():
     trainer.reduce_per_replica = _reduce_per_replica(trainer.reduce_per_replica)
     trainer.TensorFlowTrainer.make_train_function = _make_train_function(
         trainer.TensorFlowTrainer.make_train_function)
+    keras.optimizers.Adagrad.update_step = _sparse_adagrad_update_step(
+        keras.optimizers.Adagrad.update_step)
     base = tf_private.keras3_base_optimizer_class()
     base.load_own_variables = _optimizer_load_own_variables(base.load_own_variables)
     model = keras.Model
