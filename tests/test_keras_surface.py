@@ -5,7 +5,6 @@ run also loads the one-process run's .h5), then tests/programs/load_saved.py loa
 run's SavedModels and .h5 in a process that never imports tf_nestpipe.
 """
 import os
-import subprocess
 import sys
 import warnings
 
@@ -312,40 +311,6 @@ def test_mixed_float16_is_refused_with_the_reason():
         tf_keras.mixed_precision.set_global_policy("float32")
     with strategy.scope():
         pass
-
-
-_KERAS3 = """
-import os
-import tf_nestpipe as tnp
-import tf_keras
-strategy = tnp.NestPipeStrategy()
-with strategy.scope():
-    tf_keras.layers.Dense(2).build((None, 3))          # tf_keras: accepted
-    import keras
-    try:
-        keras.layers.Dense(2).build((None, 3))
-        print("keras3 variable accepted")
-    except RuntimeError as e:
-        print("variable refused:", e)
-for make in (tnp.NestPipeStrategy, strategy.scope):
-    try:
-        make()
-        print("accepted")
-    except RuntimeError as e:
-        print("refused:", e)
-"""
-
-
-def test_keras3_is_refused_naming_tf_use_legacy_keras_and_tf_keras():
-    result = subprocess.run([sys.executable, "-c", _KERAS3], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, timeout=120)
-    assert result.returncode == 0, result.stdout[-3000:]
-    lines = [l for l in result.stdout.splitlines() if "refused" in l or "accepted" in l]
-    assert len(lines) == 3, result.stdout[-3000:]
-    assert lines[0].startswith("variable refused:") and "TF_USE_LEGACY_KERAS=1" in lines[0]
-    for line in lines[1:]:
-        assert line.startswith("refused:") and "TF_USE_LEGACY_KERAS=1" in line, line
-        assert "tf_keras" in line
 
 
 def _retrieval_keys(run, negatives):
