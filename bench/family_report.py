@@ -86,9 +86,8 @@ def summarize_cell(rows):
         out["exposed_share"] = 1.0 - bound["ms_median"] / none["ms_median"]
     if best and bound:
         out["best_vs_bound"] = modes[best]["ms_median"] / bound["ms_median"]
-    if best and none and bound and none["ms_median"] > bound["ms_median"]:
-        out["hidden"] = ((none["ms_median"] - modes[best]["ms_median"])
-                         / (none["ms_median"] - bound["ms_median"]))
+    if best:
+        out["hidden"] = hidden_share(modes[best], none, bound)
     if auto and best:
         # auto's time over the best of none and the pipelines (auto may rightly pick none)
         floor = min([1.0] + list(ratios.values()))
@@ -138,17 +137,29 @@ def summary_lines(cells):
     return lines
 
 
+def hidden_share(row, none, bound):
+    """The share of none's exposed communication (none - compute-only) that `row` removes."""
+    if not (row and none and bound) or none["ms_median"] <= bound["ms_median"]:
+        return None
+    return (none["ms_median"] - row["ms_median"]) / (none["ms_median"] - bound["ms_median"])
+
+
 def timeline_lines(rows):
-    """One cell's per-mode stage and wait table (worker 0's profile, medians over its steps)."""
-    lines = ["| mode | profiled step ms | " + " | ".join(STAGE_COLUMNS) + " | waits: "
-             + " | ".join(WAIT_COLUMNS) + " | all waits |",
-             "|---|" + "---|" * (2 + len(STAGE_COLUMNS) + len(WAIT_COLUMNS))]
+    """One cell's per-mode stage and wait table (worker 0's profile, medians over its steps),
+    with each mode's timed ms/step, its ratio to none and the share of none's exposure it
+    hides."""
+    none, bound = _ours(rows, "none"), _system(rows, "compute_only")
+    lines = ["| mode | timed ms/step | vs none | exposure hidden | profiled step ms | "
+             + " | ".join(STAGE_COLUMNS) + " | waits: " + " | ".join(WAIT_COLUMNS)
+             + " | all waits |",
+             "|---|" + "---|" * (5 + len(STAGE_COLUMNS) + len(WAIT_COLUMNS))]
     for row in rows:
         stages = row.get("stages")
         if row["system"] != "nestpipe" or not stages:
             continue
-        lines.append("| %s | %.1f | %s | %s | %.1f |" % (
-            row["pipeline"], stages["step_ms"],
+        lines.append("| %s | %s | %s | %s | %.1f | %s | %s | %.1f |" % (
+            row["pipeline"], _fmt(row.get("ms_median")), _fmt(_ratio(row, none), "%.2fx"),
+            _fmt(hidden_share(row, none, bound), "%.2f"), stages["step_ms"],
             " | ".join("%.1f" % stages["stage_ms"][k] for k in STAGE_COLUMNS),
             " | ".join("%.1f" % stages["wait_ms"][k] for k in WAIT_COLUMNS),
             stages["waiting_ms"]))
@@ -160,30 +171,56 @@ def _demoted(markdown):
                      for line in markdown.splitlines())
 
 
-def join(family, about, cell_names, command, started, load_start, load_end):
-    """Writes bench/results/FAMILY.{md,json} from the cells' results and removes them.
+def _previous(family, declared):
+    """The cells of the family's last results (bench/results/FAMILY.json) that are still
+    declared, {name: stored cell}; {} when there is none."""
+    try:
+        with open(os.path.join(RESULTS, family + ".json")) as f:
+            cells = json.load(f).get("cells", {})
+    except (OSError, ValueError):
+        return {}
+    return {name: dict(cell, markdown=cell.get("markdown", ""), run=cell.get("run", "an earlier run"))
+            for name, cell in cells.items() if name in declared and "rows" in cell}
+
+
+def join(family, about, cell_names, command, started, load_start, load_end, declared=None):
+    """Writes bench/results/FAMILY.{md,json} from the cells' results and removes them. A
+    declared cell this run did not measure keeps its last results (with their own command,
+    date and load), so that a run of a subset (`--quick`, `--cells`) updates the family's one
+    file set instead of dropping its other cells.
+
+    Args:
+      declared: The family's cell names in order (default: `cell_names`).
 
     Returns:
       The path of the Markdown file.
     """
-    cells, documents, data = [], [], {}
+    declared = list(declared or cell_names)
+    stored = _previous(family, declared)
+    run_text = "`%s` (%s, %.0f min; load average %.2f at the start, %.2f at the end)" % (
+        command, time.strftime("%Y-%m-%d %H:%M"), (time.time() - started) / 60, load_start,
+        load_end)
     for name in cell_names:
         base = os.path.join(RESULTS, cell_output(family, name))
         with open(base + ".json") as f:
             rows = json.load(f)
         with open(base + ".md") as f:
-            documents.append((name, rows, f.read()))
-        summary = summarize_cell(rows)
-        cells.append((name, summary))
-        data[name] = {"summary": summary, "rows": rows}
+            markdown = f.read()
+        stored[name] = {"run": run_text, "summary": summarize_cell(rows), "rows": rows,
+                        "markdown": markdown}
         for ext in (".json", ".md", ".png"):
             if os.path.exists(base + ext):
                 os.remove(base + ext)
+    order = [n for n in declared if n in stored]
+    cells = [(n, stored[n]["summary"]) for n in order]
+    documents = [(n, stored[n]["rows"], stored[n]["markdown"]) for n in order]
+    data = {n: stored[n] for n in order}
+    missing = [n for n in declared if n not in stored]
     lines = ["# %s" % family, "", about + ".", "",
-             "Command: `%s` (%s, %.0f min; load average %.2f at the start, %.2f at the end; "
-             "each cell's CPU steal is in its table below)." % (
-                 command, time.strftime("%Y-%m-%d %H:%M"), (time.time() - started) / 60,
-                 load_start, load_end), "",
+             "Latest command: %s. Each cell says the run that measured it; each cell's CPU "
+             "steal is in its table below." % run_text, ""] + (
+                 ["Declared cells not measured yet: %s." % ", ".join(missing), ""]
+                 if missing else []) + [
              "Per cell: **exposed share** = 1 - compute-only / none (the part of ours' plain "
              "step that is communication nobody hides); **hidden** = (none - best) / (none - "
              "compute-only), the share of that exposure the best pipelined mode removes; ratios "
@@ -195,7 +232,8 @@ def join(family, about, cell_names, command, started, load_start, load_end):
                  EXPOSED_MIN, BEST_VS_NONE, BEST_VS_BOUND, AUTO_VS_BEST, TORCHREC_RATIO), ""]
     lines += summary_lines(cells)
     for name, rows, markdown in documents:
-        lines += ["", "## %s" % name, "", "Per-stage timeline of ours (ms per step, worker 0):",
+        lines += ["", "## %s" % name, "", "Measured by %s." % data[name]["run"], "",
+                  "Per-stage timeline of ours (ms per step, worker 0):",
                   ""] + timeline_lines(rows) + ["", _demoted(markdown)]
     path = os.path.join(RESULTS, family + ".md")
     with open(path, "w") as f:

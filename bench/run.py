@@ -109,7 +109,8 @@ def main(argv=None):
             invoked = " ".join(["python bench/run.py", name] + (["--quick"] if args.quick else [])
                                + (["--cells"] + args.cells if args.cells else []))
             print(family_report.join(name, FAMILIES[name].about, [c for c, _ in argv_],
-                                     invoked, started, load, os.getloadavg()[0]))
+                                     invoked, started, load, os.getloadavg()[0],
+                                     declared=[c for c, _ in FAMILIES[name].cells]))
     return 0
 
 
