@@ -83,7 +83,7 @@ def summarize_cell(rows):
            "best_vs_none": ratios.get(best), "vs_none": ratios,
            "auto_vs_none": _ratio(auto, none), "auto_choice": (auto or {}).get("auto_choice")}
     if none and bound:
-        out["exposed_share"] = 1.0 - bound["ms_median"] / none["ms_median"]
+        out["exposed_share"] = 1.0 - _ratio(bound, none)
     if best and bound:
         out["best_vs_bound"] = modes[best]["ms_median"] / bound["ms_median"]
     if best:
@@ -138,10 +138,12 @@ def summary_lines(cells):
 
 
 def hidden_share(row, none, bound):
-    """The share of none's exposed communication (none - compute-only) that `row` removes."""
-    if not (row and none and bound) or none["ms_median"] <= bound["ms_median"]:
+    """The share of none's exposed communication (none - compute-only) that `row` removes:
+    (1 - row / none) / (1 - compute-only / none), both ratios paired by round."""
+    if not (row and none and bound):
         return None
-    return (none["ms_median"] - row["ms_median"]) / (none["ms_median"] - bound["ms_median"])
+    exposed = 1.0 - _ratio(bound, none)
+    return (1.0 - _ratio(row, none)) / exposed if exposed > 0 else None
 
 
 def timeline_lines(rows):
@@ -221,7 +223,7 @@ def join(family, about, cell_names, command, started, load_start, load_end, decl
              "steal is in its table below." % run_text, ""] + (
                  ["Declared cells not measured yet: %s." % ", ".join(missing), ""]
                  if missing else []) + [
-             "Per cell: **exposed share** = 1 - compute-only / none (the part of ours' plain "
+             "Per cell: **exposed share** = 1 - compute-only / none (paired by round; the part of ours' plain "
              "step that is communication nobody hides); **hidden** = (none - best) / (none - "
              "compute-only), the share of that exposure the best pipelined mode removes; ratios "
              "are paired by interleaved round. Targets where the exposed share is >= %.2f: best "
