@@ -35,6 +35,7 @@ import functools
 import importlib.util
 import itertools
 import json
+import math
 import os
 import platform
 import signal
@@ -811,10 +812,11 @@ def same_process_ratios(timings_rounds):
     auto's probe timings of each round ({candidate: ms}); {} without none's timing."""
     ratios = {}
     for timings in timings_rounds:
-        if not timings.get("none"):
+        if not timings.get("none") or not math.isfinite(timings["none"]):
             continue
         for name, ms in timings.items():
-            ratios.setdefault(name, []).append(ms / timings["none"])
+            if ms is not None and math.isfinite(ms):  # inf: the probe's budget skipped it
+                ratios.setdefault(name, []).append(ms / timings["none"])
     return {name: statistics.median(values) for name, values in ratios.items()}
 
 
@@ -846,7 +848,7 @@ def same_process_lines(rows, judged=True):
         ratios = same_process_ratios(r["auto_timings_ms_rounds"])
         names = list(r["auto_timings_ms_rounds"][0])
         for name in names:
-            ms = " / ".join(_num(t.get(name), "%.1f") for t in r["auto_timings_ms_rounds"])
+            ms = " / ".join(_probe_ms(t.get(name)) for t in r["auto_timings_ms_rounds"])
             ratio = ratios.get(name)
             if ratio is None:
                 cell = "-"
@@ -861,6 +863,14 @@ def same_process_lines(rows, judged=True):
             lines.append("| %s | %s | %s | %s | %s | %s |" % (
                 row_label(r), r["network"], name, ms, cell, cpu_cell(r, name)))
     return lines
+
+
+def _probe_ms(ms):
+    """A probe timing: ms/step, or why there is none (the probe stops once it would cost more
+    than its budget of the first epoch, and a mode it never reached has no timing)."""
+    if ms is not None and not math.isfinite(ms):
+        return "not timed (probe budget)"
+    return _num(ms, "%.1f")
 
 
 def cpu_cell(row, name):

@@ -37,7 +37,8 @@ class Cell:
         auto_timed_steps: The auto probe's timed steps per candidate and round.
         auto_probe_rounds: The auto probe's rounds.
         row_timeout: Seconds a row may take before it is listed as failed.
-        profile_steps: Profiled steps after the timed ones (ours): the per-stage timeline.
+        profile_steps: Steps of ours profiled after the timed ones (the exposure, the per-stage
+            timeline and the stage that bounds a missed target; 0: none).
     """
 
     models: Tuple[str, ...] = ("dlrm",)
@@ -202,7 +203,8 @@ FAMILIES: Dict[str, Family] = {
         "compare.py", cell=Cell(
             systems=("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall",
                      "nestpipe:none:sockets", "nestpipe:auto:sockets"),
-            global_batch=1024, steps=40, warmup=8, row_timeout=300)),
+            global_batch=1024, steps=40, warmup=8, rounds=3, profile_steps=5,
+            row_timeout=300)),
     "compare_models": Family(
         "DCN and DLRM on synthetic and MovieLens-1M data against the baselines, 2 workers",
         "compare.py", cell=Cell(

@@ -42,6 +42,7 @@ import tf_nestpipe as tnp  # noqa: E402
 from tf_nestpipe import ops  # noqa: E402
 from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noqa: E402
 from tf_nestpipe.collectives.communication import capacity_bucket  # noqa: E402
+from tf_nestpipe.strategy.calibration import collective_probes  # noqa: E402
 
 
 def timed(fns, rounds, calls=10, warmup=3):
@@ -206,30 +207,10 @@ def cluster(args):
     strategy = tnp.NestPipeStrategy(transport=args.collectives)
     collectives = strategy.extended.collectives
     workers = strategy.num_workers
-
-    @tf.function
-    def noop():
-        return tf.ones([1])
-
-    def all_to_all(total_bytes):
-        tensor = tf.zeros([workers, max(1, total_bytes // (4 * workers))], tf.float32)
-        fn = tf.function(lambda: collectives.all_to_all(tensor, "plan/a2a/%d" % total_bytes))
-        return int(tensor.shape[1]) * workers * 4, fn
-
-    def all_gather(contribution_bytes):
-        tensor = tf.zeros([max(1, contribution_bytes // 4)], tf.float32)
-        fn = tf.function(lambda: collectives.all_gather(tensor, "plan/ag/%d" % contribution_bytes))
-        return int(tensor.shape[0]) * 4, fn
-
-    def all_reduce(total_bytes):
-        tensor = tf.zeros([max(1, total_bytes // 4)], tf.float32)
-        fn = tf.function(lambda: strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce("sum", tensor)))
-        return int(tensor.shape[0]) * 4, fn
-
-    sweeps = [("all_to_all", all_to_all, [1 << 10, 32 << 10, 256 << 10, 1 << 20]),
-              ("all_gather", all_gather, [8, 4 << 10, 64 << 10]),
-              ("all_reduce", all_reduce, [4 << 10, 128 << 10, 1 << 20])]
+    noop, probes = collective_probes(strategy, "plan")
+    sweeps = [("all_to_all", probes["all_to_all"], [1 << 10, 32 << 10, 256 << 10, 1 << 20]),
+              ("all_gather", probes["all_gather"], [8, 4 << 10, 64 << 10]),
+              ("all_reduce", probes["all_reduce"], [4 << 10, 128 << 10, 1 << 20])]
     labels, fns = [], [noop]
     for name, make, sizes in sweeps:
         for size in sizes:

@@ -171,6 +171,20 @@ def test_auto_rows_report_every_mode_against_none_timed_in_the_same_processes():
     assert "auto_cpu_rounds" not in auto and "| 1.02x (met, target <= 1.05x) | - |" in text
 
 
+def test_modes_the_probe_budget_skipped_are_not_timed_not_missed():
+    """A mode auto's probe never reached (its budget of the first epoch ran out: inf in the
+    worker's timings) is reported as not timed, not as an infinitely slow missed target."""
+    auto = _row("nestpipe", 8.0, pipeline="auto")
+    auto["auto_timings_ms_rounds"] = [{"none": 10.0, "dbp": float("inf")}]
+    assert compare.same_process_ratios(auto["auto_timings_ms_rounds"]) == {"none": 1.0}
+    text = "\n".join(compare.same_process_lines([auto]))
+    assert "| dbp | not timed (probe budget) | - |" in text and "inf" not in text
+    # Positive control: a timed mode still gets its ratio and verdict.
+    auto["auto_timings_ms_rounds"] = [{"none": 10.0, "dbp": 12.0}]
+    assert "| dbp | 12.0 | 1.20x (missed, target <= 1.05x) |" in "\n".join(
+        compare.same_process_lines([auto]))
+
+
 def test_auto_rows_report_the_probes_process_cpu_per_mode_and_launch():
     auto = _row("nestpipe", 8.0, pipeline="auto")
     results = [{"ms_median": 8.0, "ms_p90": 9.0, "steps": 10, "auto_choice": "none",

@@ -53,3 +53,25 @@ def test_the_strategy_takes_a_config_and_the_old_spelling():
     assert old.pipeline_config == PipelineConfig("fwp", micro_batches=3, auto_probe_rounds=2)
     with pytest.raises(ValueError, match="pipeline must be one of"):
         tnp.NestPipeStrategy(pipeline="fast")
+
+
+def test_communication_is_deprecated_and_never_silently_overridden():
+    """MultiWorkerMirroredStrategy's spelling, `communication_options`, is the one; the old
+    `communication` still works with a warning, and both together are refused (one of them
+    would be ignored)."""
+    ring = tf_distribute_options(tnp.CommunicationImplementation.RING)
+    strategy = tnp.NestPipeStrategy(communication_options=ring)
+    assert strategy.extended._communication_options.implementation == (
+        tnp.CommunicationImplementation.RING)
+    with pytest.warns(DeprecationWarning, match="communication_options=.*RING"):
+        old = tnp.NestPipeStrategy(communication=tnp.CommunicationImplementation.RING)
+    assert old.extended._communication_options.implementation == (
+        tnp.CommunicationImplementation.RING)
+    with pytest.raises(ValueError, match="not both"), pytest.warns(DeprecationWarning):
+        tnp.NestPipeStrategy(communication=tnp.CommunicationImplementation.NCCL,
+                             communication_options=ring)
+
+
+def tf_distribute_options(implementation):
+    import tensorflow as tf
+    return tf.distribute.experimental.CommunicationOptions(implementation=implementation)

@@ -1,4 +1,5 @@
-"""Compressed exchanges (DESIGN.md section 13): what the embedding all-to-alls put on the wire.
+"""Compressed exchanges (docs/design/design.md §13): what the embedding all-to-alls put on the
+wire.
 
 A `WireDtype` names the encoding of the rows exchange (`forward`: "fp32", "bf16", "fp16" or
 "int8") and of the gradient exchange (`backward`: "fp32", "bf16" or "fp16"). A sender encodes a

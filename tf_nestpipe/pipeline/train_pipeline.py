@@ -402,7 +402,13 @@ class TrainPipeline:
             self._strategy.run(replica_route, args=(self._local(next(iterator)),))
 
         tf.function(route_once).get_concrete_function(iterator)
-        variables = self._trainable_variables()
+        try:
+            variables = self._trainable_variables()
+        except ValueError:
+            # A sub-model the route pass does not call (a `nestpipe_route` that only looks up)
+            # has no weights yet, and Keras refuses to list them: the first step creates them
+            # and the optimizer's slots, as without this pass.
+            return
         if variables:
             with self._strategy.scope():
                 self._optimizer.build(variables)

@@ -40,6 +40,48 @@ def _timed_rounds(functions, rounds, calls=10, warmup=3):
     return medians
 
 
+def collective_probes(strategy, tag):
+    """One-collective `tf.function`s of `strategy`'s transport, for timing sweeps.
+
+    Args:
+        strategy: A `NestPipeStrategy`.
+        tag: The collectives' tag prefix (sweeps with different prefixes never match).
+
+    Returns:
+        `(noop, probes)`: an empty `tf.function` (the call overhead to subtract) and
+        `{"all_to_all" | "all_gather" | "all_reduce": make}`, where `make(nbytes)` returns
+        `(bytes actually sent, a tf.function of one such collective)`: the whole all-to-all send
+        tensor, one worker's all-gather contribution, the dense all-reduced tensor.
+    """
+    import tensorflow as tf  # pylint: disable=import-outside-toplevel
+
+    collectives = strategy.extended.collectives
+    workers = strategy.num_workers
+
+    @tf.function
+    def noop():
+        return tf.ones([1])
+
+    def all_to_all(total_bytes):
+        tensor = tf.zeros([workers, max(1, total_bytes // (4 * workers))], tf.float32)
+        fn = tf.function(lambda: collectives.all_to_all(tensor, "%s/a2a/%d" % (tag, total_bytes)))
+        return int(tensor.shape[1]) * workers * 4, fn
+
+    def all_gather(contribution_bytes):
+        tensor = tf.zeros([max(1, contribution_bytes // 4)], tf.float32)
+        fn = tf.function(lambda: collectives.all_gather(
+            tensor, "%s/ag/%d" % (tag, contribution_bytes)))
+        return int(tensor.shape[0]) * 4, fn
+
+    def all_reduce(total_bytes):
+        tensor = tf.zeros([max(1, total_bytes // 4)], tf.float32)
+        fn = tf.function(lambda: strategy.run(
+            lambda: tf.distribute.get_replica_context().all_reduce("sum", tensor)))
+        return int(tensor.shape[0]) * 4, fn
+
+    return noop, {"all_to_all": all_to_all, "all_gather": all_gather, "all_reduce": all_reduce}
+
+
 def measure(strategy, rounds=3, all_to_all_sizes=ALL_TO_ALL_SIZES,
             all_reduce_sizes=ALL_REDUCE_SIZES):
     """Times `strategy`'s all-to-all and dense all-reduce (call it on every worker).
@@ -63,29 +105,11 @@ def measure(strategy, rounds=3, all_to_all_sizes=ALL_TO_ALL_SIZES,
         raise ValueError("rounds must be >= 1, got %r" % (rounds,))
     if len(all_to_all_sizes) < 2 or len(all_reduce_sizes) < 2:
         raise ValueError("each collective needs two or more sizes to fit a line")
-    collectives = strategy.extended.collectives
-    workers = strategy.num_workers
-
-    @tf.function
-    def noop():
-        return tf.ones([1])
-
-    def all_to_all(total_bytes):
-        tensor = tf.zeros([workers, max(1, total_bytes // (4 * workers))], tf.float32)
-        fn = tf.function(lambda: collectives.all_to_all(tensor, "calibrate/a2a/%d" % total_bytes))
-        return int(tensor.shape[1]) * workers * 4, fn
-
-    def all_reduce(total_bytes):
-        tensor = tf.zeros([max(1, total_bytes // 4)], tf.float32)
-        fn = tf.function(lambda: strategy.run(
-            lambda: tf.distribute.get_replica_context().all_reduce("sum", tensor)))
-        return int(tensor.shape[0]) * 4, fn
-
+    noop, probes = collective_probes(strategy, "calibrate")
     labels, functions = [], [noop]
-    for kind, make, sizes in (("all_to_all", all_to_all, all_to_all_sizes),
-                              ("all_reduce", all_reduce, all_reduce_sizes)):
+    for kind, sizes in (("all_to_all", all_to_all_sizes), ("all_reduce", all_reduce_sizes)):
         for size in sizes:
-            nbytes, fn = make(int(size))
+            nbytes, fn = probes[kind](int(size))
             labels.append((kind, nbytes))
             functions.append(fn)
     fetched = [lambda fn=fn: tf.nest.map_structure(lambda t: t.numpy(), fn()) for fn in functions]

@@ -42,8 +42,7 @@ from tf_nestpipe.strategy.global_candidates import hook_tfrs
 from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
 from tf_nestpipe.strategy.summed_reads import SummedReads
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
-from tf_nestpipe.collectives.communication import (CommunicationImplementation,
-                                                resolve_implementation)
+from tf_nestpipe.collectives.communication import resolve_implementation
 from tf_nestpipe.collectives.horovod_collectives import init_horovod
 from tf_nestpipe.collectives.sockets import log_fallback
 from tf_nestpipe.collectives.transport import (TransportConfig, TransportError,
@@ -618,6 +617,21 @@ def _transport_config(transport, collectives, collective_timeout_seconds):
     return config
 
 
+def _communication_options(communication, communication_options):
+    """The `CommunicationOptions` from `communication_options` or the deprecated
+    `communication` (one of them: both would leave one silently ignored)."""
+    if communication is None:
+        return communication_options or tf.distribute.experimental.CommunicationOptions()
+    warnings.warn("NestPipeStrategy(communication=...) is deprecated: pass communication_options="
+                  "tf.distribute.experimental.CommunicationOptions(implementation=%s)"
+                  % (communication,), DeprecationWarning, stacklevel=3)
+    if communication_options is not None:
+        raise ValueError("pass communication_options= or the deprecated communication=, not "
+                         "both (communication_options.implementation is %s, communication %s)"
+                         % (communication_options.implementation, communication))
+    return tf.distribute.experimental.CommunicationOptions(implementation=communication)
+
+
 class NestPipeStrategy(distribute_lib.Strategy):
     """Synchronous NestPipe training: embedding tables placed per table, dense weights mirrored,
     the same parameters as one process on the same global batches.
@@ -644,10 +658,12 @@ class NestPipeStrategy(distribute_lib.Strategy):
     Args:
         cluster_resolver: A `tf.distribute.cluster_resolver.ClusterResolver`; default: from
             `TF_CONFIG`.
-        communication: `tf.distribute.experimental.CommunicationImplementation` of TensorFlow's
-            collectives: AUTO (NCCL on GPU, RING on CPU), RING or NCCL (RING without a GPU).
-        communication_options: `tf.distribute.experimental.CommunicationOptions`; wins over
-            `communication` when given.
+        communication: Deprecated (as in `MultiWorkerMirroredStrategy`): pass
+            `communication_options=tf.distribute.experimental.CommunicationOptions(
+            implementation=...)`.
+        communication_options: `tf.distribute.experimental.CommunicationOptions` of
+            TensorFlow's collectives: `implementation` AUTO (NCCL on GPU, RING on CPU), RING or
+            NCCL (RING without a GPU).
         collective_timeout_seconds: Sets `TransportConfig.timeout_seconds`: a collective that
             waits longer on a live peer that does not make the matching call fails every
             worker, naming the peer and the call.
@@ -698,8 +714,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     Raises:
         ValueError: A bad argument (an unknown pipeline mode, placement or wire dtype, a count
-            out of range, a `PipelineConfig` together with deprecated pipeline arguments),
-            naming it.
+            out of range, a `PipelineConfig` together with deprecated pipeline arguments,
+            `communication` together with `communication_options`), naming it.
         tf_nestpipe.TFConfigError: A malformed `TF_CONFIG`.
         tf_nestpipe.launch.cluster_check.ClusterMismatchError: The tasks disagree about the
             cluster, or one never starts within `startup_timeout_seconds`.
@@ -710,7 +726,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
     _collective_key_base = 0
 
-    def __init__(self, cluster_resolver=None, communication=CommunicationImplementation.AUTO,
+    def __init__(self, cluster_resolver=None, communication=None,
                  communication_options=None, collective_timeout_seconds=None, pipeline="auto",
                  micro_batches=None, cluster_samples=None, unsafe_skip_buffer_sync=None,
                  collectives=None, auto_warmup_steps=None, auto_timed_steps=None,
@@ -756,9 +772,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
             config = parse_tf_config()
             check_cluster_at_startup(config, transport, startup_timeout_seconds)
             cluster_resolver = tfconfig_cluster_resolver.TFConfigClusterResolver()
-        if communication_options is None:
-            communication_options = tf.distribute.experimental.CommunicationOptions(
-                implementation=communication)
+        communication_options = _communication_options(communication, communication_options)
         super().__init__(NestPipeExtended(self, cluster_resolver, communication_options,
                                           transport,
                                           check_equal_shares))
