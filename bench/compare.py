@@ -54,7 +54,9 @@ RESULTS = os.path.join(HERE, "results")
 MODELS = ["dlrm", "dcn"]
 DATA = ["synthetic", "movielens-1m"]
 BASELINES = ["mwms", "psv2", "hvd_replicated"]
-PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "compute_only"]
+PLAIN_SYSTEMS = ["single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "compute_only",
+                 "torchrec", "torchrec_pipelined"]
+TORCHREC_WORKER = os.path.join(HERE, "torchrec_worker.py")
 PIPELINES = ["none", "dbp", "fwp", "nested", "auto"]
 COLLECTIVES = ["sockets", "tf", "horovod"]
 ALL_OURS = ["nestpipe:%s:%s" % (p, c) for c in COLLECTIVES for p in PIPELINES]
@@ -83,6 +85,10 @@ SYSTEM_NOTES = {
     "hvd_replicated": "Horovod DistributedGradientTape, replicated Embedding (IndexedSlices allgathered)",
     "hvd_alltoall": "Horovod, table t on rank t mod W, hvd.alltoall of ids and rows",
     "nestpipe": "NestPipeStrategy, fused ShardedEmbeddingCollection, fit",
+    "torchrec": ("TorchRec 1.9 on CPU (bench/torchrec_worker.py): EmbeddingBagCollection "
+                 "sharded by DistributedModelParallel with its planner's plan, gloo, FBGEMM's "
+                 "fused Adagrad, the same DLRM shape and batches; the plain training loop"),
+    "torchrec_pipelined": "the same TorchRec model trained by its TrainPipelineSparseDist",
     "compute_only": ("the compute-only bound: W processes at once on these cores, each one "
                      "process (as single) on its own share B/W of the global batch, no "
                      "communication; vs compute-only = row ms/step / its ms/step"),
@@ -130,7 +136,8 @@ def expand_systems(tokens, pipelines, collectives):
             out.append(("nestpipe", pipeline, coll))
         elif token in PLAIN_SYSTEMS:
             out.append((token, "-", {"single": "-", "mwms": "tf", "psv2": "tf",
-                                     "compute_only": "-"}.get(token, "horovod")))
+                                     "compute_only": "-", "torchrec": "gloo",
+                                     "torchrec_pipelined": "gloo"}.get(token, "horovod")))
         else:
             raise ValueError("unknown system %r; choose from %s, nestpipe, nestpipe:P:C"
                              % (token, ", ".join(PLAIN_SYSTEMS)))
@@ -254,13 +261,16 @@ def launcher_has_horovod():
 
 
 def worker_argv(row, args):
-    """The bench/compare_worker.py command line of a row."""
+    """The bench/compare_worker.py (TorchRec rows: bench/torchrec_worker.py) command line of a
+    row; raises NotRun for a TorchRec row of a cell it cannot model."""
+    if row["system"].startswith("torchrec"):
+        return torchrec_argv(row, args)
     return [sys.executable, "-u", WORKER, "--system", row["system"],
             "--pipeline", row["pipeline"] if row["system"] == "nestpipe" else "none",
             "--collectives", row["collectives"] if row["system"] == "nestpipe" else "tf",
             "--model", row["model"], "--data", row["data"], "--steps", str(args.steps),
             "--warmup", str(args.warmup), "--global-batch", str(args.global_batch),
-            "--dim", str(args.dim), "--table-scale", str(args.table_scale),
+            "--dim", str(args.dim), "--table-scale", str(args.table_scale), "--zipf", str(args.zipf),
             "--micro-batches", str(args.micro_batches), "--tables", args.tables,
             "--synthetic-tables", args.synthetic_tables,
             "--auto-timed-steps", str(args.auto_timed_steps),
@@ -269,6 +279,20 @@ def worker_argv(row, args):
             "--placement", row.get("placement") or "auto",
             "--memory-budget-bytes", str(args.memory_budget_bytes or 0)] + (
                 ["--skip-buffer-sync"] if skips_buffer_sync(row, args) else [])
+
+
+def torchrec_argv(row, args):
+    """The bench/torchrec_worker.py command line of a TorchRec row; raises NotRun where the
+    cell is not `--synthetic-tables` DLRM (the only model it has)."""
+    if row["model"] != "dlrm" or row["data"] != "synthetic" or not args.synthetic_tables:
+        raise NotRun("not run: the TorchRec row models DLRM on --synthetic-tables COUNT:ROWS only")
+    if importlib.util.find_spec("torchrec") is None:
+        raise NotRun("not run: torchrec not installed (pip install -r bench/requirements.txt)")
+    return [sys.executable, "-u", TORCHREC_WORKER,
+            "--pipeline", "sparse_dist" if row["system"] == "torchrec_pipelined" else "none",
+            "--synthetic-tables", args.synthetic_tables, "--zipf", str(args.zipf),
+            "--global-batch", str(args.global_batch), "--dim", str(args.dim),
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
 
 
 def skips_buffer_sync(row, args):
@@ -552,7 +576,8 @@ def summarize_rounds(row, args, out, results):
     if steals:
         out["steal"] = max(steals)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
-                "auto_timings_ms", "auto_probe_steps", "placements", "table_bytes_per_worker"):
+                "auto_timings_ms", "auto_probe_steps", "placements", "table_bytes_per_worker",
+                "torchrec_plan"):
         if key in first:
             out[key] = first[key]
     if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
@@ -566,6 +591,8 @@ def summarize_rounds(row, args, out, results):
     extras = []
     if "exposure_ratio" in first:
         out["stage_ms"] = first.get("stage_ms")
+        if first.get("stages"):
+            out["stages"] = first["stages"]
         if row["workers"] > 1 and row.get("collectives") == "sockets":
             extras.append(SOCKETS_NOT_TIMED)
         elif row["workers"] > 1 and not out.get("communication_ms"):
@@ -580,6 +607,8 @@ def summarize_rounds(row, args, out, results):
         extras.append("one join for all steps: %.0f samples/s" % out["async_samples_per_s"])
     if out.get("placements"):
         extras.append(plan_text(out))
+    if out.get("torchrec_plan"):
+        extras.append("TorchRec's plan: %s" % ", ".join(out["torchrec_plan"]))
     if out.get("cpu_ms_per_step") is not None:
         extras.append("rank 0's process CPU %.1f ms/step (%.2f cores busy)"
                       % (out["cpu_ms_per_step"], out["cpu_busy"]))
@@ -633,6 +662,17 @@ def add_ratios(rows):
                                                              "placement"))]
             row["vs_none"] = row["ms_median"] / none[0]["ms_median"] if none else None
             if none and row is not none[0]:
+                paired = paired_ratio(row.get("ms_rounds"), none[0].get("ms_rounds"))
+                if paired is not None:
+                    row["vs_none_paired"] = paired
+        elif row["system"].startswith("torchrec"):
+            # ms/step over ours without pipeline on the socket mesh (same cell): the peer's
+            # time in units of ours.
+            none = [r for r in measured if r["system"] == "nestpipe" and r["pipeline"] == "none"
+                    and r["collectives"] == "sockets" and all(
+                        r.get(k) == row.get(k) for k in ("model", "data", "network", "workers"))]
+            if none:
+                row["vs_none"] = row["ms_median"] / none[0]["ms_median"]
                 paired = paired_ratio(row.get("ms_rounds"), none[0].get("ms_rounds"))
                 if paired is not None:
                     row["vs_none_paired"] = paired
@@ -866,8 +906,7 @@ def markdown(rows, args, env, seconds):
         "",
         "Setup: global batch %d, %d timed steps after %d warm-up steps per row (median and p90 "
         "of the per-step wall times; %d round(s)%s, median of the rounds); samples/s = global "
-        "batch / median step. Synthetic: Zipf Criteo-profile click log, 26 tables (Criteo "
-        "Kaggle sizes x %g), 13 dense features; MovieLens-1M: 7 single-hot features + mean-pooled "
+        "batch / median step. Synthetic: Zipf (exponent %g) click log, %s, 13 dense features; MovieLens-1M: 7 single-hot features + mean-pooled "
         "genres. Embedding dim %d, Adagrad %g. DLRM = examples/dlrm.py's model; DCN = TFRS "
         "`tfrs.layers.dcn.Cross` + deep tower + `tfrs.tasks.Ranking` (SUM / batch). E = single "
         "ms/step / row ms/step (same model, data, global batch, same cores). Exposure (ours, "
@@ -879,7 +918,11 @@ def markdown(rows, args, env, seconds):
         "replicated. bench/compare_worker.py describes each system." % (
             args.global_batch, args.steps, args.warmup, args.rounds,
             " interleaved (round r of every row before round r+1)" if args.interleave else "",
-            args.table_scale, args.dim,
+            args.zipf, ("%s tables of %s rows (one %s layer each)" % (
+                tuple(args.synthetic_tables.split(":")) + (
+                    "ShardedEmbedding" if args.tables == "per_table" else "collection",))
+                if args.synthetic_tables else
+                "26 tables (Criteo Kaggle sizes x %g)" % args.table_scale), args.dim,
             LEARNING_RATE, args.profile_steps, TARGET_WORKERS, TARGETS["efficiency"], TARGETS["mwms"],
             TARGETS["psv2"], TARGETS["hvd_replicated"]), "",
         *memory_lines(args),
@@ -940,9 +983,9 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only",
               "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
-              "auto_probe_steps",
+              "auto_probe_steps", "stages",
               "placement",
-              "memory_budget_bytes", "placements", "table_bytes_per_worker",
+              "memory_budget_bytes", "placements", "table_bytes_per_worker", "torchrec_plan",
               "table_bytes_per_process", "baselines_not_fitting"]
 
 
@@ -1029,6 +1072,8 @@ def parse_args(argv=None):
     parser.add_argument("--global-batch", type=int, default=512)
     parser.add_argument("--dim", type=int, default=16)
     parser.add_argument("--table-scale", type=float, default=0.002)
+    parser.add_argument("--zipf", type=float, default=1.2,
+                        help="synthetic: the ids' Zipf exponent (> 1; nearer 1 = milder skew)")
     parser.add_argument("--micro-batches", type=int, default=4, help="ours, fwp / nested")
     parser.add_argument("--tables", choices=["fused", "per_table"], default="fused",
                         help="ours: one ShardedEmbeddingCollection, or a ShardedEmbedding layer "

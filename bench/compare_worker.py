@@ -114,7 +114,7 @@ def synthetic_data(args):
     tables of ROWS rows each), each worker's slices of `min(total steps, 100)` global batches
     generated up front and repeated."""
     table_sizes = synthetic_table_sizes(args)
-    log = SyntheticClickLog(table_sizes, seed=1)
+    log = SyntheticClickLog(table_sizes, seed=1, zipf_exponent=args.zipf)
     batches = min(args.warmup + args.steps + args.profile_steps + 3, 100)
     return Data(table_sizes, {}, log.num_dense,
                 dlrm.make_dataset_fn(log, 0, batches, args.global_batch, repeat=True))
@@ -520,7 +520,7 @@ def held_out_auc(args, strategy, model, data):
     if args.model != "dlrm":
         raise ValueError("--eval-batches needs --model dlrm")
     if args.data == "synthetic":
-        log = SyntheticClickLog(data.table_sizes, seed=1)
+        log = SyntheticClickLog(data.table_sizes, seed=1, zipf_exponent=args.zipf)
         eval_fn = dlrm.make_dataset_fn(log, HELD_OUT_FIRST_BATCH, args.eval_batches,
                                        args.global_batch, repeat=False)
     else:
@@ -667,6 +667,9 @@ def main():
     parser.add_argument("--micro-batches", type=int, default=4)
     parser.add_argument("--tables", choices=["fused", "per_table"], default="fused",
                         help="nestpipe: one collection, or one ShardedEmbedding layer per field")
+    parser.add_argument("--zipf", type=float, default=1.2,
+                        help="synthetic: the ids' Zipf exponent (> 1; nearer 1 = milder skew, "
+                             "more distinct ids per batch)")
     parser.add_argument("--synthetic-tables", default="",
                         help="synthetic: N:ROWS tables of ROWS rows instead of the Criteo profile")
     parser.add_argument("--auto-timed-steps", type=int, default=4,

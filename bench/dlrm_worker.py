@@ -26,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 
 import dlrm  # noqa: E402
 import emulated_latency  # noqa: E402
+import step_stages  # noqa: E402
 import tf_nestpipe as tnp  # noqa: E402
 from tf_nestpipe.data import SyntheticClickLog, criteo_kaggle_table_sizes  # noqa: E402
 
@@ -118,7 +119,8 @@ def profile(model, dataset, steps, trace, enabled=True):
             "exposed_ms": median([p.exposed_communication_ms for p in profiles]),
             "exposure_ratio": median([p.exposure_ratio for p in profiles]),
             "ops_per_step": median([p.ops for p in profiles]),
-            "stage_ms": {s: median([p.stage_ms[s] for p in profiles]) for s in profiles[0].stage_ms}}
+            "stage_ms": {s: median([p.stage_ms[s] for p in profiles]) for s in profiles[0].stage_ms},
+            "stages": step_stages.breakdown(timeline)}
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ class Cell:
         table_scale: Criteo-profile table sizes x this (synthetic, collection).
         global_batch: Samples per step over all workers.
         dim: Embedding dimension.
+        zipf: The synthetic ids' Zipf exponent (None: compare.py's default, 1.2; nearer 1 is
+            milder skew, more distinct ids per batch, more bytes on the wire).
         steps: Timed steps per row and round.
         warmup: Untimed steps before them.
         rounds: Interleaved rounds (round r of every row before round r + 1).
@@ -35,8 +37,8 @@ class Cell:
         auto_timed_steps: The auto probe's timed steps per candidate and round.
         auto_probe_rounds: The auto probe's rounds.
         row_timeout: Seconds a row may take before it is listed as failed.
-        profile_steps: Steps of ours profiled after the timed ones (the exposure and the stage
-            that bounds a missed target; 0: none).
+        profile_steps: Steps of ours profiled after the timed ones (the exposure, the per-stage
+            timeline and the stage that bounds a missed target; 0: none).
     """
 
     models: Tuple[str, ...] = ("dlrm",)
@@ -49,6 +51,7 @@ class Cell:
     table_scale: Optional[float] = None
     global_batch: int = 1024
     dim: int = 16
+    zipf: Optional[float] = None
     steps: int = 40
     warmup: int = 40
     rounds: int = 1
@@ -71,6 +74,7 @@ class Cell:
         for flag, value in (("--tables", self.tables),
                             ("--synthetic-tables", self.synthetic_tables),
                             ("--table-scale", self.table_scale),
+                            ("--zipf", self.zipf),
                             ("--micro-batches", self.micro_batches),
                             ("--auto-timed-steps", self.auto_timed_steps),
                             ("--auto-probe-rounds", self.auto_probe_rounds)):
@@ -92,6 +96,11 @@ class Family:
         launcher_workers: Run the script as every task of a local cluster of this many
             workers (`python -m tf_nestpipe.launch`), else as one process.
         needs_root: Emulated networks (network namespaces) need root.
+        cells: A family of side-by-side cells, (name, Cell) each: every cell is one
+            `compare.py` run, and bench/family_report.py joins them into the family's one
+            results file set (a summary over the cells, each cell's per-stage timeline and
+            table). `cell` is then unset.
+        quick: The cells `run.py NAME --quick` runs (a subset, for a short look).
     """
 
     about: str
@@ -101,6 +110,8 @@ class Family:
     output_flag: Optional[str] = "--output"
     launcher_workers: Optional[int] = None
     needs_root: bool = False
+    cells: Tuple[Tuple[str, Cell], ...] = ()
+    quick: Tuple[str, ...] = ()
 
     def argv(self, name):
         """The script's arguments, writing bench/results/NAME.* where it can be told so."""
@@ -115,6 +126,43 @@ NATURAL = Cell(
     tables="per_table", synthetic_tables="8:100000", global_batch=1024, dim=16,
     steps=40, warmup=40, rounds=3, micro_batches=2, auto_timed_steps=10, auto_probe_rounds=24)
 
+# Bandwidth-bound DLRM: 8 separate 200k x 64 tables, strong Zipf ids, global batch 4096, 2
+# workers in their own network namespaces joined by a 1 Gbit/s link; every pipeline of ours, the
+# compute-only bound and TorchRec (plain and pipelined) side by side, with ours' per-stage
+# timeline (3 profiled steps on worker 0).
+BANDWIDTH_BASE = Cell(
+    networks=("0ms:1gbit",),
+    systems=("compute_only", "nestpipe:none:sockets", "nestpipe:dbp:sockets",
+             "nestpipe:fwp:sockets", "nestpipe:nested:sockets", "nestpipe:auto:sockets",
+             "torchrec", "torchrec_pipelined"),
+    tables="per_table", synthetic_tables="8:200000", global_batch=4096, dim=64, zipf=1.2,
+    steps=20, warmup=10, rounds=2, micro_batches=4, auto_timed_steps=5, auto_probe_rounds=4,
+    profile_steps=3, row_timeout=600)
+
+
+def _bandwidth_cell(**changes):
+    return dataclasses.replace(BANDWIDTH_BASE, **changes)
+
+
+# One factor at a time around the base cell: tables, dim, skew, batch, rate, latency, workers.
+# Zipf 1.05 is the mild skew (about twice the distinct ids per batch of 1.2's).
+BANDWIDTH_CELLS = (
+    ("8x200k_d64_zipf1.2_b4096_1gbit_w2", BANDWIDTH_BASE),
+    ("26x50k_d64_zipf1.2_b4096_1gbit_w2", _bandwidth_cell(synthetic_tables="26:50000")),
+    ("8x200k_d32_zipf1.2_b4096_1gbit_w2", _bandwidth_cell(dim=32)),
+    ("8x200k_d128_zipf1.2_b4096_1gbit_w2", _bandwidth_cell(dim=128)),
+    ("8x200k_d64_zipf1.05_b4096_1gbit_w2", _bandwidth_cell(zipf=1.05)),
+    ("8x200k_d64_zipf1.2_b2048_1gbit_w2", _bandwidth_cell(global_batch=2048)),
+    ("8x200k_d64_zipf1.2_b8192_1gbit_w2", _bandwidth_cell(global_batch=8192)),
+    ("8x200k_d64_zipf1.2_b4096_200mbit_w2", _bandwidth_cell(networks=("0ms:200mbit",))),
+    ("8x200k_d64_zipf1.2_b4096_2.5gbit_w2", _bandwidth_cell(networks=("0ms:2500mbit",))),
+    ("8x200k_d64_zipf1.2_b4096_1ms_1gbit_w2", _bandwidth_cell(networks=("1ms:1gbit",))),
+    ("8x200k_d64_zipf1.2_b4096_1gbit_w4", _bandwidth_cell(workers=(4,))),
+    ("26x50k_d128_zipf1.05_b8192_200mbit_w4", _bandwidth_cell(
+        synthetic_tables="26:50000", dim=128, zipf=1.05, global_batch=8192,
+        networks=("0ms:200mbit",), workers=(4,))),
+)
+
 FAMILIES: Dict[str, Family] = {
     "natural": Family(
         "DLRM with 8 separate 100k x 16 tables on 2 workers over loopback: one process, "
@@ -125,7 +173,8 @@ FAMILIES: Dict[str, Family] = {
         "compare.py", cell=dataclasses.replace(
             NATURAL, systems=("single", "compute_only", "nestpipe:none:sockets",
                               "nestpipe:dbp:sockets", "nestpipe:fwp:sockets",
-                              "nestpipe:nested:sockets", "nestpipe:auto:sockets"))),
+                              "nestpipe:nested:sockets", "nestpipe:auto:sockets",
+                              "torchrec", "torchrec_pipelined"))),
     "natural_4w": Family(
         "the natural cell's pipelines on 4 workers",
         "compare.py", cell=dataclasses.replace(
@@ -142,6 +191,13 @@ FAMILIES: Dict[str, Family] = {
                      "nestpipe:nested:sockets", "nestpipe:auto:sockets"),
             global_batch=4096, dim=64, table_scale=0.05, steps=20, warmup=15, rounds=2,
             micro_batches=2, auto_timed_steps=5, auto_probe_rounds=8)),
+    "bandwidth_family": Family(
+        "bandwidth-bound DLRM cells (8 / 26 tables, dim 32-128, Zipf 1.05 / 1.2, batch "
+        "2048-8192, 200 Mbit - 2.5 Gbit, 0 / 1 ms, 2 / 4 workers): every pipeline, auto, the "
+        "compute-only bound and TorchRec per cell, with ours' per-stage timeline",
+        "compare.py", needs_root=True, cells=BANDWIDTH_CELLS,
+        quick=("8x200k_d64_zipf1.2_b4096_1gbit_w2", "8x200k_d64_zipf1.2_b4096_200mbit_w2",
+               "8x200k_d64_zipf1.2_b4096_1gbit_w4")),
     "compare": Family(
         "ours against MWMS, PSv2 and Horovod (replicated, all-to-all) on DLRM, 2 workers",
         "compare.py", cell=Cell(

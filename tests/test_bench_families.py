@@ -13,7 +13,9 @@ BENCH = os.path.join(REPO, "bench")
 sys.path.insert(0, BENCH)
 import compare  # noqa: E402  pylint: disable=wrong-import-position
 import families  # noqa: E402  pylint: disable=wrong-import-position
+import family_report  # noqa: E402  pylint: disable=wrong-import-position
 import run  # noqa: E402  pylint: disable=wrong-import-position
+import step_stages  # noqa: E402  pylint: disable=wrong-import-position
 
 
 @pytest.mark.parametrize("name", sorted(families.FAMILIES))
@@ -28,6 +30,97 @@ def test_every_family_runs_an_existing_script_into_its_own_file(name):
         assert args.systems == list(family.cell.systems)
     elif family.output_flag:
         assert argv[-2:] == [family.output_flag, name]
+
+
+@pytest.mark.parametrize("name", sorted(n for n, f in families.FAMILIES.items() if f.cells))
+def test_every_cell_of_a_family_of_cells_is_a_compare_run_into_its_own_file(name):
+    family = families.FAMILIES[name]
+    names = [c for c, _ in family.cells]
+    assert len(set(names)) == len(names) and set(family.quick) <= set(names)
+    for cell, argv in run.cell_commands(name):
+        args = compare.parse_args(argv[2:])
+        assert args.output == family_report.cell_output(name, cell)
+        assert args.systems == list(dict(family.cells)[cell].systems)
+    assert [c for c, _ in run.cell_commands(name, quick=True)] == list(family.quick)
+    with pytest.raises(KeyError, match="has no cell nope; its cells are"):
+        run.cell_commands(name, cells=["nope"])
+
+
+def test_the_bandwidth_family_spans_the_declared_factors():
+    cells = [c for _, c in families.FAMILIES["bandwidth_family"].cells]
+    assert {c.synthetic_tables.split(":")[0] for c in cells} == {"8", "26"}
+    assert {c.dim for c in cells} == {32, 64, 128}
+    assert {c.zipf for c in cells} == {1.05, 1.2}
+    assert {c.global_batch for c in cells} == {2048, 4096, 8192}
+    assert {n.split(":")[1] for c in cells for n in c.networks} == {"200mbit", "1gbit",
+                                                                      "2500mbit"}
+    assert {n.split(":")[0] for c in cells for n in c.networks} == {"0ms", "1ms"}
+    assert {w for c in cells for w in c.workers} == {2, 4}
+    for cell in cells:
+        assert {"compute_only", "nestpipe:none:sockets", "nestpipe:auto:sockets",
+                "torchrec", "torchrec_pipelined"} <= set(cell.systems)
+        assert cell.profile_steps > 0
+
+
+def test_torchrec_rows_run_its_worker_on_per_table_cells_only():
+    args = compare.parse_args(families.FAMILIES["bandwidth_family"].cells[0][1].argv("x"))
+    row = compare.make_row("torchrec_pipelined", "-", "gloo", "dlrm", "synthetic", "0ms:1gbit", 2)
+    argv = compare.worker_argv(row, args)
+    assert argv[2].endswith("torchrec_worker.py") and "sparse_dist" in argv
+    assert argv[argv.index("--synthetic-tables") + 1] == "8:200000"
+    fused = compare.parse_args(families.FAMILIES["bandwidth"].argv("x"))
+    with pytest.raises(compare.NotRun, match="synthetic-tables COUNT:ROWS only"):
+        compare.worker_argv(row, fused)
+
+
+class _Event:
+    def __init__(self, name, op_type, start_us, end_us):
+        self.name, self.op_type, self.start_us, self.end_us = name, op_type, start_us, end_us
+
+
+def test_a_gap_is_charged_to_the_exchange_the_op_ending_it_consumes():
+    events = [_Event("NestpipeRouteKeys", "NestpipeRouteKeys", 0, 100),
+              _Event("NestpipeReadTableRows", "NestpipeReadTableRows", 400, 500),
+              _Event("NestpipeGatherFromBlocks", "NestpipeGatherFromBlocks", 1500, 1600),
+              _Event("model/dense/MatMul", "MatMul", 1600, 2600),
+              _Event("gradient_tape/model/dense/MatMul", "MatMul", 2600, 3600),
+              _Event("NestpipeSegmentSum_1", "NestpipeSegmentSum", 5600, 5700),
+              _Event("Adagrad/update/ResourceApplyAdagradV2", "ResourceApplyAdagradV2",
+                     6700, 7000)]
+    out = step_stages.step_breakdown(events, (0, 7000))
+    assert out["wait_ms"] == {"keys_exchange": 0.3, "rows_exchange": 1.0,
+                              "gradient_exchange": 2.0, "dense_allreduce": 1.0, "other": 0.0}
+    assert out["stage_ms"]["route"] == 0.1 and out["stage_ms"]["rows"] == 0.2
+    assert out["stage_ms"]["dense_forward"] == 1.0 and out["stage_ms"]["dense_backward"] == 1.0
+    assert out["stage_ms"]["embedding_backward"] == 0.1 and out["stage_ms"]["optimizer"] == 0.3
+    # Positive control: without the gaps there is nothing to charge.
+    packed = step_stages.step_breakdown([_Event("a/b", "MatMul", 0, 7000)], (0, 7000))
+    assert packed["waiting_ms"] == 0.0
+
+
+def _row(system, pipeline, ms, **extra):
+    return dict(system=system, pipeline=pipeline, ms_median=ms, ms_rounds=[ms, ms], **extra)
+
+
+def test_a_cells_summary_prices_the_exposure_and_what_each_mode_hides():
+    rows = [_row("compute_only", "-", 30.0), _row("nestpipe", "none", 50.0),
+            _row("nestpipe", "dbp", 45.0), _row("nestpipe", "fwp", 40.0),
+            _row("nestpipe", "nested", 42.0),
+            _row("nestpipe", "auto", 41.0, auto_choice="fwp",
+                 stages={"wait_ms": {"rows_exchange": 1.0}}),
+            _row("torchrec", "-", 80.0), _row("torchrec_pipelined", "-", 44.0)]
+    rows[3]["stages"] = {"wait_ms": {"rows_exchange": 2.0, "gradient_exchange": 5.0}}
+    out = family_report.summarize_cell(rows)
+    assert out["exposed_share"] == pytest.approx(0.4) and out["best"] == "fwp"
+    assert out["best_vs_none"] == pytest.approx(0.8) and out["hidden"] == pytest.approx(0.5)
+    assert out["best_vs_bound"] == pytest.approx(40 / 30)
+    assert out["auto_vs_best"] == pytest.approx(41 / 40)
+    assert out["torchrec_vs_ours"] == pytest.approx(2.0)
+    assert out["torchrec_pipelined_vs_ours"] == pytest.approx(1.1)
+    assert out["bounding"] == ("gradient_exchange", 5.0)
+    table = "\n".join(family_report.summary_lines([("c", out)]))
+    assert "fwp 0.80x met" in table and "1.33x **missed**" in table
+    assert "1.10x **missed**" in table  # TorchRec pipelined within 1.2x of ours
 
 
 def test_an_unknown_family_is_refused_listing_the_families(capsys):
@@ -70,3 +163,26 @@ def test_the_readme_check_sees_a_stale_number(tmp_path):
     results = "| single | dlrm | synthetic | - | 1 | 5.6 | 7.9 | 184422 | 1.00 |"
     measured = set(re.findall(r"\| (\d+\.\d) \| [\d.]+ \| (\d+) \|", results))
     assert ("5.6", "184422") in measured and ("5.7", "184422") not in measured
+
+
+def test_a_subset_run_updates_the_familys_one_file_and_keeps_its_other_cells(tmp_path,
+                                                                             monkeypatch):
+    monkeypatch.setattr(family_report, "RESULTS", str(tmp_path))
+    rows = [_row("compute_only", "-", 30.0), _row("nestpipe", "none", 50.0),
+            _row("nestpipe", "fwp", 40.0)]
+
+    def measured(cell, markdown):
+        base = tmp_path / family_report.cell_output("fam", cell)
+        base.with_suffix(".json").write_text(__import__("json").dumps(rows))
+        base.with_suffix(".md").write_text(markdown)
+
+    measured("a", "# cell a table\n")
+    family_report.join("fam", "about", ["a"], "run a", 0.0, 1.0, 1.0, declared=["a", "b"])
+    text = (tmp_path / "fam.md").read_text()
+    assert "not measured yet: b" in text and "### cell a table" in text
+    measured("b", "# cell b table\n")
+    family_report.join("fam", "about", ["b"], "run b", 0.0, 1.0, 1.0, declared=["a", "b"])
+    text = (tmp_path / "fam.md").read_text()
+    assert "### cell a table" in text and "### cell b table" in text
+    assert "`run a`" in text and "`run b`" in text and "not measured yet" not in text
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["fam.json", "fam.md"]

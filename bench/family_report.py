@@ -1,0 +1,245 @@
+"""Joins the cells of a benchmark family (`Family.cells`, one `compare.py` run each) into the
+family's one results file set, bench/results/FAMILY.{md,json}.
+
+Per cell it says: ours without a pipeline against the compute-only bound (how much of the step
+is exposed communication), the best pipelined mode and how much of that exposure it hides,
+whether auto chose within 5% of the best, TorchRec's time in units of ours, and, from worker
+0's profile of every mode (bench/step_stages.py), the stage times and what the step waits on:
+the largest wait of the best mode is the stage that bounds the cell.
+"""
+import json
+import os
+import time
+
+from runner import HERE
+
+RESULTS = os.path.join(HERE, "results")
+# The issue's targets, judged where none exposes at least EXPOSED_MIN of its step.
+EXPOSED_MIN = 0.25
+BEST_VS_NONE = 0.85
+BEST_VS_BOUND = 1.15
+AUTO_VS_BEST = 1.05
+TORCHREC_RATIO = 1.2
+PIPELINED = ("dbp", "fwp", "nested")
+STAGE_COLUMNS = ("route", "rows", "dense_forward", "dense_backward", "embedding_backward",
+                 "optimizer", "other")
+WAIT_COLUMNS = ("keys_exchange", "rows_exchange", "gradient_exchange", "dense_allreduce",
+                "other")
+
+
+def cell_output(family, cell):
+    """The output name of one cell's `compare.py` run (joined, then removed)."""
+    return "%s--%s" % (family, cell)
+
+
+def _ours(rows, pipeline):
+    found = [r for r in rows if r["system"] == "nestpipe" and r["pipeline"] == pipeline
+             and r.get("ms_median")]
+    return found[0] if found else None
+
+
+def _system(rows, system):
+    found = [r for r in rows if r["system"] == system and r.get("ms_median")]
+    return found[0] if found else None
+
+
+def _ms(row):
+    return row["ms_median"] if row else None
+
+
+def _fmt(value, pattern="%.1f"):
+    return "-" if value is None else pattern % value
+
+
+def _ratio(row, base):
+    """Row over base, paired by round where both have rounds (else the medians' ratio)."""
+    if not row or not base:
+        return None
+    a, b = row.get("ms_rounds") or [], base.get("ms_rounds") or []
+    if len(a) == len(b) >= 2:
+        ratios = sorted(x / y for x, y in zip(a, b))
+        mid = len(ratios) // 2
+        return ratios[mid] if len(ratios) % 2 else (ratios[mid - 1] + ratios[mid]) / 2
+    return row["ms_median"] / base["ms_median"]
+
+
+def largest_wait(row):
+    """(exchange, ms) of the largest wait in a row's profile, or None."""
+    waits = (row or {}).get("stages", {}).get("wait_ms")
+    if not waits:
+        return None
+    name = max(waits, key=waits.get)
+    return name, waits[name]
+
+
+def summarize_cell(rows):
+    """The cell's verdicts: a dict of the numbers the summary table shows."""
+    none, bound = _ours(rows, "none"), _system(rows, "compute_only")
+    auto = _ours(rows, "auto")
+    modes = {p: _ours(rows, p) for p in PIPELINED}
+    ratios = {p: _ratio(r, none) for p, r in modes.items() if r}
+    best = min(ratios, key=ratios.get) if ratios else None
+    out = {"none_ms": _ms(none), "bound_ms": _ms(bound), "best": best,
+           "best_vs_none": ratios.get(best), "vs_none": ratios,
+           "auto_vs_none": _ratio(auto, none), "auto_choice": (auto or {}).get("auto_choice")}
+    if none and bound:
+        out["exposed_share"] = 1.0 - _ratio(bound, none)
+    if best and bound:
+        out["best_vs_bound"] = modes[best]["ms_median"] / bound["ms_median"]
+    if best:
+        out["hidden"] = hidden_share(modes[best], none, bound)
+    if auto and best:
+        # auto's time over the best of none and the pipelines (auto may rightly pick none)
+        floor = min([1.0] + list(ratios.values()))
+        out["auto_vs_best"] = out["auto_vs_none"] / floor if out["auto_vs_none"] else None
+    ours_best = min([r["ms_median"] for r in [none] + list(modes.values()) if r] or [None]) \
+        if none else None
+    for system in ("torchrec", "torchrec_pipelined"):
+        peer = _system(rows, system)
+        if peer and ours_best:
+            out[system + "_vs_ours"] = peer["ms_median"] / ours_best
+    out["bounding"] = largest_wait(modes.get(best)) if best else None
+    out["none_bounding"] = largest_wait(none)
+    return out
+
+
+def _verdict(value, limit, below=True):
+    if value is None:
+        return "-"
+    met = value <= limit if below else value >= limit
+    return "%.2fx %s" % (value, "met" if met else "**missed**")
+
+
+def summary_lines(cells):
+    """The family's summary table (one line per cell) and the targets."""
+    lines = ["| cell | none ms | compute-only ms | exposed share of none | best pipelined "
+             "(vs none) | best vs compute-only | exposure hidden by best | auto (vs best) "
+             "| TorchRec / ours' best: plain, pipelined | best mode waits most on |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for name, summary in cells:
+        judged = (summary.get("exposed_share") or 0) >= EXPOSED_MIN
+        best = summary.get("best")
+        bounding = summary.get("bounding")
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s, %s | %s |" % (
+            name, _fmt(summary.get("none_ms")), _fmt(summary.get("bound_ms")),
+            _fmt(summary.get("exposed_share"), "%.2f"),
+            "%s %s" % (best, _verdict(summary.get("best_vs_none"), BEST_VS_NONE)
+                       if judged else _fmt(summary.get("best_vs_none"), "%.2fx"))
+            if best else "-",
+            _verdict(summary.get("best_vs_bound"), BEST_VS_BOUND) if judged
+            else _fmt(summary.get("best_vs_bound"), "%.2fx"),
+            _fmt(summary.get("hidden"), "%.2f"),
+            "%s: %s" % (summary.get("auto_choice") or "-",
+                        _verdict(summary.get("auto_vs_best"), AUTO_VS_BEST)),
+            _verdict(summary.get("torchrec_vs_ours"), TORCHREC_RATIO, below=False),
+            _verdict(summary.get("torchrec_pipelined_vs_ours"), TORCHREC_RATIO, below=False),
+            "%s %.1f ms" % bounding if bounding else "-"))
+    return lines
+
+
+def hidden_share(row, none, bound):
+    """The share of none's exposed communication (none - compute-only) that `row` removes:
+    (1 - row / none) / (1 - compute-only / none), both ratios paired by round."""
+    if not (row and none and bound):
+        return None
+    exposed = 1.0 - _ratio(bound, none)
+    return (1.0 - _ratio(row, none)) / exposed if exposed > 0 else None
+
+
+def timeline_lines(rows):
+    """One cell's per-mode stage and wait table (worker 0's profile, medians over its steps),
+    with each mode's timed ms/step, its ratio to none and the share of none's exposure it
+    hides."""
+    none, bound = _ours(rows, "none"), _system(rows, "compute_only")
+    lines = ["| mode | timed ms/step | vs none | exposure hidden | profiled step ms | "
+             + " | ".join(STAGE_COLUMNS) + " | waits: " + " | ".join(WAIT_COLUMNS)
+             + " | all waits |",
+             "|---|" + "---|" * (5 + len(STAGE_COLUMNS) + len(WAIT_COLUMNS))]
+    for row in rows:
+        stages = row.get("stages")
+        if row["system"] != "nestpipe" or not stages:
+            continue
+        lines.append("| %s | %s | %s | %s | %.1f | %s | %s | %.1f |" % (
+            row["pipeline"], _fmt(row.get("ms_median")), _fmt(_ratio(row, none), "%.2fx"),
+            _fmt(hidden_share(row, none, bound), "%.2f"), stages["step_ms"],
+            " | ".join("%.1f" % stages["stage_ms"][k] for k in STAGE_COLUMNS),
+            " | ".join("%.1f" % stages["wait_ms"][k] for k in WAIT_COLUMNS),
+            stages["waiting_ms"]))
+    return lines
+
+
+def _demoted(markdown):
+    return "\n".join(("##" + line) if line.startswith("#") else line
+                     for line in markdown.splitlines())
+
+
+def _previous(family, declared):
+    """The cells of the family's last results (bench/results/FAMILY.json) that are still
+    declared, {name: stored cell}; {} when there is none."""
+    try:
+        with open(os.path.join(RESULTS, family + ".json")) as f:
+            cells = json.load(f).get("cells", {})
+    except (OSError, ValueError):
+        return {}
+    return {name: dict(cell, markdown=cell.get("markdown", ""), run=cell.get("run", "an earlier run"))
+            for name, cell in cells.items() if name in declared and "rows" in cell}
+
+
+def join(family, about, cell_names, command, started, load_start, load_end, declared=None):
+    """Writes bench/results/FAMILY.{md,json} from the cells' results and removes them. A
+    declared cell this run did not measure keeps its last results (with their own command,
+    date and load), so that a run of a subset (`--quick`, `--cells`) updates the family's one
+    file set instead of dropping its other cells.
+
+    Args:
+      declared: The family's cell names in order (default: `cell_names`).
+
+    Returns:
+      The path of the Markdown file.
+    """
+    declared = list(declared or cell_names)
+    stored = _previous(family, declared)
+    run_text = "`%s` (%s, %.0f min; load average %.2f at the start, %.2f at the end)" % (
+        command, time.strftime("%Y-%m-%d %H:%M"), (time.time() - started) / 60, load_start,
+        load_end)
+    for name in cell_names:
+        base = os.path.join(RESULTS, cell_output(family, name))
+        with open(base + ".json") as f:
+            rows = json.load(f)
+        with open(base + ".md") as f:
+            markdown = f.read()
+        stored[name] = {"run": run_text, "summary": summarize_cell(rows), "rows": rows,
+                        "markdown": markdown}
+        for ext in (".json", ".md", ".png"):
+            if os.path.exists(base + ext):
+                os.remove(base + ext)
+    order = [n for n in declared if n in stored]
+    cells = [(n, stored[n]["summary"]) for n in order]
+    documents = [(n, stored[n]["rows"], stored[n]["markdown"]) for n in order]
+    data = {n: stored[n] for n in order}
+    missing = [n for n in declared if n not in stored]
+    lines = ["# %s" % family, "", about + ".", "",
+             "Latest command: %s. Each cell says the run that measured it; each cell's CPU "
+             "steal is in its table below." % run_text, ""] + (
+                 ["Declared cells not measured yet: %s." % ", ".join(missing), ""]
+                 if missing else []) + [
+             "Per cell: **exposed share** = 1 - compute-only / none (paired by round; the part of ours' plain "
+             "step that is communication nobody hides); **hidden** = (none - best) / (none - "
+             "compute-only), the share of that exposure the best pipelined mode removes; ratios "
+             "are paired by interleaved round. Targets where the exposed share is >= %.2f: best "
+             "<= %.2fx none and <= %.2fx compute-only; everywhere: auto <= %.2fx the best of "
+             "none and the pipelines, TorchRec >= %.2fx ours' best. The wait columns come from "
+             "worker 0's profile (bench/step_stages.py: a gap with no op running, charged to "
+             "the exchange the op ending it consumes)." % (
+                 EXPOSED_MIN, BEST_VS_NONE, BEST_VS_BOUND, AUTO_VS_BEST, TORCHREC_RATIO), ""]
+    lines += summary_lines(cells)
+    for name, rows, markdown in documents:
+        lines += ["", "## %s" % name, "", "Measured by %s." % data[name]["run"], "",
+                  "Per-stage timeline of ours (ms per step, worker 0):",
+                  ""] + timeline_lines(rows) + ["", _demoted(markdown)]
+    path = os.path.join(RESULTS, family + ".md")
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    with open(os.path.join(RESULTS, family + ".json"), "w") as f:
+        json.dump({"family": family, "command": command, "cells": data}, f, indent=1)
+    return path
