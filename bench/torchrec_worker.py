@@ -57,9 +57,9 @@ def table_sizes_of(args):
 # `SyntheticClickLog` lives in a package that loads TensorFlow, and TensorFlow and PyTorch in
 # one process crash here (SIGSEGV at PyTorch's first ops): the batches are made in a child.
 _GENERATE = """
-import sys, numpy as np
+import json, sys, numpy as np
 from tf_nestpipe.data.synthetic import SyntheticClickLog
-sizes, zipf, batch, count, lo, hi, path = eval(sys.argv[1])
+sizes, zipf, batch, count, lo, hi, path = json.loads(sys.argv[1])
 log = SyntheticClickLog(sizes, seed=1, zipf_exponent=zipf)
 parts = [log.batch(i, batch) for i in range(count)]
 np.savez(path, dense=np.stack([f["dense"][lo:hi] for f, _ in parts]),
@@ -79,7 +79,7 @@ def local_batches(args, rank, world, table_sizes):
         path = os.path.join(tmp, "batches.npz")
         spec = (list(table_sizes), args.zipf, args.global_batch, count, rank * per,
                 (rank + 1) * per, path)
-        subprocess.run([sys.executable, "-c", _GENERATE, repr(spec)], check=True,
+        subprocess.run([sys.executable, "-c", _GENERATE, json.dumps(spec)], check=True,
                        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3"))
         with np.load(path) as saved:
             return list(zip(saved["dense"], saved["sparse"], saved["labels"]))

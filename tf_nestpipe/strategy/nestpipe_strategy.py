@@ -549,9 +549,6 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
-        if tf.nest.is_nested(value):  # e.g. a batch of features (Keras 3 reduces one to build)
-            return tf.nest.map_structure(
-                lambda v: self._reduce_to(reduce_op, v, destinations, options), value)
         packed = self._summed_reads.read(reduce_op, value, self._num_replicas_in_sync)
         if packed is not None:
             return packed
