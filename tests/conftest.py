@@ -80,7 +80,7 @@ def reference_of(run):
 CLUSTER_FIXTURES = {"exactness_results", "checkpoint_runs", "keras_checkpoint_runs", "ps_results",
                     "downpour_results", "horovod_results", "autoshard_results", "tfrs_results",
                     "restore_results", "share_results", "readme_runs", "dynamic_results",
-                    "dynamic_three", "surface", "wire_results"}
+                    "dynamic_three", "surface", "wire_results", "keras3_results"}
 
 
 def pytest_collection_modifyitems(config, items):

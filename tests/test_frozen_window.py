@@ -106,3 +106,49 @@ def test_micro_batched_fit_counts_the_model_losses_as_one_process(own_compute_lo
     np.testing.assert_allclose(loss, expected_loss, atol=1e-6)
     unregularized, _ = _fit_weights(regularized=False)
     assert max(float(np.abs(a - b).max()) for a, b in zip(unregularized, expected)) > 1e-3
+
+
+def test_a_scalar_mean_metric_in_call_counts_each_step_once_over_unequal_micro_batches():
+    """A micro-batching step calls the model once per micro-batch: a mean metric updated with
+    one scalar per call (add_metric, Mean.update_state) counts each part by its share, so a
+    batch mean is the whole batch's and the step counts once. Control: unweighted, the same
+    updates give the mean of the parts' means (5 rows in parts of 2 and 3) and count twice."""
+    from tf_nestpipe.pipeline.quiet_metrics import share_weighted_metrics
+
+    class MeanInCall(tf_keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.tracker = tf_keras.metrics.Mean(name="tracker")
+            self.per_example = tf_keras.metrics.Mean(name="per_example")
+
+        def call(self, x):
+            self.add_metric(tf.reduce_mean(x), name="added")
+            self.tracker.update_state(tf.reduce_mean(x))
+            self.per_example.update_state(x)  # per-example values: never reweighted
+            return x
+
+    x = tf.constant([[1.0], [2.0], [3.0], [4.0], [10.0]])
+
+    def run(weighted):
+        model = MeanInCall()
+        model(x[:1])  # creates add_metric's metric
+        for metric in model.metrics:
+            metric.reset_state()
+
+        @tf.function
+        def step():
+            for part, share in split_batch({"x": x}, 2):
+                if weighted:
+                    with share_weighted_metrics(model, share):
+                        model(part["x"])
+                else:
+                    model(part["x"])
+
+        step()
+        return {m.name: (float(m.result()), float(m.count)) for m in model.metrics}
+
+    weighted, plain = run(True), run(False)
+    for name in ("added", "tracker"):
+        assert weighted[name] == pytest.approx((4.0, 1.0)), name
+        assert plain[name] == pytest.approx(((1.5 + 17 / 3) / 2, 2.0)), name
+    assert weighted["per_example"] == plain["per_example"] == pytest.approx((4.0, 5.0))

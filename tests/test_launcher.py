@@ -337,17 +337,20 @@ def test_tasks_share_the_machines_cores_unless_the_user_sized_the_pools(tmp_path
     result = launcher("--workers", "3", "--output", "all", "--", sys.executable, script)
     assert result.returncode == 0, result.stdout
     third = str(len(pinned[2])) if pinned else each
-    expected = [os.environ.get(v, third) for v in THREAD_VARIABLES]  # the caller's own win
-    assert "[worker:2] threads %r" % expected in result.stdout
+
+    def sizes(threads):
+        """Every pool `threads`, the inter-op pool at least 2 (one deadlocks a blocking
+        kernel); the caller's own variables win."""
+        own = {"TF_NUM_INTEROP_THREADS": str(max(2, int(threads)))}
+        return [os.environ.get(v, own.get(v, threads)) for v in THREAD_VARIABLES]
+
+    assert "[worker:2] threads %r" % sizes(third) in result.stdout
     result = launcher("--workers", "3", "--output", "all", "--no-pin-cpus", "--",
                       sys.executable, script)
-    expected = [os.environ.get(v, each) for v in THREAD_VARIABLES]  # unpinned: the equal split
-    assert "[worker:2] threads %r" % expected in result.stdout
-    # A parameter-server cluster keeps at least 2 inter-op threads per task (1 deadlocks it).
+    assert "[worker:2] threads %r" % sizes(each) in result.stdout  # unpinned: the equal split
     result = launcher("--workers", "1", "--ps", "1", "--chief", "--", sys.executable, script)
     assert result.returncode == 0, result.stdout
-    sizes = {"TF_NUM_INTEROP_THREADS": str(max(2, int(each)))}
-    expected = [os.environ.get(v, sizes.get(v, each)) for v in THREAD_VARIABLES]
+    expected = sizes(each)
     assert "[chief:0] threads %r" % expected in result.stdout, result.stdout
     result = launcher("--workers", "2", "--env", "TF_NUM_INTEROP_THREADS=7", "--threads-per-task",
                       "5", "--", sys.executable, script)
@@ -399,11 +402,11 @@ def test_threads_per_task_split_and_refusals():
     assert threads_per_task(8, cores=2) == 1  # never 0
     assert thread_env(4, {"OMP_NUM_THREADS": "2"}) == {"TF_NUM_INTRAOP_THREADS": "4",
                                                       "TF_NUM_INTEROP_THREADS": "4"}
-    # A parameter-server cluster's inter-op pool never drops below 2 (it deadlocks with 1).
-    assert thread_env(1, {}) == {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "1",
+    # The inter-op pool never drops below 2 (a blocking kernel deadlocks a task with 1).
+    assert thread_env(1, {}) == {"TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2",
                                  "OMP_NUM_THREADS": "1"}
-    assert thread_env(1, {}, parameter_server=True) == {
-        "TF_NUM_INTRAOP_THREADS": "1", "TF_NUM_INTEROP_THREADS": "2", "OMP_NUM_THREADS": "1"}
+    assert thread_env(1, {"TF_NUM_INTEROP_THREADS": "1"}) == {
+        "TF_NUM_INTRAOP_THREADS": "1", "OMP_NUM_THREADS": "1"}  # the user's choice wins
     with pytest.raises(ValueError, match="at least one task"):
         threads_per_task(0)
     with pytest.raises(ValueError, match=">= 0"):

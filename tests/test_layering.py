@@ -37,6 +37,9 @@ ALLOWED = {
                  "server", "keras_hooks"},
     "server": {"launch", "ops"},
     "keras_hooks": {"strategy", "pipeline", "sharding", "collectives", "ops", "launch", "data"},
+    # Keras 3's layers and hooks, beside tf_keras' (keras_hooks, whose saving helpers it shares).
+    "keras3": {"keras_hooks", "strategy", "pipeline", "sharding", "collectives", "ops", "launch",
+               "data"},
 }
 # What each part may never import (everything of tf_nestpipe it is not allowed).
 def imported_names(path):
@@ -120,12 +123,13 @@ def test_the_layer_check_sees_a_forbidden_import(tmp_path, monkeypatch):
     assert [imported for _, imported in found] == ["strategy"], found
 
 
-PRIVATE_TF = ("tensorflow.python", "tf_keras.src")
+PRIVATE_TF = ("tensorflow.python", "tf_keras.src", "keras.src")
 PRIVATE_TF_MODULE = os.path.join("tf_nestpipe", "tf_private.py")
 
 
 def private_tf_imports(path):
-    """The private TensorFlow / tf_keras modules (`PRIVATE_TF`) a module imports, at any depth."""
+    """The private TensorFlow / tf_keras / Keras 3 modules (`PRIVATE_TF`) a module imports, at any
+    depth."""
     return {name for name in imported_names(path) if name.startswith(PRIVATE_TF)}
 
 

@@ -2,7 +2,8 @@
 
 Embedding tables are placed per table by a planner (row-sharded across workers, model parallel,
 or replicated where that is cheaper), dense weights mirrored (data parallel), with exact
-synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`).
+synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`, set on import unless set) or
+with Keras 3 (`import keras` and `from tf_nestpipe import keras3`).
 """
 import os
 import sys

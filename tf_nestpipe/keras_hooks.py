@@ -15,6 +15,8 @@ of one job each:
   `get_metrics_result`, a TFRS `train_step`'s `m.result()`) come from one packed sum, riding on
   the gradients' all-reduce when it can (`strategy.summed_reads`), instead of one collective per
   state variable;
+- `BackupAndRestore(save_before_preemption=True)`: SIGTERM backs up the same step on every
+  worker and exits; the relaunch resumes at the next step (`strategy.keras_preemption`);
 - `fit` over a DOWNPOUR `tnp.ParameterServerStrategy(update_window=T)`: one window per step
   (`strategy.downpour_fit`).
 """
@@ -30,8 +32,8 @@ import tensorflow as tf
 import tf_keras
 
 from tf_nestpipe.pipeline import keras_outputs, task_losses
-from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_saving,
-                                  keras_weights)
+from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_preemption,
+                                  keras_saving, keras_weights)
 from tf_nestpipe import tf_private
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
@@ -94,8 +96,13 @@ def _with_model_context(make_function):
         if function is None or getattr(function, _HOOKED, False):
             return function
 
+        training = make_function.__name__ == "make_train_function"
+
         @functools.wraps(function)
         def run(*args, **kwargs):
+            if training and args:
+                # A fit resumed inside an epoch first skips what that epoch trained on.
+                keras_preemption.skip_trained_batches(self, args[0])
             with _tracing_model(self), metric_reads_within_step(self):
                 return function(*args, **kwargs)
 
@@ -239,6 +246,11 @@ def install():
         wrapped_init = keras_callbacks.accept_nestpipe_strategy(backup.__init__)
         setattr(wrapped_init, _HOOKED, True)
         backup.__init__ = wrapped_init
+        # save_before_preemption under NestPipeStrategy (strategy.keras_preemption).
+        for name, wrap in keras_preemption.WRAPPERS.items():
+            wrapped = wrap(getattr(backup, name))
+            setattr(wrapped, _HOOKED, True)
+            setattr(backup, name, wrapped)
     # get_weights / set_weights: whole tables (strategy.keras_weights).
     layer = tf_keras.layers.Layer
     if not getattr(layer.get_weights, _HOOKED, False):

@@ -239,6 +239,11 @@ EXIT_GRACE_SECONDS = register(
     "EXIT_GRACE_SECONDS", seconds(0, "0 turns the exit guard off"), 15.0,
     "How long a worker's shutdown may take after an uncaught error before it is forced to exit "
     "(printing every thread's stack); 0 never forces it.")
+PREEMPTION_CHECK_SECONDS = register(
+    "PREEMPTION_CHECK_SECONDS", seconds(0, "0 checks at every step"), 1.0,
+    "About how often (seconds of training) the workers of a `fit` with "
+    "`BackupAndRestore(save_before_preemption=True)` agree whether one got SIGTERM (one tiny "
+    "all-gather each time); a preemption save comes up to this much later.")
 LAUNCH_OUTPUT = register(
     "LAUNCH_OUTPUT", choice(*LAUNCH_OUTPUT_MODES), "first",
     "Which tasks' output `python -m tf_nestpipe.launch` shows on the console: the first "

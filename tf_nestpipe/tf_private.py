@@ -7,6 +7,8 @@ It imports nothing of tf_nestpipe, so every layer (ops, collectives, sharding, p
 strategy) may import it. The modules are re-exported under the names below; the functions wrap
 the private attributes the package reads."""
 # pylint: disable=unused-import
+import contextlib
+
 import tensorflow as tf
 from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
 from tensorflow.python.checkpoint import graph_view  # noqa: F401
@@ -233,3 +235,64 @@ def accept_strategy_in_backup(callback, strategy_class):
     supported = tuple(callback._supported_strategies)  # pylint: disable=protected-access
     if strategy_class not in supported:
         callback._supported_strategies = supported + (strategy_class,)  # pylint: disable=protected-access
+
+
+# --- Keras 3 (`import keras`, TensorFlow backend) -------------------------------------------------
+# Imported on first use: a tf_keras user's process never loads Keras 3.
+def keras3_tf_trainer_module():
+    """Keras 3's TensorFlow trainer module (`TensorFlowTrainer`, its `reduce_per_replica`)."""
+    from keras.src.backend.tensorflow import trainer  # pylint: disable=import-outside-toplevel
+    return trainer
+
+
+def keras3_tf_optimizer_class():
+    """Keras 3's TensorFlow optimizer base class (`TFOptimizer`: its gradients' all-reduce)."""
+    from keras.src.backend.tensorflow import optimizer  # pylint: disable=import-outside-toplevel
+    return optimizer.TFOptimizer
+
+
+def keras3_base_optimizer_class():
+    """Keras 3's backend-independent optimizer base class (its `load_own_variables`)."""
+    from keras.src.optimizers import base_optimizer  # pylint: disable=import-outside-toplevel
+    return base_optimizer.BaseOptimizer
+
+
+def keras3_trackable_layers(model):
+    """Every layer of a Keras 3 model or layer, nested ones included (itself first)."""
+    return list(model._flatten_layers())  # pylint: disable=protected-access
+
+
+def is_keras3_object(obj):
+    """Whether `obj` is an instance of a Keras 3 class (a `keras.src` module's), without
+    importing Keras 3."""
+    return any(cls.__module__.startswith("keras.src.") for cls in type(obj).__mro__)
+
+
+def keras3_variable_value(variable):
+    """The `tf.Variable` behind a Keras 3 variable (anything else as it is)."""
+    return variable.value if is_keras3_object(variable) else variable
+
+
+def keras3_input_structure(model):
+    """A Keras 3 functional model's inputs as `tf.TensorSpec`s in the structure it is called
+    with (None for a model without symbolic inputs)."""
+    structure = getattr(model, "_inputs_struct", None)  # Functional's, Keras 3.15
+    if structure is None:
+        return None
+    return tf.nest.map_structure(
+        lambda t: tf.TensorSpec(t.shape, t.dtype, name=getattr(t, "name", None)), structure)
+
+
+@contextlib.contextmanager
+def keras3_eager_variable_creation():
+    """Within this context Keras 3 creates variables at once, outside any `StatelessScope`
+    (where it would defer them to the scope's exit) and any function graph (`tf.init_scope`):
+    a sharded table must be created while its row-shard context is active."""
+    from keras.src.backend.common import global_state  # pylint: disable=import-outside-toplevel
+    previous = global_state.get_global_attribute("stateless_scope")
+    global_state.set_global_attribute("stateless_scope", None)
+    try:
+        with tf.init_scope():
+            yield
+    finally:
+        global_state.set_global_attribute("stateless_scope", previous)

@@ -12,7 +12,11 @@ usage: keras_checkpoint.py OUT_DIR fit | load | killed
   killed (under the launcher's --restarts 1): OUT_DIR/killed_reference.npz, an uninterrupted
        fit of a model fit builds; OUT_DIR/killed_resumed.npz, the same fit with
        BackupAndRestore after worker 1 was SIGKILLed at the end of epoch 2 and the cluster
-       restarted.
+       restarted (OUT_DIR/killed_reference_step11.npz: the reference one step before its end);
+       then (under --restarts 2) OUT_DIR/preempted_resumed.npz: the same fit with tf_keras'
+       BackupAndRestore(save_before_preemption=True, save_freq="epoch") after worker 1 got
+       SIGTERM mid-epoch (after epoch 2's first batch), every worker backed up the next batch
+       and exited, and the cluster restarted.
 Every .npz holds the whole tables, dense weights by position and the tables' Adagrad slots.
 """
 import os
@@ -112,6 +116,59 @@ def lazy_model(strategy):
     return model
 
 
+class SigtermWorker1(tf_keras.callbacks.Callback):
+    """Sends SIGTERM to worker 1 itself (a preempted pod) at the end of batch `batch` of epoch
+    `epoch` (0-based), once: `marker` remembers it. Records the (epoch, batch) steps run."""
+
+    def __init__(self, strategy, epoch, batch, marker):
+        super().__init__()
+        self.strategy, self.epoch, self.batch, self.marker = strategy, epoch, batch, marker
+        self.current_epoch, self.steps = None, []
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append((self.current_epoch, batch))
+        if ((self.current_epoch, batch) == (self.epoch, self.batch)
+                and self.strategy.worker_index == 1 and not os.path.exists(self.marker)):
+            open(self.marker, "w").close()
+            print("worker 1 gets SIGTERM after epoch %d batch %d"
+                  % (self.epoch + 1, self.batch + 1), flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+class StateAt(tf_keras.callbacks.Callback):
+    """Saves `state` at the end of batch `batch` of epoch `epoch` (0-based) to `path`."""
+
+    def __init__(self, strategy, epoch, batch, path):
+        super().__init__()
+        self.strategy, self.epoch, self.batch, self.path = strategy, epoch, batch, path
+        self.current_epoch = None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.current_epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.current_epoch, batch) == (self.epoch, self.batch):
+            save(self.strategy, self.path, state(self.strategy, self.model))
+
+
+def preempted(strategy, out, data):
+    """tf_keras' own BackupAndRestore with save_before_preemption: worker 1 gets SIGTERM after
+    epoch 2's first batch; every worker backs up epoch 2's second batch and exits (42); the
+    restarted attempt resumes at its third batch."""
+    tf_keras.utils.set_random_seed(5)
+    model = lazy_model(strategy)
+    steps = SigtermWorker1(strategy, 1, 0, os.path.join(out, "preempted.marker"))
+    model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0, callbacks=[
+        tf_keras.callbacks.BackupAndRestore(os.path.join(out, "backup_preempted"),
+                                            save_before_preemption=True),
+        steps])
+    print("preempted run trained steps", steps.steps, flush=True)
+    save(strategy, os.path.join(out, "preempted_resumed.npz"), state(strategy, model))
+
+
 def killed(strategy, out, data):
     """Under `--restarts 1`: an uninterrupted fit of a model fit builds (first attempt only),
     then the same fit with BackupAndRestore, worker 1 SIGKILLed after epoch 2; the restarted
@@ -120,7 +177,10 @@ def killed(strategy, out, data):
     if not os.path.exists(os.path.join(out, "killed.marker")):
         tf_keras.utils.set_random_seed(5)
         model = lazy_model(strategy)
-        model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0)
+        before_last = StateAt(strategy, EPOCHS - 1, STEPS_PER_EPOCH - 2,
+                              os.path.join(out, "killed_reference_step11.npz"))
+        model.fit(data, epochs=EPOCHS, steps_per_epoch=STEPS_PER_EPOCH, verbose=0,
+                  callbacks=[before_last])
         save(strategy, reference, state(strategy, model))
     tf_keras.utils.set_random_seed(5)
     model = lazy_model(strategy)
@@ -140,7 +200,9 @@ def main():
     chief = strategy.worker_index == 0
     data, batches = dataset(strategy)
     if phase == "killed":
-        killed(strategy, out, data)
+        if not os.path.exists(os.path.join(out, "killed_resumed.npz")):
+            killed(strategy, out, data)
+        preempted(strategy, out, data)
     elif phase == "fit":
         tf_keras.utils.set_random_seed(1)
         model = new_model(strategy, batches)

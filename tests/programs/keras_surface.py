@@ -295,8 +295,9 @@ class CallMetrics(tf_keras.Model):
 
 
 def call_metrics_run(strategy, x, y):
-    """Fits CallMetrics (pipeline "none": micro-batches would see each part's metrics);
-    returns its history."""
+    """Fits CallMetrics (pipeline "none": under micro-batches its max metric would be the
+    parts' statistic; tests/test_frozen_window.py checks their mean metrics); returns its
+    history."""
     pipeline, strategy.pipeline = strategy.pipeline, "none"
     try:
         tf_keras.utils.set_random_seed(12)
@@ -309,6 +310,51 @@ def call_metrics_run(strategy, x, y):
         return {"call_metrics/" + key: np.array(values) for key, values in history.history.items()}
     finally:
         strategy.pipeline = pipeline
+
+
+def loop_inside_function_run(strategy):
+    """A custom loop that takes its batches from a distributed iterator inside a tf.function
+    (TensorFlow's ctl_correctness pattern: a nested tf.function step, a synchronized batch norm,
+    2 steps an epoch, a new iterator each epoch); it hangs with one inter-op thread per task.
+    Returns the weights after 2 epochs, the last epoch's loss and the inter-op threads."""
+    rng = np.random.RandomState(21)
+    features = rng.rand(48, 1).astype("float32")
+    dataset = tf.data.Dataset.from_tensor_slices((features, 3 * features)).batch(24)
+    tf_keras.utils.set_random_seed(21)
+    with strategy.scope():
+        model = tf_keras.Sequential([
+            tf_keras.layers.Dense(8, activation="relu", input_shape=(1,)),
+            tf_keras.layers.BatchNormalization(synchronized=True),
+            tf_keras.layers.Dense(1)])
+        optimizer = tf_keras.optimizers.Adagrad(0.1)
+    distributed = strategy.experimental_distribute_dataset(dataset)
+
+    @tf.function
+    def train_epoch(batches):
+        @tf.function
+        def step(inputs):
+            samples, labels = inputs
+            with tf.GradientTape() as tape:
+                loss = tf.nn.compute_average_loss(
+                    tf_keras.losses.mean_squared_error(labels, model(samples, training=True)),
+                    global_batch_size=24)
+            grads = tape.gradient(loss, model.trainable_variables)
+            optimizer.apply_gradients(zip(grads, model.trainable_variables))
+            return loss
+
+        iterator = iter(batches)
+        total = 0.0
+        for _ in range(2):
+            total += strategy.reduce("SUM", strategy.run(step, args=(next(iterator),)), axis=None)
+        return total / 2.0
+
+    for _ in range(2):
+        loss = train_epoch(distributed)
+    out = {"loop_in_function/%d" % i: w for i, w in enumerate(model.get_weights())}
+    out["loop_in_function/loss"] = loss.numpy()
+    out["loop_in_function/inter_op_threads"] = np.array(
+        int(os.environ.get("TF_NUM_INTEROP_THREADS", "0")))
+    return out
 
 
 def weight_copy(strategy, model, predict_ds):
@@ -455,6 +501,7 @@ def main():
     results.update(metric_reads(strategy, model))
     results.update(mixed_precision_run(strategy, x, y))
     results.update(call_metrics_run(strategy, x, y))
+    results.update(loop_inside_function_run(strategy))
     try:  # outside the scope: each worker would train its own model
         tf_keras.Sequential([tnp.ShardedEmbedding(VOCAB_A, DIM)]).build((None,))
         results["outside_scope"] = "built"

@@ -22,7 +22,7 @@ from typing import List, NamedTuple
 
 # The Markdown files with examples, relative to the repository, in the order their blocks run:
 # the README's example first, then the guides that continue its session.
-DOCUMENTS = ("README.md", "docs/guides/checkpoints.md", "docs/concepts/pipelines.md",
+DOCUMENTS = ("README.md", "docs/guides/keras3.md", "docs/guides/checkpoints.md", "docs/concepts/pipelines.md",
              "docs/concepts/placement.md", "docs/guides/compressed_exchanges.md",
              "docs/concepts/ps_mode.md", "docs/guides/dynamic_tables.md",
              "docs/concepts/transport.md")

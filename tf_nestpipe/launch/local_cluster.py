@@ -14,7 +14,9 @@ whatever the mode, and every attempt ends with one summary line per task (exit c
 log file). TensorFlow's informational start-up lines, printed before its log level applies,
 stay in the log files only. SIGTERM / SIGINT to the launcher is forwarded to the training tasks
 as SIGTERM (so `PreemptionCheckpointHandler` saves); after `grace_period` seconds what still runs is killed, and
-the launcher exits with the tasks' code (128 + signal if it had to kill them). Where the
+the launcher exits with the tasks' code (128 + signal if it had to kill them). A task that exits
+with `PREEMPTED_EXIT_CODE` (it saved on a preemption) does not fail fast either: the others,
+saving the same step, get `grace_period` seconds to exit before the cluster is torn down. Where the
 launcher splits this machine's cores among the tasks (no `threads_per_task` given, no ps tasks)
 it also pins each task to its own physical cores (`cpu_pinning`), its thread pools sized to
 them; `pin_cpus=False` leaves the tasks unpinned, `True` pins them in any cluster.
@@ -46,6 +48,8 @@ _PR_SET_PDEATHSIG = 1
 OUTPUT_ENV = settings.LAUNCH_OUTPUT.name
 OUTPUT_MODES = settings.LAUNCH_OUTPUT_MODES
 DEFAULT_GRACE_PERIOD = 25.0  # below Kubernetes' default terminationGracePeriodSeconds (30)
+# The exit code of a training task that saved on preemption (its peers save the same step).
+PREEMPTED_EXIT_CODE = 42
 _FAILURE_TAIL_LINES = 30
 # TensorFlow's start-up lines that come before it reads TF_CPP_MIN_LOG_LEVEL (so that setting
 # cannot hide them): informational, printed by every task. Kept in the log files; not shown on
@@ -277,8 +281,7 @@ class LocalCluster:
         # A pinned task's pools: one thread per CPU it has, unless the user sized them (an
         # explicit --threads-per-task wins, also with --pin-cpus); otherwise the equal split.
         threads = len(cpus) if cpus and self._pools_per_cpu else self.threads_per_task
-        env.update(thread_pools.thread_env(threads, env,
-                                           parameter_server=self.parameter_server_mode))
+        env.update(thread_pools.thread_env(threads, env))
         env.update(allocator_env(env))  # freed memory stays in the task (launch.allocator)
         try:  # its server listens only on its TF_CONFIG address, not on every interface
             env.update(listen_only_env(self.cluster[role][index], env))
@@ -397,28 +400,48 @@ class LocalCluster:
     def _exit_code(code: Optional[int]) -> int:
         return 128 - code if code is not None and code < 0 else int(code or 0)
 
-    def _wait_after_signal(self) -> int:
-        """The tasks got SIGTERM: waits up to the grace period for every training task to exit
-        (no fail-fast: the others may still be writing their preemption checkpoint), then kills
-        what runs. Returns the first non-zero exit code of a training task (0 if all succeeded),
-        or 128 + the signal when one had to be killed."""
+    def _wait_for_training_tasks(self) -> List[str]:
+        """Waits up to the grace period for every training task to exit; returns the roles of
+        those still running."""
         deadline = time.time() + self.grace_period
         commands = [t for t in self.tasks if t.runs_command]
         while any(t.process.poll() is None for t in commands) and time.time() < deadline:
             time.sleep(0.1)
         self._note_exits()
-        running = [t.role for t in commands if t.process.poll() is None]
+        return [t.role for t in commands if t.process.poll() is None]
+
+    def _wait_after_signal(self) -> int:
+        """The tasks got SIGTERM: waits up to the grace period for every training task to exit
+        (no fail-fast: the others may still be writing their preemption checkpoint), then kills
+        what runs. Returns the first non-zero exit code of a training task (0 if all succeeded),
+        or 128 + the signal when one had to be killed."""
+        running = self._wait_for_training_tasks()
         if running:
             self._say("%s still running %.0f s after SIGTERM; killing them"
                       % (", ".join(running), self.grace_period))
             return 128 + self._signal
-        codes = [self._exit_code(t.process.returncode) for t in commands]
+        codes = [self._exit_code(t.process.returncode) for t in self.tasks if t.runs_command]
         return next((c for c in codes if c), 0)
 
+    def _wait_after_preemption(self, role: str) -> bool:
+        """`role` exited after its preemption save: the other training tasks save the same step
+        and exit; waits up to the grace period for them (what still runs is then killed).
+        Returns whether every training task exited with 0 or `PREEMPTED_EXIT_CODE`."""
+        self._say("%s saved on preemption (exit %d); waiting up to %.0f s for the other tasks"
+                  % (role, PREEMPTED_EXIT_CODE, self.grace_period))
+        running = self._wait_for_training_tasks()
+        if running:
+            self._say("%s still running %.0f s after %s's preemption exit; killing them"
+                      % (", ".join(running), self.grace_period, role))
+            return False
+        return all(t.process.returncode in (0, PREEMPTED_EXIT_CODE)
+                   for t in self.tasks if t.runs_command)
+
     def wait(self, timeout: Optional[float] = None) -> int:
-        """Waits until every command task succeeded (0) or one failed / timed out (non-zero)."""
+        """Waits until every command task succeeded (0) or one failed / timed out (non-zero:
+        `PREEMPTED_EXIT_CODE` when every training task exited after its preemption save)."""
         deadline = None if timeout is None else time.time() + timeout
-        failed, failed_task, signalled = None, None, None
+        failed, failed_task, signalled, preempted = None, None, None, False
         try:
             while True:
                 if self._signal is not None:
@@ -431,6 +454,8 @@ class LocalCluster:
                         pending = pending or task.runs_command
                     elif code != 0 and not self._restart_if_worker_server(position, code):
                         failed, failed_task = (task.role, code), task
+                        if code == PREEMPTED_EXIT_CODE and task.runs_command:
+                            preempted = self._wait_after_preemption(task.role)
                         break
                 self._note_exits()
                 if failed or not pending:
@@ -441,15 +466,20 @@ class LocalCluster:
                 time.sleep(0.1)
         finally:
             self.kill_all()
-        if failed_task is not None:
+        if preempted:
+            self._say("every training task saved on preemption; the cluster stopped (exit %d)"
+                      % PREEMPTED_EXIT_CODE)
+        elif failed_task is not None:
             self._show_tail(failed_task)
-        if failed:
+        if failed and not preempted:
             self._say("task %s failed (%s); the cluster was torn down" % failed)
         for line in self.summary():
             self._say(line)
         if signalled is not None:
             self._say("stopped on signal %d; exit %d" % (self._signal, signalled))
             return signalled
+        if preempted:
+            return PREEMPTED_EXIT_CODE
         return 1 if failed else 0
 
     def run(self, timeout: Optional[float] = None, restarts: int = 0) -> int:

@@ -40,7 +40,7 @@ from tf_nestpipe.pipeline.auto import AutoPipeline, auto_candidates
 from tf_nestpipe.pipeline.clustering import integer_leaves
 from tf_nestpipe.pipeline.frozen_window import cluster_batch, frozen_window, split_batch
 from tf_nestpipe.pipeline.modes import LOOKAHEAD, MICRO_BATCHED
-from tf_nestpipe.pipeline.quiet_metrics import untouched_metrics
+from tf_nestpipe.pipeline.quiet_metrics import share_weighted_metrics, untouched_metrics
 from tf_nestpipe.pipeline.task_losses import tfrs_base_step
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
 from tf_nestpipe import tf_private
@@ -254,7 +254,9 @@ def _frozen_window_train_step(model, data, micro_batches, cluster=False):
     predictions, losses, regularization = [], [], []
     with tf.GradientTape() as tape, frozen_window():
         for part, share in parts:
-            y_pred = model(part["x"], training=True)
+            # A scalar update of a mean metric in call() counts the part's share of the step.
+            with share_weighted_metrics(model, share):
+                y_pred = model(part["x"], training=True)
             predictions.append(y_pred)
             if own_loss:
                 # compute_loss averages over the micro-batch; `share` turns that into its part

@@ -548,11 +548,11 @@ def model_tables(model) -> Dict[str, TableSpec]:
     """The TableSpecs of every `ShardedEmbedding` of a tf_keras model (built or not), by name
     (imports tf_nestpipe's layers: only for `python -m tf_nestpipe.plan placement --model`)."""
     from tf_nestpipe import tf_private
-    from tf_nestpipe.sharding.embedding import ShardedEmbedding
+    from tf_nestpipe.sharding.embedding import ShardedTableLayer
 
     found = {}
     for layer in tf_private.flatten_layers(model):
-        if isinstance(layer, ShardedEmbedding):
+        if isinstance(layer, ShardedTableLayer):
             found[layer.name] = TableSpec(layer.name, layer.vocab_size, layer.dim)
     return found
 

@@ -68,35 +68,12 @@ def table_owner_of(strategy, layer):
     return strategy.extended.table_owner(layer)
 
 
-# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
-@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
-class ShardedEmbedding(tf_keras.layers.Layer):
-    """Embedding table placed over the workers of a `NestPipeStrategy` by its planner: row-sharded
-    (owner = id mod W), whole on one worker, or replicated (see `self.placement`).
-
-    Outside a NestPipeStrategy scope it is an ordinary embedding. Inputs: int ids `[batch]` or
-    `[batch, k]`, or a `tf.RaggedTensor` `[batch, None]` of multi-hot ids. With `combiner=None`
-    the output is `ids.shape + [dim]` (ragged inputs need a combiner); `"sum"` / `"mean"` pool
-    the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
-    table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
-    gradient (`invalid_id_policy="zero"`). The strategy's planner places the table when it is
-    built (`self.placement`): "row_wise" (row shards, the exchange), "table_wise" (the whole
-    table on one worker, `self.layout.owner_shard`, looked up through the same exchange) or
-    "data_parallel" (a mirrored whole table, local gathers; see
-    `NestPipeStrategy(placement=...)`, "auto" by default: small tables replicated).
-
-    Args:
-        vocab_size: Rows of the table (ids in `[0, vocab_size)`).
-        dim: The embedding dimension.
-        combiner: None, "sum" or "mean" (pools the last id axis; needed for ragged ids).
-        embeddings_initializer: A tf_keras initializer (name or object); the standard ones
-            fill each worker's rows with exactly the values the whole table would hold.
-        invalid_id_policy: "error" (default) or "zero".
-        **kwargs: tf_keras `Layer` arguments (`name`, ...).
-
-    Raises:
-        ValueError: A bad argument, naming it; at call time, ids of the wrong shape or kind.
-    """
+class ShardedTableLayer:
+    """What a sharded embedding layer does, whichever Keras it is a layer of: placement at
+    build, lookups through the installed fetcher, whole-table reads. A concrete layer mixes it
+    into a Keras `Layer` class and defines the Keras-specific `_get_initializer`,
+    `_serialize_initializer` and `_add_table_weight` (see `ShardedEmbedding`, and
+    `tf_nestpipe.keras3.ShardedEmbedding` for Keras 3)."""
 
     def __init__(self, vocab_size, dim, combiner=None, embeddings_initializer="uniform",
                  invalid_id_policy="error", **kwargs):
@@ -116,7 +93,7 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         self.dim = int(dim)
         self.combiner = combiner
         self.invalid_id_policy = invalid_id_policy
-        self.embeddings_initializer = tf_keras.initializers.get(embeddings_initializer)
+        self.embeddings_initializer = self._get_initializer(embeddings_initializer)
         self.layout = None
         self.placement = None  # set when built under a NestPipeStrategy
         # The strategy whose scope the layer was created in; its variables are built there even
@@ -137,9 +114,8 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         if self._ps_row_order is not None:
             self.layout = ShardLayout(self.vocab_size, self.dim)
             # Created in the scope: the strategy shards it over the ps tasks.
-            self.embeddings = self.add_weight(name="embeddings", shape=(self.vocab_size, self.dim),
-                                              initializer=self.embeddings_initializer,
-                                              trainable=True, experimental_autocast=False)
+            self.embeddings = self._add_table_weight((self.vocab_size, self.dim),
+                                                     self.embeddings_initializer)
             super().build(input_shape)
             return
         if self._strategy is None and embedding_exchange_of(tf.distribute.get_strategy()):
@@ -164,10 +140,9 @@ class ShardedEmbedding(tf_keras.layers.Layer):
         else:
             self.layout = ShardLayout(self.vocab_size, self.dim)
         with scope, creation:
-            self.embeddings = self.add_weight(
-                name="embeddings", shape=(self.layout.local_rows, self.dim),
-                initializer=RowShardInitializer(self.embeddings_initializer, self.layout),
-                trainable=True, experimental_autocast=False)
+            self.embeddings = self._add_table_weight(
+                (self.layout.local_rows, self.dim),
+                RowShardInitializer(self.embeddings_initializer, self.layout))
         if self.placement == DATA_PARALLEL:
             mark_replicated_table(self.embeddings, self.name)
         if self.exchanged:
@@ -318,7 +293,49 @@ class ShardedEmbedding(tf_keras.layers.Layer):
             "vocab_size": self.vocab_size,
             "dim": self.dim,
             "combiner": self.combiner,
-            "embeddings_initializer": tf_keras.initializers.serialize(self.embeddings_initializer),
+            "embeddings_initializer": self._serialize_initializer(self.embeddings_initializer),
             "invalid_id_policy": self.invalid_id_policy,
         })
         return config
+
+
+# Registered: `.keras` / `.h5` model files and `from_config` find it with no `custom_objects`.
+@tf_keras.utils.register_keras_serializable(package="tf_nestpipe")
+class ShardedEmbedding(ShardedTableLayer, tf_keras.layers.Layer):
+    """Embedding table placed over the workers of a `NestPipeStrategy` by its planner: row-sharded
+    (owner = id mod W), whole on one worker, or replicated (see `self.placement`).
+
+    Outside a NestPipeStrategy scope it is an ordinary embedding. Inputs: int ids `[batch]` or
+    `[batch, k]`, or a `tf.RaggedTensor` `[batch, None]` of multi-hot ids. With `combiner=None`
+    the output is `ids.shape + [dim]` (ragged inputs need a combiner); `"sum"` / `"mean"` pool
+    the last id axis into `[batch, dim]`. Ids outside `[0, vocab_size)` raise an error naming the
+    table and the id (`invalid_id_policy="error"`, default) or embed to zero vectors that get no
+    gradient (`invalid_id_policy="zero"`). The strategy's planner places the table when it is
+    built (`self.placement`): "row_wise" (row shards, the exchange), "table_wise" (the whole
+    table on one worker, `self.layout.owner_shard`, looked up through the same exchange) or
+    "data_parallel" (a mirrored whole table, local gathers; see
+    `NestPipeStrategy(placement=...)`, "auto" by default: small tables replicated).
+
+    Args:
+        vocab_size: Rows of the table (ids in `[0, vocab_size)`).
+        dim: The embedding dimension.
+        combiner: None, "sum" or "mean" (pools the last id axis; needed for ragged ids).
+        embeddings_initializer: A tf_keras initializer (name or object); the standard ones
+            fill each worker's rows with exactly the values the whole table would hold.
+        invalid_id_policy: "error" (default) or "zero".
+        **kwargs: tf_keras `Layer` arguments (`name`, ...).
+
+    Raises:
+        ValueError: A bad argument, naming it; at call time, ids of the wrong shape or kind.
+    """
+
+    # tf_keras specifics of `ShardedTableLayer`.
+    def _get_initializer(self, identifier):
+        return tf_keras.initializers.get(identifier)
+
+    def _serialize_initializer(self, initializer):
+        return tf_keras.initializers.serialize(initializer)
+
+    def _add_table_weight(self, shape, initializer):
+        return self.add_weight(name="embeddings", shape=shape, initializer=initializer,
+                               trainable=True, experimental_autocast=False)

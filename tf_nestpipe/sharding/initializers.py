@@ -17,9 +17,17 @@ from tf_nestpipe.ops.row_init import stateless_row_init
 _patch_lock = threading.RLock()
 # Tables up to this size may be built in full by initializers we cannot shard row-wise.
 _MATERIALIZE_LIMIT_BYTES = 64 << 20
-# Initializers whose values are elementwise functions of one stateless draw of the full shape.
-_ROW_WISE = (tf_keras.initializers.RandomUniform, tf_keras.initializers.RandomNormal,
-             tf_keras.initializers.TruncatedNormal, tf_keras.initializers.VarianceScaling)
+# Initializers whose values are elementwise functions of one stateless draw of the full shape
+# (tf_keras' and Keras 3's classes of these names, and their subclasses: glorot_*, he_*, ...).
+_ROW_WISE = ("RandomUniform", "RandomNormal", "TruncatedNormal", "VarianceScaling")
+_KERAS_PACKAGES = ("tf_keras", "keras")
+
+
+def _is_keras_initializer(init, names):
+    """Whether `init` is a tf_keras or Keras 3 initializer of one of the classes `names` (or of
+    a subclass of one)."""
+    return any(cls.__name__ in names and cls.__module__.split(".")[0] in _KERAS_PACKAGES
+               for cls in type(init).__mro__)
 
 
 class _RowSubsetRandom:
@@ -95,10 +103,12 @@ def _rows_only_random(full_shape, rows):
 
 
 class RowShardInitializer:
-    """Wraps a tf_keras initializer so that it fills only `layout`'s rows of the full table."""
+    """Wraps a tf_keras or Keras 3 initializer so that it fills only `layout`'s rows of the full
+    table (a name is looked up as a tf_keras initializer)."""
 
     def __init__(self, initializer, layout):
-        self.initializer = tf_keras.initializers.get(initializer)
+        self.initializer = (initializer if callable(initializer)
+                            else tf_keras.initializers.get(initializer))
         self.layout = layout
 
     def __call__(self, shape, dtype=None, **kwargs):
@@ -109,16 +119,16 @@ class RowShardInitializer:
         init = self.initializer
         if layout.local_rows == 0:  # a table-wise table on another worker: no rows here
             return tf.zeros(local_shape, dtype)
-        if isinstance(init, tf_keras.initializers.Zeros):
+        if _is_keras_initializer(init, ("Zeros",)):
             return tf.zeros(local_shape, dtype)
-        if isinstance(init, tf_keras.initializers.Ones):
+        if _is_keras_initializer(init, ("Ones",)):
             return tf.ones(local_shape, dtype)
-        if isinstance(init, tf_keras.initializers.Constant):
+        if _is_keras_initializer(init, ("Constant",)):
             return tf.cast(tf.fill(local_shape, init.value), dtype)
         if layout.num_shards == 1:
             return init(full_shape, dtype=dtype)
         rows = layout.global_ids()
-        if isinstance(init, _ROW_WISE) and dtype == tf.float32:
+        if _is_keras_initializer(init, _ROW_WISE) and dtype == tf.float32:
             with _rows_only_random(full_shape, rows) as subset:
                 values = init(full_shape, dtype=dtype)
             if subset.used and tuple(values.shape) == local_shape:

@@ -19,7 +19,7 @@ import tensorflow as tf
 
 from tf_nestpipe.sharding import fetch
 from tf_nestpipe.sharding.dynamic_embedding import DynamicEmbedding
-from tf_nestpipe.sharding.embedding import ShardedEmbedding
+from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe import tf_private
 
 
@@ -72,7 +72,7 @@ fetch.set_fallback(_fetcher_in_save_context)
 
 def _sharded_layers(model):
     return [layer for layer in tf_private.flatten_layers(model)
-            if isinstance(layer, ShardedEmbedding)]
+            if isinstance(layer, ShardedTableLayer)]
 
 
 def _dynamic_layers(model):
@@ -118,7 +118,8 @@ def _serving_module(model, tables_by_layer, input_signature, pack=lambda inputs:
     module = tf.Module()
     shards = {id(layer.embeddings) for layer in _sharded_layers(model)}
     shards |= {id(layer.rows) for layer in _dynamic_layers(model)}
-    module.dense_variables = [v for v in model.variables if id(v) not in shards]
+    variables = [tf_private.keras3_variable_value(v) for v in model.variables]
+    module.dense_variables = [v for v in variables if id(v) not in shards]
     module.tables = list(tables_by_layer.values())
     module.resources = tracked_resources(model)
     names = sorted(input_signature)
@@ -146,7 +147,9 @@ def infer_input_signature(model):
     dict back into the structure the model is called with. Refused with the fix when the model
     has no known inputs."""
     structure = None
-    if tf_private.is_graph_network(model) and model.inputs:
+    if tf_private.is_keras3_object(model):
+        structure = tf_private.keras3_input_structure(model)
+    elif tf_private.is_graph_network(model) and model.inputs:
         structure = tf.nest.map_structure(lambda t: t.type_spec,
                                           tf_private.nested_inputs(model))
     else:
@@ -180,7 +183,7 @@ def export_saved_model(model, path, input_signature=None, strategy=None):
     are gathered); worker 0 writes. The SavedModel serves without tf_nestpipe.
 
     Args:
-        model: A tf_keras model built under a `NestPipeStrategy`.
+        model: A tf_keras or Keras 3 model built under a `NestPipeStrategy`.
         path: The SavedModel directory.
         input_signature: {feature name: `tf.TensorSpec` or `tf.RaggedTensorSpec`}; default:
             the model's own inputs.

@@ -1,21 +1,19 @@
 """Checks of the Keras environment a `NestPipeStrategy` runs in: refusals that name the fix,
 instead of generic errors or silently different training.
 
-- Keras 3 (`import keras`, or `TF_USE_LEGACY_KERAS` unset / false so that `tf.keras` is Keras 3)
-  is refused at `NestPipeStrategy()` and `scope()`, and a Keras 3 variable created in the scope
-  is refused: its models run on one worker but fail on two. tf_nestpipe supports tf_keras.
-- The `mixed_float16` policy is refused: tf_keras' loss scaling would skip a step on the workers
+- Keras 3 (`import keras`) is served by `tf_nestpipe.keras3` (its layers and hooks): a Keras 3
+  variable created in a NestPipeStrategy scope while that module is not imported is refused
+  (the hooks that make its training exact would be missing), naming the import.
+- The `mixed_float16` policy (tf_keras' or Keras 3's) is refused: tf_keras' loss scaling would skip a step on the workers
   whose own row-shard gradients overflowed and apply it on the others (its finite check sees this
   worker's gradients only), so the workers' models would drift apart.
 - A `tf_keras.layers.Embedding` built in the scope is a full table replicated on every worker
   (its gradient all-reduced densely): a warning names the layer, its size and `ShardedEmbedding`.
 """
 import functools
-import os
 import sys
 import warnings
 
-_FALSE = ("0", "false", "no", "")
 
 
 class ReplicatedEmbeddingWarning(UserWarning):
@@ -37,35 +35,36 @@ FLOAT16_MESSAGE = (
 
 
 def check_keras_environment():
-    """Raises (with the fix) for Keras 3 and for the mixed_float16 policy (see module)."""
-    legacy = os.environ.get("TF_USE_LEGACY_KERAS", "").strip().lower()
-    if legacy in _FALSE or _keras3_loaded():
-        reason = ("the 'keras' package (Keras 3) is imported" if _keras3_loaded() else
-                  "TF_USE_LEGACY_KERAS=%r makes tf.keras Keras 3" % os.environ.get(
-                      "TF_USE_LEGACY_KERAS", ""))
-        raise RuntimeError(
-            "NestPipeStrategy supports tf_keras (Keras 2) only, but %s: a Keras 3 model runs on "
-            "one worker and fails on two. Set TF_USE_LEGACY_KERAS=1 before TensorFlow is "
-            "imported and build models with `import tf_keras` (or tf.keras), not `import keras`."
-            % reason)
+    """Raises (with the fix) for the mixed_float16 policy of tf_keras or Keras 3 (see module)."""
     tf_keras = sys.modules.get("tf_keras")
     if tf_keras is not None:
         policy = tf_keras.mixed_precision.global_policy()
         if policy.name == "mixed_float16":
             raise ValueError(FLOAT16_MESSAGE)
+    if _keras3_loaded():
+        policy = sys.modules["keras"].config.dtype_policy()
+        if getattr(policy, "name", "") == "mixed_float16":
+            raise ValueError(FLOAT16_MESSAGE.replace(
+                "tf_keras.mixed_precision.set_global_policy", "keras.config.set_dtype_policy"))
 
 
 def check_keras3_variable(frame):
     """Raises when the variable being created by the code at `frame` (and its callers) comes
-    from a Keras 3 (`keras.src`) layer or optimizer."""
+    from a Keras 3 (`keras.src`) layer or optimizer while `tf_nestpipe.keras3` (its hooks) is
+    not imported."""
+    if "tf_nestpipe.keras3" in sys.modules:
+        return
     depth = 0
     while frame is not None and depth < 12:
         module = frame.f_globals.get("__name__", "")
         if module == "keras" or module.startswith("keras.src"):
             raise RuntimeError(
                 "a Keras 3 (`import keras`) variable is being created in a NestPipeStrategy "
-                "scope (from %s): NestPipeStrategy supports tf_keras only. Set "
-                "TF_USE_LEGACY_KERAS=1 and build the model with `import tf_keras`." % module)
+                "scope (from %s), but tf_nestpipe's Keras 3 support is not loaded: its "
+                "gradients would be all-reduced without the strategy knowing its tables. Add "
+                "`from tf_nestpipe import keras3` (and use keras3.ShardedEmbedding for sharded "
+                "tables), or build the model with tf_keras (`import tf_keras`, "
+                "TF_USE_LEGACY_KERAS=1)." % module)
         frame, depth = frame.f_back, depth + 1
 
 

@@ -549,6 +549,9 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
+        if tf.nest.is_nested(value):  # e.g. a batch of features (Keras 3 reduces one to build)
+            return tf.nest.map_structure(
+                lambda v: self._reduce_to(reduce_op, v, destinations, options), value)
         packed = self._summed_reads.read(reduce_op, value, self._num_replicas_in_sync)
         if packed is not None:
             return packed
@@ -638,7 +641,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     Reads the cluster from `TF_CONFIG` (a single local worker without it). Build models under
     `strategy.scope()` and train them with tf_keras `fit`, `tnp.TrainPipeline` or `strategy.run`
-    in a custom loop. Under `fit` (and `TrainPipeline`) every row-wise lookup of a step goes
+    in a custom loop; Keras 3 models (`import keras`) with the layers of `tf_nestpipe.keras3`. Under `fit` (and `TrainPipeline`) every row-wise lookup of a step goes
     through one exchange per group of tables (one dim and dtype), however many layers the model
     has; `strategy.run` loops exchange each table on its own. Before TensorFlow's server starts,
     the tasks of a `TF_CONFIG` cluster check that all were given the same cluster
@@ -719,8 +722,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         tf_nestpipe.TFConfigError: A malformed `TF_CONFIG`.
         tf_nestpipe.launch.cluster_check.ClusterMismatchError: The tasks disagree about the
             cluster, or one never starts within `startup_timeout_seconds`.
-        RuntimeError: Keras 3 or the `mixed_float16` policy is in use (the message names the
-            fix).
+        ValueError: The `mixed_float16` policy (tf_keras' or Keras 3's) is in use (the message
+            names the fix).
     """
 
     # CollectiveAllReduceExtended reads the collective key base from its container strategy.
@@ -822,8 +825,8 @@ class NestPipeStrategy(distribute_lib.Strategy):
         self.extended._nestpipe_check_shares = bool(value)  # pylint: disable=protected-access
 
     def scope(self):
-        """`tf.distribute.Strategy.scope`, after the Keras checks (Keras 3 and mixed_float16 are
-        refused with the fix, see `keras_checks`)."""
+        """`tf.distribute.Strategy.scope`, after the Keras checks (mixed_float16 is refused with
+        the fix, see `keras_checks`)."""
         check_keras_environment()
         hook_tfrs()
         return super().scope()
