@@ -257,6 +257,8 @@ def _set_weights(original):
 
 def install():
     """Installs the Keras 3 hooks (idempotent)."""
+    from tf_nestpipe.strategy.nestpipe_strategy import NestPipeExtended  # pylint: disable=import-outside-toplevel
+    NestPipeExtended.reduce_structures_elementwise = True
     optimizer = tf_private.keras3_tf_optimizer_class()
     if getattr(optimizer._all_reduce_sum_gradients, _HOOKED, False):  # pylint: disable=protected-access
         return

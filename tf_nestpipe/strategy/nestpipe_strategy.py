@@ -91,6 +91,9 @@ def _agree_once(config, timeout):
 class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     """The extended half of `NestPipeStrategy`: row-shard variables plus collective dense sync."""
 
+    # Set by `tf_nestpipe.keras3` (its hooks): reduce a nested value leaf by leaf.
+    reduce_structures_elementwise = False
+
     def __init__(self, container_strategy, cluster_resolver, communication_options,
                  transport=TransportConfig(), check_equal_shares=True):
         # Deleting a distributed iterator must not wait on an idle autotuning thread.
@@ -549,6 +552,12 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
     def _reduce_to(self, reduce_op, value, destinations, options):
         if is_row_shard(destinations):
             return value
+        if self.reduce_structures_elementwise and tf.nest.is_nested(value):
+            # Keras 3 reduces a structure of per-replica values (a batch of features) to build
+            # the model; tf_keras's reductions keep their own path (one collective for the
+            # whole structure, which the equal-shares check relies on).
+            return tf.nest.map_structure(
+                lambda v: self._reduce_to(reduce_op, v, destinations, options), value)
         packed = self._summed_reads.read(reduce_op, value, self._num_replicas_in_sync)
         if packed is not None:
             return packed
