@@ -3,7 +3,8 @@
 Embedding tables are placed per table by a planner (row-sharded across workers, model parallel,
 or replicated where that is cheaper), dense weights mirrored (data parallel), with exact
 synchronous semantics. Use with tf_keras (`TF_USE_LEGACY_KERAS=1`, set on import unless set) or
-with Keras 3 (`import keras` and `from tf_nestpipe import keras3`).
+with Keras 3 (`import keras`; `from tf_nestpipe import keras3` for its layers, whose hooks the
+strategy loads by itself for a Keras 3 model).
 """
 import os
 import sys
@@ -53,6 +54,17 @@ if not _started_as_launcher():
     from tf_nestpipe import keras_hooks as _keras_hooks  # noqa: E402
 
     _keras_hooks.install()  # after keras_integration: wraps its make_train_function
+
+    from tf_nestpipe.strategy import keras_checks as _keras_checks  # noqa: E402
+
+    def _install_keras3_support():
+        """Loads `tf_nestpipe.keras3` (Keras 3 and its hooks) and installs its hooks."""
+        from tf_nestpipe import keras3  # pylint: disable=import-outside-toplevel
+
+        keras3.install()
+
+    # Loaded by the strategy where a Keras 3 model is built in its scope (see keras_checks).
+    _keras_checks.set_keras3_support(_install_keras3_support)
 
 __version__ = "0.1.0"
 

@@ -1,5 +1,6 @@
-"""The one module through which tf_nestpipe reaches TensorFlow's and tf_keras' private APIs
-(`tensorflow.python.*`, `tf_keras.src.*`, private attributes). When TensorFlow or tf_keras
+"""The one module through which tf_nestpipe reaches TensorFlow's, tf_keras', Keras 3's and
+keras-rs's private APIs (`tensorflow.python.*`, `tf_keras.src.*`, `keras.src.*`, private
+attributes). When TensorFlow or tf_keras
 changes them, only this file changes; `tests/test_layering.py` checks that no other module of
 the package imports them.
 
@@ -296,3 +297,70 @@ def keras3_eager_variable_creation():
             yield
     finally:
         global_state.set_global_attribute("stateless_scope", previous)
+
+
+def saved_model_op_types(path):
+    """Every op type the SavedModel at `path` uses (its graph and its functions)."""
+    import os  # pylint: disable=import-outside-toplevel
+    from tensorflow.core.protobuf import saved_model_pb2  # pylint: disable=import-outside-toplevel
+    proto = saved_model_pb2.SavedModel()
+    with tf.io.gfile.GFile(os.path.join(path, "saved_model.pb"), "rb") as f:
+        proto.ParseFromString(f.read())
+    types = set()
+    for meta_graph in proto.meta_graphs:
+        types.update(node.op for node in meta_graph.graph_def.node)
+        for function in meta_graph.graph_def.library.function:
+            types.update(node.op for node in function.node_def)
+    return types
+
+
+def keras3_export_archive_variables(archive):
+    """The `tf.Variable`s a Keras 3 `ExportArchive` will save: those its endpoints use (traced
+    here if not yet, as its `write_out` traces them) and those of the layers it tracks."""
+    trainable, non_trainable = archive._get_variables_used_by_endpoints()  # pylint: disable=protected-access
+    tracked = getattr(archive._tf_trackable, "variables", [])  # pylint: disable=protected-access
+    return [keras3_variable_value(v) for v in list(trainable) + list(non_trainable)
+            + list(tracked)]
+
+
+def keras3_export_archive_class():
+    """Keras 3's SavedModel `ExportArchive` base class (its `write_out`, which `model.export`
+    and `keras.export.ExportArchive` write through)."""
+    from keras.src.export import saved_model_export_archive  # pylint: disable=import-outside-toplevel
+    return saved_model_export_archive.SavedModelExportArchive
+
+
+# --- keras-rs (Keras 3's recommenders library; imported only where the user imported it) -------
+# The private methods of `keras_rs.layers.DistributedEmbedding` (keras-rs 0.4) by role:
+# "init_tables": `_default_device_init(feature_configs, table_stacking)` makes the tables of the
+#     features placed off TPU SparseCore ({path: FeatureConfig});
+# "call_tables": `_default_device_call(inputs, weights=None, training=False)` looks them up
+#     ({path: ids} -> {path: embedding});
+# "read_tables": `_default_device_get_embedding_tables()` reads them ({table name: table});
+# "init_sparsecore": `_sparsecore_init(feature_configs, table_stacking)` makes SparseCore tables.
+_KERAS_RS_METHODS = {"init_tables": "_default_device_init", "call_tables": "_default_device_call",
+                     "read_tables": "_default_device_get_embedding_tables",
+                     "init_sparsecore": "_sparsecore_init"}
+
+
+def wrap_keras_rs_distributed_embedding(wrappers):
+    """Replaces each private method of keras-rs's `DistributedEmbedding` named by a role of
+    `wrappers` ({role: wrap}, roles above) with `wrap(original)`; a method already replaced
+    (marked `_nestpipe_hooked`) is kept, so this is idempotent."""
+    import keras_rs  # pylint: disable=import-outside-toplevel
+    layer_class = keras_rs.layers.DistributedEmbedding
+    for role, wrap in wrappers.items():
+        name = _KERAS_RS_METHODS[role]
+        original = getattr(layer_class, name)
+        if not getattr(original, "_nestpipe_hooked", False):
+            setattr(layer_class, name, wrap(original))
+
+
+def set_keras_rs_tables(layer, layers_by_path):
+    """Gives a keras-rs `DistributedEmbedding` its per-feature table layers ({path: layer}, the
+    features of one table sharing its layer), where its own `_default_device_init` puts its
+    `EmbedReduce` layers: its `_default_device_build` builds them there, and Keras files hold
+    them there under each table's name."""
+    layer._default_device_embedding_layers = {}  # pylint: disable=protected-access
+    for path, table_layer in layers_by_path.items():
+        layer._default_device_embedding_layers[path] = table_layer  # pylint: disable=protected-access

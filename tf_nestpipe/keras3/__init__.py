@@ -10,9 +10,17 @@
         ...tnpk.ShardedEmbedding(100_000, 16, combiner="sum")(ids)...
 
 The same strategy serves tf_keras models (`tnp.ShardedEmbedding`) and Keras 3 models
-(`tnpk.ShardedEmbedding`, `tnpk.DistributedEmbedding`): what the model is built with decides.
-Importing this module imports Keras 3 and installs its hooks (`tf_nestpipe.keras3.hooks`).
+(`tnpk.ShardedEmbedding`, `tnpk.DistributedEmbedding`, and keras-rs's own
+`keras_rs.layers.DistributedEmbedding` created in the strategy's scope): what the model is
+built with decides.
+
+Importing this module imports Keras 3 and installs its hooks (`install()`); a NestPipeStrategy
+loads it by itself when a Keras 3 variable is created in its scope, or when keras-rs is
+imported (see `tf_nestpipe.strategy.keras_checks`), so the strategy line alone serves a Keras 3
+model.
 """
+import sys as _sys
+
 import keras as _keras
 
 if not _keras.__version__.split(".")[0].isdigit() or int(_keras.__version__.split(".")[0]) < 3:
@@ -24,8 +32,20 @@ if _keras.backend.backend() != "tensorflow":
 
 from tf_nestpipe.keras3 import hooks as _hooks  # noqa: E402
 from tf_nestpipe.keras3.distributed_embedding import DistributedEmbedding  # noqa: E402
-from tf_nestpipe.keras3.layers import ShardedEmbedding  # noqa: E402
+from tf_nestpipe.keras3.layers import EmbedReduce, ShardedEmbedding  # noqa: E402
 
-_hooks.install()
 
-__all__ = ["DistributedEmbedding", "ShardedEmbedding"]
+def install():
+    """Installs tf_nestpipe's Keras 3 hooks, and its keras-rs hooks (keras-rs's
+    `DistributedEmbedding` sharded under a NestPipeStrategy) once keras-rs is imported.
+    Idempotent: importing this module calls it, and so does a NestPipeStrategy (created, or its
+    scope entered) once keras-rs is imported."""
+    _hooks.install()
+    if "keras_rs" in _sys.modules:
+        from tf_nestpipe.keras3 import keras_rs_front  # pylint: disable=import-outside-toplevel
+        keras_rs_front.install()
+
+
+install()
+
+__all__ = ["DistributedEmbedding", "EmbedReduce", "ShardedEmbedding", "install"]

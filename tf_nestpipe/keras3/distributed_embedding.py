@@ -5,25 +5,86 @@ placed and sharded over the workers of a `NestPipeStrategy` by the strategy's pl
 keras-rs shards tables only on TPU SparseCore; on CPU and GPU it keeps one plain embedding per
 table. Here every table is a `tf_nestpipe.keras3.ShardedEmbedding` (row-wise, table-wise or
 replicated, as the strategy places it), looked up through the fused exchange with the model's
-other tables. keras-rs is not needed to use it: a config is any object with the fields of
-keras-rs's (`FeatureConfig.name / table / input_shape / output_shape`, `TableConfig.name /
-vocabulary_size / embedding_dim / initializer / combiner`).
+other tables. keras-rs's own `DistributedEmbedding` created in a NestPipeStrategy scope gets the
+same tables and lookups (`tf_nestpipe.keras3.keras_rs_front`); this layer serves the same
+configs without keras-rs's class. A config is any object with the fields of keras-rs's
+(`FeatureConfig.name / table / input_shape / output_shape`, `TableConfig.name / vocabulary_size /
+embedding_dim / initializer / combiner`); a `.keras` file needs keras-rs's config classes.
 """
 import keras
-import tensorflow as tf
 
+from tf_nestpipe.keras3 import feature_lookup
 from tf_nestpipe.keras3.layers import ShardedEmbedding
 
-COMBINERS = ("mean", "sum")
+
+class _Untracked:
+    """Holds the user's config structure as it is (Keras and TensorFlow would wrap a dict
+    assigned to a layer attribute, which `keras.tree` then packs differently)."""
+
+    def __init__(self, value):
+        self.value = value
 
 
-def _check_table(table):
-    if table.combiner not in COMBINERS:
-        raise ValueError(
-            "table %r: combiner %r is not supported by tf_nestpipe's DistributedEmbedding; use "
-            "one of %s" % (table.name, table.combiner, COMBINERS))
+def _keras_rs_configs():
+    try:
+        import keras_rs  # pylint: disable=import-outside-toplevel
+    except ImportError as error:
+        raise ImportError("loading a tf_nestpipe DistributedEmbedding from its config needs "
+                          "keras-rs (`pip install keras-rs`): the config holds keras-rs's "
+                          "FeatureConfig / TableConfig") from error
+    return keras_rs.layers.FeatureConfig, keras_rs.layers.TableConfig
 
 
+def serialize_feature_configs(structure):
+    """`(feature configs, tables)`: `structure` with each FeatureConfig's `get_config()` in
+    place, its "table" replaced by an index into `tables` (each TableConfig's `get_config()`,
+    once: shared tables stay shared). keras-rs's own `DistributedEmbedding.get_config` format.
+
+    Raises:
+        TypeError: A config without `get_config` (not keras-rs's)."""
+    tables, index_of = [], {}
+
+    def serialize(feature):
+        if not callable(getattr(feature, "get_config", None)):
+            raise TypeError(
+                "feature %r: a .keras config of DistributedEmbedding needs keras-rs's "
+                "keras_rs.layers.FeatureConfig / TableConfig (got %s); or save the weights "
+                "only (model.save_weights)" % (getattr(feature, "name", feature),
+                                               type(feature).__name__))
+        config = feature.get_config()
+        if id(feature.table) not in index_of:
+            index_of[id(feature.table)] = len(tables)
+            tables.append(config["table"])
+        config["table"] = index_of[id(feature.table)]
+        return config
+
+    return keras.tree.map_structure(serialize, structure), tables
+
+
+def deserialize_feature_configs(structure, tables):
+    """The inverse of `serialize_feature_configs`, with keras-rs's config classes (a table
+    shared by several features is one `TableConfig` again)."""
+    feature_class, table_class = _keras_rs_configs()
+    made = [None] * len(tables)
+
+    def deserialize(node):
+        if not (isinstance(node, dict) and isinstance(node.get("name"), str)
+                and isinstance(node.get("table"), int)):
+            return None  # not a feature: keras.tree.traverse recurses into it
+        index = node["table"]
+        if made[index] is None:
+            made[index] = table_class.from_config(tables[index])
+        config = dict(node, table=made[index])
+        for key in ("input_shape", "output_shape"):  # JSON turned the tuples into lists
+            if isinstance(config.get(key), list):
+                config[key] = tuple(config[key])
+        return feature_class(**config)
+
+    return keras.tree.traverse(deserialize, structure)
+
+
+# Registered: `.keras` files and `from_config` find it with no `custom_objects`.
+@keras.saving.register_keras_serializable(package="tf_nestpipe")
 class DistributedEmbedding(keras.layers.Layer):
     """Embeds and pools a (nested) structure of features with tables sharded by the
     `NestPipeStrategy` whose scope it is created in; the interface of
@@ -31,8 +92,9 @@ class DistributedEmbedding(keras.layers.Layer):
 
     Each `FeatureConfig` names its `TableConfig`; features sharing a `TableConfig` share its
     table. A feature's ids are `[batch]` (one id: its row) or `[batch, k]` / a `[batch, None]`
-    `tf.RaggedTensor` (pooled by the table's combiner, "mean" or "sum", optionally weighted).
-    The output has the inputs' structure, each entry `[batch, embedding_dim]`.
+    `tf.RaggedTensor` / a `tf.SparseTensor` (pooled by the table's combiner: "mean", "sum" or
+    "sqrtn", optionally weighted, as `keras_rs.layers.EmbedReduce` pools). The output has the
+    inputs' structure, each entry `[batch, embedding_dim]`.
 
     `TableConfig.optimizer` is not used: the tables train with the optimizer passed to
     `model.compile` (as keras-rs does off SparseCore). `TableConfig.placement` ("auto",
@@ -47,29 +109,20 @@ class DistributedEmbedding(keras.layers.Layer):
         **kwargs: Keras `Layer` arguments.
 
     Raises:
-        ValueError: A table with a combiner other than "mean" or "sum", or two tables of one
-            name with different configs.
+        ValueError: A table whose combiner is not "mean", "sum" or "sqrtn", or two different
+            tables of one name.
     """
 
     def __init__(self, feature_configs, *, table_stacking="auto", update_stats=False, **kwargs):
         super().__init__(**kwargs)
-        self._feature_configs_structure = feature_configs
+        self._structure = _Untracked(feature_configs)
         paths = keras.tree.flatten_with_path(feature_configs)
         self._paths = [".".join(str(p) for p in path) for path, _ in paths]
         self._features = [config for _, config in paths]
-        self.tables = {}
-        for config in self._features:
-            table = config.table
-            _check_table(table)
-            existing = self.tables.get(table.name)
-            if existing is not None:
-                if (existing.vocab_size, existing.dim) != (table.vocabulary_size,
-                                                           table.embedding_dim):
-                    raise ValueError("two tables are named %r with different sizes" % table.name)
-                continue
-            self.tables[table.name] = ShardedEmbedding(
-                table.vocabulary_size, table.embedding_dim, combiner=None,
-                embeddings_initializer=table.initializer, name=table.name)
+        self.tables = {
+            name: ShardedEmbedding(table.vocabulary_size, table.embedding_dim, combiner=None,
+                                   embeddings_initializer=table.initializer, name=name)
+            for name, table in feature_lookup.tables_by_name(self._features).items()}
         self.table_stacking = table_stacking
         self.update_stats = update_stats
 
@@ -84,70 +137,51 @@ class DistributedEmbedding(keras.layers.Layer):
         del weights, training
         return inputs
 
-    def _flat(self, ids, weights):
-        """A feature's ids as `(flat ids, flat weights or None, segments, count)`; segments is
-        None for one id per example (`[batch]` ids)."""
-        if isinstance(ids, tf.RaggedTensor):
-            w = None if weights is None else tf.reshape(weights.flat_values, [-1])
-            return (tf.cast(ids.flat_values, tf.int64), w, ids.value_rowids(),
-                    ids.nrows(out_type=tf.int64))
-        ids = tf.cast(tf.convert_to_tensor(ids), tf.int64)
-        w = None if weights is None else tf.reshape(weights, [-1])
-        if ids.shape.rank == 1:
-            return ids, w, None, None
-        count = tf.shape(ids, out_type=tf.int64)[0]
-        segments = tf.repeat(tf.range(count), tf.shape(ids, out_type=tf.int64)[1])
-        return tf.reshape(ids, [-1]), w, segments, count
-
-    def _pool(self, combiner, rows, flat):
-        _, w, segments, count = flat
-        if segments is None:  # one id per example: its row ("sum": times its weight)
-            if w is not None and combiner == "sum":
-                return rows * tf.cast(w, rows.dtype)[:, None]
-            return rows
-        w = tf.ones_like(rows[:, 0]) if w is None else tf.cast(w, rows.dtype)
-        pooled = tf.math.unsorted_segment_sum(rows * w[:, None], segments, count)
-        if combiner == "mean":
-            pooled = tf.math.divide_no_nan(
-                pooled, tf.math.unsorted_segment_sum(w, segments, count)[:, None])
-        return pooled
-
     def call(self, inputs, weights=None, training=False):
         """Embeds `inputs` (the feature configs' structure of ids; optional `weights` of the
         same structure) into the same structure of `[batch, embedding_dim]` embeddings. The
         features of one table are looked up together (one lookup per table)."""
         del training
         flat_inputs = keras.tree.flatten(inputs)
-        flat_weights = ([None] * len(flat_inputs) if weights is None
-                        else keras.tree.flatten(weights))
         if len(flat_inputs) != len(self._features):
             raise ValueError("DistributedEmbedding got %d features, its configs name %d (%s)" % (
                 len(flat_inputs), len(self._features), self._paths))
-        flats = [self._flat(ids, w) for ids, w in zip(flat_inputs, flat_weights)]
-        outputs = [None] * len(flats)
-        for name, layer in self.tables.items():
-            mine = [i for i, c in enumerate(self._features) if c.table.name == name]
-            if not mine:
-                continue
-            rows = layer(tf.concat([flats[i][0] for i in mine], axis=0))
-            parts = tf.split(rows, [tf.size(flats[i][0]) for i in mine], axis=0)
-            for i, part in zip(mine, parts):
-                outputs[i] = self._pool(self._features[i].table.combiner, part, flats[i])
-        return keras.tree.pack_sequence_as(self._feature_configs_structure, outputs)
+        flat_weights = None if weights is None else keras.tree.flatten(weights)
+        outputs = feature_lookup.lookup_features(self.tables, self._features, flat_inputs,
+                                                 flat_weights)
+        return keras.tree.pack_sequence_as(self._structure.value, outputs)
 
     def compute_output_spec(self, inputs, weights=None, training=False):
         del weights, training
         specs = [keras.KerasTensor((ids.shape[0], config.table.embedding_dim),
                                    dtype=self.compute_dtype)
                  for config, ids in zip(self._features, keras.tree.flatten(inputs))]
-        return keras.tree.pack_sequence_as(self._feature_configs_structure, specs)
+        return keras.tree.pack_sequence_as(self._structure.value, specs)
 
     def get_embedding_tables(self):
         """{table name: the whole table} (a collective under several workers: call it on every
         worker at the same point)."""
-        return {name: tf.constant(layer.full_table()) for name, layer in self.tables.items()}
+        return {name: keras.ops.convert_to_tensor(layer.full_table())
+                for name, layer in self.tables.items()}
 
     def get_config(self):
-        raise NotImplementedError(
-            "tf_nestpipe's DistributedEmbedding is not serializable to a .keras config yet: "
-            "save its weights (model.save_weights), or tnp.export_saved_model for serving")
+        """The layer's config in keras-rs's `DistributedEmbedding` format: "feature_configs"
+        (each FeatureConfig's config, its table an index into "tables"), "tables", and
+        "table_stacking" / "update_stats".
+
+        Raises:
+            TypeError: The configs are not keras-rs's (they have no `get_config`)."""
+        config = super().get_config()
+        config["feature_configs"], config["tables"] = serialize_feature_configs(
+            self._structure.value)
+        config.update(table_stacking=self.table_stacking, update_stats=self.update_stats)
+        return config
+
+    @classmethod
+    def from_config(cls, config):
+        """The layer of `get_config`'s config (needs keras-rs for its config classes)."""
+        config = dict(config)
+        tables = config.pop("tables")
+        config["feature_configs"] = deserialize_feature_configs(config["feature_configs"],
+                                                                tables)
+        return cls(**config)

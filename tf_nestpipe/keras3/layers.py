@@ -7,6 +7,7 @@ import numpy as np
 import tensorflow as tf
 
 from tf_nestpipe import tf_private
+from tf_nestpipe.keras3 import feature_lookup
 from tf_nestpipe.keras3.checks import refuse_parameter_server
 from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe.sharding.row_shard import row_shard_layout
@@ -116,3 +117,60 @@ class ShardedEmbedding(ShardedTableLayer, keras.layers.Layer):
         self._check_load_own_variables(store)
         for i, variable in enumerate(self._trainable_variables + self._non_trainable_variables):
             variable.assign(own_rows_of(variable, store[str(i)]))
+
+
+# Registered: `.keras` files and `from_config` find it with no `custom_objects`. Its class name is
+# keras-rs's: Keras files place a layer kept in a dict by its class name, so keras-rs's
+# `DistributedEmbedding` keeps its tables at the same places with either class.
+@keras.saving.register_keras_serializable(package="tf_nestpipe")
+class EmbedReduce(ShardedEmbedding):
+    """keras-rs's `keras_rs.layers.EmbedReduce` (an embedding pooled by a combiner) on a table
+    placed over the workers of a `NestPipeStrategy`: the tables of keras-rs's
+    `DistributedEmbedding` made in the strategy's scope.
+
+    `[batch]` ids give their rows (with `weights` and "sum", scaled by them); `[batch, k]` ids
+    (or a ragged `[batch, None]` / `tf.SparseTensor`) are pooled: summed with their `weights`
+    (default 1), divided by the weights' sum ("mean") or the root of their squares' sum
+    ("sqrtn").
+
+    Args:
+        input_dim: Rows of the table.
+        output_dim: The embedding dimension.
+        embeddings_initializer: A Keras 3 initializer (see `ShardedEmbedding`).
+        combiner: "mean" (default), "sum" or "sqrtn".
+        **kwargs: `ShardedEmbedding` / Keras `Layer` arguments (`name`, `invalid_id_policy`).
+
+    Raises:
+        ValueError: Another combiner.
+    """
+
+    def __init__(self, input_dim, output_dim, embeddings_initializer="uniform", combiner="mean",
+                 **kwargs):
+        if combiner not in feature_lookup.COMBINERS:
+            raise ValueError("EmbedReduce: combiner must be one of %s, got %r"
+                             % (feature_lookup.COMBINERS, combiner))
+        super().__init__(input_dim, output_dim, combiner=None,
+                         embeddings_initializer=embeddings_initializer, **kwargs)
+        self.combiner = combiner  # the pooling's (the table's own lookups pool nothing)
+
+    def call(self, inputs, weights=None):
+        flat = feature_lookup.flatten_feature(inputs, weights, self.name)
+        rows = self._lookup(flat.ids)
+        if rows.dtype != self.compute_dtype:
+            rows = tf.cast(rows, self.compute_dtype)
+        return feature_lookup.pool(self.combiner, rows, flat)
+
+    def compute_output_shape(self, input_shape, weights_shape=None):
+        del weights_shape
+        input_shape = tuple(input_shape)
+        return input_shape + (self.dim,) if len(input_shape) <= 1 else (
+            input_shape[:-1] + (self.dim,))
+
+    def compute_output_spec(self, inputs, weights=None):
+        del weights
+        return keras.KerasTensor(self.compute_output_shape(inputs.shape), dtype=self.compute_dtype)
+
+    def get_config(self):
+        config = super().get_config()
+        config["input_dim"], config["output_dim"] = config.pop("vocab_size"), config.pop("dim")
+        return config

@@ -1,9 +1,13 @@
 """Checks of the Keras environment a `NestPipeStrategy` runs in: refusals that name the fix,
 instead of generic errors or silently different training.
 
-- Keras 3 (`import keras`) is served by `tf_nestpipe.keras3` (its layers and hooks): a Keras 3
-  variable created in a NestPipeStrategy scope while that module is not imported is refused
-  (the hooks that make its training exact would be missing), naming the import.
+- Keras 3 (`import keras`) is served by `tf_nestpipe.keras3` (its layers and hooks), which the
+  strategy loads by itself (the package registers the loader, `set_keras3_support`): when a
+  Keras 3 variable is created in a NestPipeStrategy scope (a Keras 3 model is being built there),
+  and when a NestPipeStrategy is created or its scope entered while keras-rs is imported
+  (keras-rs is Keras 3 only; its `DistributedEmbedding` must find the hooks when it makes its
+  tables, before any variable). Whether `keras` is merely imported says nothing: TensorFlow
+  imports Keras 3 itself unless TF_USE_LEGACY_KERAS is set, in tf_keras programs too.
 - The `mixed_float16` policy (tf_keras' or Keras 3's) is refused: tf_keras' loss scaling would skip a step on the workers
   whose own row-shard gradients overflowed and apply it on the others (its finite check sees this
   worker's gradients only), so the workers' models would drift apart.
@@ -48,16 +52,36 @@ def check_keras_environment():
                 "tf_keras.mixed_precision.set_global_policy", "keras.config.set_dtype_policy"))
 
 
+_keras3_support = []
+
+
+def set_keras3_support(install):
+    """Registers `install()`: loads and installs tf_nestpipe's Keras 3 support (idempotent).
+    The package registers `tf_nestpipe.keras3.install`, a layer above the strategy."""
+    _keras3_support[:] = [install]
+
+
+def load_keras3_support_for_keras_rs():
+    """Loads the Keras 3 support when keras-rs is imported (see module)."""
+    if "keras_rs" in sys.modules and _keras3_support:
+        _keras3_support[0]()
+
+
 def check_keras3_variable(frame):
-    """Raises when the variable being created by the code at `frame` (and its callers) comes
-    from a Keras 3 (`keras.src`) layer or optimizer while `tf_nestpipe.keras3` (its hooks) is
-    not imported."""
+    """Loads the Keras 3 support when the variable being created by the code at `frame` (and its
+    callers) comes from a Keras 3 (`keras.src`) layer or optimizer and it is not loaded yet.
+
+    Raises:
+        RuntimeError: No loader is registered (tf_nestpipe's package was not imported)."""
     if "tf_nestpipe.keras3" in sys.modules:
         return
     depth = 0
     while frame is not None and depth < 12:
         module = frame.f_globals.get("__name__", "")
         if module == "keras" or module.startswith("keras.src"):
+            if _keras3_support:
+                _keras3_support[0]()
+                return
             raise RuntimeError(
                 "a Keras 3 (`import keras`) variable is being created in a NestPipeStrategy "
                 "scope (from %s), but tf_nestpipe's Keras 3 support is not loaded: its "

@@ -39,7 +39,8 @@ from tf_nestpipe.sharding.row_shard import (is_row_shard, replicated_table_name,
 from tf_nestpipe.strategy import equal_shares, exit_guard
 from tf_nestpipe.strategy.coordination import configure_coordination_service
 from tf_nestpipe.strategy.global_candidates import hook_tfrs
-from tf_nestpipe.strategy.keras_checks import check_keras3_variable, check_keras_environment
+from tf_nestpipe.strategy.keras_checks import (check_keras3_variable, check_keras_environment,
+                                               load_keras3_support_for_keras_rs)
 from tf_nestpipe.strategy.summed_reads import SummedReads
 from tf_nestpipe.strategy.row_shard_saving import make_checkpointable, restore_on_create_rows
 from tf_nestpipe.collectives.communication import resolve_implementation
@@ -756,6 +757,7 @@ class NestPipeStrategy(distribute_lib.Strategy):
         Planner(placement, 1, memory_budget_bytes)  # bad placement arguments: refused now
         check_keras_environment()
         hook_tfrs()  # TFRS retrieval on local in-batch negatives warns (global_candidates)
+        load_keras3_support_for_keras_rs()  # keras-rs's DistributedEmbedding: sharded tables
         # --- compressed exchanges (checked before the cluster starts) ---
         self.wire_dtype = parse_wire_dtype(wire_dtype)
         self.pipeline_config = config
@@ -832,9 +834,10 @@ class NestPipeStrategy(distribute_lib.Strategy):
 
     def scope(self):
         """`tf.distribute.Strategy.scope`, after the Keras checks (mixed_float16 is refused with
-        the fix, see `keras_checks`)."""
+        the fix, and keras-rs's layers get sharded tables, see `keras_checks`)."""
         check_keras_environment()
         hook_tfrs()
+        load_keras3_support_for_keras_rs()
         return super().scope()
 
     @property

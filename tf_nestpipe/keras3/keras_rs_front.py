@@ -1,0 +1,121 @@
+"""keras-rs's own `keras_rs.layers.DistributedEmbedding` under a `NestPipeStrategy`.
+
+Created in a NestPipeStrategy scope, the layer's tables (its features placed "auto" or
+"default_device": every table off TPU SparseCore) are `tf_nestpipe.keras3.EmbedReduce`s
+(keras-rs's `EmbedReduce` on a `ShardedEmbedding` table),
+placed and sharded by the strategy's planner and looked up one lookup per table through the
+step's fused exchange (`feature_lookup`, as `tf_nestpipe.keras3.DistributedEmbedding` does);
+`get_embedding_tables()` returns whole tables. keras-rs's own code does the rest (configs,
+structures, preprocessing, output shapes, `get_config`). Created anywhere else the layer is
+keras-rs's, untouched.
+
+The table layers sit where keras-rs puts its `EmbedReduce` layers, one per table, with its
+class name, so Keras files of a model load both ways: written by keras-rs's plain layer and
+loaded under the strategy (the tables then sharded), or written under the strategy (whole
+tables) and loaded without it.
+
+A feature placed on "sparsecore" (a `TableConfig(placement="sparsecore")` or a
+`tf.tpu.experimental.embedding.FeatureConfig`) is refused under the strategy, naming the fix.
+Installed by `tf_nestpipe.keras3.install()` once keras-rs is imported (the keras-rs internals
+come from `tf_private`).
+"""
+import keras
+import tensorflow as tf
+
+from tf_nestpipe import tf_private
+from tf_nestpipe.keras3 import feature_lookup
+from tf_nestpipe.keras3.layers import EmbedReduce
+from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+
+_HOOKED = "_nestpipe_hooked"
+
+
+def _in_nestpipe_scope():
+    return isinstance(tf.distribute.get_strategy(), NestPipeStrategy)
+
+
+class _Tables:
+    """A keras-rs layer's sharded tables ({table name: layer}) and features ({path:
+    FeatureConfig}); kept out of Keras' tracking (the layers are tracked where keras-rs keeps
+    its own, see `tf_private.set_keras_rs_tables`)."""
+
+    def __init__(self, layers, features):
+        self.layers = layers
+        self.features = features
+
+
+def _tables_of(layer):
+    return layer.__dict__.get("_nestpipe_tables")
+
+
+def _hooked(wrapped):
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
+def _init_tables(original):
+    def init_tables(self, feature_configs, table_stacking):
+        if not _in_nestpipe_scope():
+            return original(self, feature_configs, table_stacking)
+        del table_stacking  # the fused exchange groups the tables of one dim anyway
+        tables = feature_lookup.tables_by_name(feature_configs.values())
+        layers = {name: EmbedReduce(table.vocabulary_size, table.embedding_dim,
+                                    embeddings_initializer=table.initializer,
+                                    combiner=table.combiner, name=name)
+                  for name, table in tables.items()}
+        tf_private.set_keras_rs_tables(self, {path: layers[feature.table.name]
+                                              for path, feature in feature_configs.items()})
+        self.__dict__["_nestpipe_tables"] = _Tables(layers, dict(feature_configs))
+        return None
+
+    return _hooked(init_tables)
+
+
+def _call_tables(original):
+    def call_tables(self, inputs, weights=None, training=False):
+        tables = _tables_of(self)
+        if tables is None:
+            return original(self, inputs, weights=weights, training=training)
+        paths = list(inputs)
+        outputs = feature_lookup.lookup_features(
+            tables.layers, [tables.features[path] for path in paths],
+            [inputs[path] for path in paths],
+            None if weights is None else [weights.get(path) for path in paths])
+        return dict(zip(paths, outputs))
+
+    return _hooked(call_tables)
+
+
+def _read_tables(original):
+    def read_tables(self):
+        tables = _tables_of(self)
+        if tables is None:
+            return original(self)
+        # Whole tables: a collective under several workers (every worker calls it).
+        return {name: keras.ops.convert_to_tensor(layer.full_table())
+                for name, layer in tables.layers.items()}
+
+    return _hooked(read_tables)
+
+
+def _init_sparsecore(original):
+    def init_sparsecore(self, feature_configs, table_stacking):
+        if _in_nestpipe_scope():
+            raise ValueError(
+                "keras_rs DistributedEmbedding: features %s are placed on TPU SparseCore "
+                "(TableConfig placement='sparsecore', or tf.tpu.experimental.embedding "
+                "configs), but under tf_nestpipe's NestPipeStrategy the strategy's planner "
+                "places every table: use keras_rs.layers.TableConfig / FeatureConfig with "
+                "placement='auto' (the default) or 'default_device', and choose row_wise / "
+                "table_wise / data_parallel with NestPipeStrategy(placement=...)"
+                % sorted(feature_configs))
+        return original(self, feature_configs, table_stacking)
+
+    return _hooked(init_sparsecore)
+
+
+def install():
+    """Hooks keras-rs's `DistributedEmbedding` (idempotent; keras-rs must be importable)."""
+    tf_private.wrap_keras_rs_distributed_embedding({
+        "init_tables": _init_tables, "call_tables": _call_tables, "read_tables": _read_tables,
+        "init_sparsecore": _init_sparsecore})
