@@ -18,9 +18,15 @@
 - Saving: `save` / `save_weights` / `load_weights` / `load_model` / `get_weights` /
   `set_weights` hold whole tables (any worker count loads them); non-chief workers write to a
   scratch path, as under tf_keras.
+- Export: `model.export(path)` and `keras.export.ExportArchive.write_out` trace the serving
+  functions with plain `tf.gather` lookups in each table's variable, which the SavedModel holds
+  whole, so plain TensorFlow serves it (as `tnp.export_saved_model`); a SavedModel that would
+  still need tf_nestpipe's ops (an endpoint traced before `write_out`) is refused, and so are
+  `model.export`'s other formats for a model with sharded tables.
 """
 import contextlib
 import functools
+import os
 import sys
 
 import keras
@@ -33,7 +39,9 @@ from tf_nestpipe.keras3.layers import own_rows_of
 from tf_nestpipe.pipeline import keras_outputs
 from tf_nestpipe.pipeline.modes import LOOKAHEAD
 from tf_nestpipe.pipeline.train_pipeline import TrainPipeline
-from tf_nestpipe.strategy.row_shard_saving import whole_table_values
+from tf_nestpipe.sharding.embedding import ShardedTableLayer
+from tf_nestpipe.strategy.keras_saving import keras_saving_context
+from tf_nestpipe.strategy.row_shard_saving import whole_table_values, whole_tables_gathered
 
 _HOOKED = "_nestpipe_hooked"
 
@@ -255,6 +263,66 @@ def _set_weights(original):
     return wrapped
 
 
+# --- export -----------------------------------------------------------------------------------
+_OUR_OPS = "Nestpipe"  # the prefix of every op tf_nestpipe's library registers
+
+
+def refuse_unservable(path):
+    """Raises when the SavedModel at `path` uses tf_nestpipe's ops (plain TensorFlow could not
+    load it).
+
+    Raises:
+        ValueError: naming the ops and the export to use."""
+    ours = sorted(t for t in tf_private.saved_model_op_types(path) if t.startswith(_OUR_OPS))
+    if ours:
+        raise ValueError(
+            "the SavedModel written to %s needs tf_nestpipe to load (its functions use %s): "
+            "an endpoint was traced before ExportArchive.write_out (e.g. a tf.function called "
+            "before add_endpoint), so its lookups are the training ones. Give add_endpoint an "
+            "input_signature so that write_out traces it, use model.export(path), or "
+            "tnp.export_saved_model(model, path)" % (path, ", ".join(ours)))
+
+
+def _write_out(original):
+    @functools.wraps(original)
+    def wrapped(self, filepath, *args, **kwargs):
+        # Traced here: lookups gather from each table's own variable, which the SavedModel
+        # records as the whole table (row_shard_saving), so no tf_nestpipe op is traced. The
+        # whole tables are gathered first, in one order on every worker (see
+        # whole_tables_gathered).
+        with keras_saving_context(serving=True):
+            variables = sorted(tf_private.keras3_export_archive_variables(self),
+                               key=lambda v: v.name)
+            with whole_tables_gathered(variables):
+                result = original(self, filepath, *args, **kwargs)
+        refuse_unservable(os.fspath(filepath))
+        return result
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
+def _has_sharded_tables(model):
+    return any(isinstance(layer, ShardedTableLayer)
+               for layer in tf_private.keras3_trackable_layers(model))
+
+
+def _export(original):
+    saving = _saving(original, writes=True)
+
+    @functools.wraps(original)
+    def wrapped(self, filepath, format="tf_saved_model", *args, **kwargs):  # pylint: disable=redefined-builtin
+        if format != "tf_saved_model" and _has_sharded_tables(self):
+            raise ValueError(
+                "model.export(format=%r) of a model with tf_nestpipe tables is not supported "
+                "(its lookups would trace tf_nestpipe's ops): use format='tf_saved_model' "
+                "(served by plain TensorFlow) or tnp.export_saved_model(model, path)" % format)
+        return saving(self, filepath, format, *args, **kwargs)
+
+    setattr(wrapped, _HOOKED, True)
+    return wrapped
+
+
 def install():
     """Installs the Keras 3 hooks (idempotent)."""
     from tf_nestpipe.strategy.nestpipe_strategy import NestPipeExtended  # pylint: disable=import-outside-toplevel
@@ -276,6 +344,9 @@ def install():
     model.save = _saving(model.save, writes=True)
     model.save_weights = _saving(model.save_weights, writes=True)
     model.load_weights = _saving(model.load_weights, writes=False)
+    model.export = _export(model.export)
+    archive = tf_private.keras3_export_archive_class()
+    archive.write_out = _write_out(archive.write_out)
     layer = keras.layers.Layer
     layer.get_weights = _get_weights(layer.get_weights)
     layer.set_weights = _set_weights(layer.set_weights)

@@ -29,7 +29,7 @@ from tf_nestpipe.sharding.dynamic_slots import dynamic_table_of, is_dynamic_tabl
 from tf_nestpipe.sharding.dynamic_state import (ROW_KEYS, restored_rows, row_keys,
                                                 set_local_serialization_check)
 from tf_nestpipe.sharding.full_table import gather_full_rows
-from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
+from tf_nestpipe.sharding.row_shard import is_row_shard, mark_row_shard, row_shard_layout
 
 _state = threading.local()
 _classes = {}
@@ -66,6 +66,35 @@ def whole_table_values():
         _state.whole = previous
 
 
+@contextlib.contextmanager
+def whole_tables_gathered(variables):
+    """Gathers, here and in the order given, the whole table of each row shard among
+    `variables` (a collective: every worker passes the same variables in the same order);
+    within the context a checkpoint of one of them reads that value instead of gathering.
+
+    For savers whose order of variables differs between workers, or that save a variable twice
+    (Keras 3's export saves each Keras variable and the `tf.Variable` in it, its functions'
+    variables in no fixed order): their whole-table reads would otherwise be collectives in a
+    different order on each worker."""
+    gathered = {}
+    for variable in variables:
+        layout = row_shard_layout(variable) if is_row_shard(variable) else None
+        if (layout is None or layout.num_shards == 1 or _saving_local_rows()
+                or id(variable) in gathered):
+            continue
+        with tf.device(variable.device):
+            gathered[id(variable)] = gather_full_rows(
+                variable.read_value_no_copy(), layout,
+                variable._nestpipe_collectives,  # pylint: disable=protected-access
+                "nestpipe/export/" + variable._shared_name)  # pylint: disable=protected-access
+    previous = getattr(_state, "gathered", None)
+    _state.gathered = gathered
+    try:
+        yield
+    finally:
+        _state.gathered = previous
+
+
 def _whole_values(variable):
     return (getattr(_state, "whole", False) and not _saving_local_rows()
             and row_shard_layout(variable).num_shards > 1 and tf.executing_eagerly())
@@ -90,6 +119,9 @@ class _RowShardSaving:
         tag = "nestpipe/checkpoint/" + self._shared_name  # pylint: disable=no-member
 
         def read_whole_table():
+            gathered = (getattr(_state, "gathered", None) or {}).get(id(variable))
+            if gathered is not None:
+                return gathered
             with tf.device(variable.device):
                 return gather_full_rows(variable.read_value_no_copy(), layout, collectives, tag)
 
