@@ -123,7 +123,7 @@ def test_the_layer_check_sees_a_forbidden_import(tmp_path, monkeypatch):
     assert [imported for _, imported in found] == ["strategy"], found
 
 
-PRIVATE_TF = ("tensorflow.python", "tf_keras.src", "keras.src")
+PRIVATE_TF = ("tensorflow.python", "tf_keras.src", "keras.src", "keras_rs.src")
 PRIVATE_TF_MODULE = os.path.join("tf_nestpipe", "tf_private.py")
 
 

@@ -4,9 +4,10 @@
 
 Each RUN is `PIPELINE:PLACEMENT` with PIPELINE one of none, dbp, auto and PLACEMENT one of
 rw (every table row_wise), mix (table_a row_wise, table_b table_wise, table_c
-data_parallel) and front (every table row_wise, the tables of a `tnpk.DistributedEmbedding`
-configured with keras-rs's `TableConfig` / `FeatureConfig` in a subclassed model, table_a shared
-by two features). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
+data_parallel) and front (every table row_wise, configured with keras-rs's `TableConfig` /
+`FeatureConfig` in a subclassed model: table_a (shared by two features, "sum") and table_b
+("sqrtn") in keras-rs's own `keras_rs.layers.DistributedEmbedding`, unchanged, table_c in a
+`tnpk.DistributedEmbedding`). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
 dense tower (or the front's model) in `strategy.scope()`, fits it for STEPS steps (2 epochs) on per-worker slices of the
 same global batches, evaluates and predicts, and saves to `PREFIX.RUN.npz`: the whole tables,
 the dense weights, the history, the evaluation, the predictions and the fused exchange's count.
@@ -14,7 +15,8 @@ The first run also checks the Keras files on every worker: `model.save(".keras")
 `keras.models.load_model` with no custom_objects, and `save_weights` / `load_weights` into a
 fresh model, give the same whole tables and predictions (`saving_ok` in its npz); and it writes
 `tnp.export_saved_model` to `PREFIX.RUN.export` with the inputs and predictions to serve it
-with in `PREFIX.RUN.export_check.npz`.
+with in `PREFIX.RUN.export_check.npz`, and Keras 3's own `model.export` to
+`PREFIX.RUN.keras_export`.
 """
 import os
 import sys
@@ -84,28 +86,32 @@ def build_model():
 
 
 class FrontModel(keras.Model):
-    """keras-rs's DistributedEmbedding usage: feature dict in, embedding dict out."""
+    """keras-rs's DistributedEmbedding usage (feature dict in, embedding dict out), written for
+    keras-rs: only the strategy's scope makes its tables sharded. table_c goes through
+    tf_nestpipe's own `tnpk.DistributedEmbedding` (the same configs)."""
 
     def __init__(self):
         super().__init__()
         tables = {name: keras_rs.layers.TableConfig(
             name=name, vocabulary_size=VOCAB[name], embedding_dim=dim, combiner=combiner,
             initializer="uniform") for name, dim, combiner in (
-                ("table_a", 8, "sum"), ("table_b", 8, "mean"), ("table_c", 4, "sum"))}
+                ("table_a", 8, "sum"), ("table_b", 8, "sqrtn"), ("table_c", 4, "sum"))}
         shapes = {"a": (GLOBAL_BATCH, 3), "a_first": (GLOBAL_BATCH,), "b": (GLOBAL_BATCH, 2),
                   "c": (GLOBAL_BATCH, 1)}
         dims = {"a": 8, "a_first": 8, "b": 8, "c": 4}
         table_of = {"a": "table_a", "a_first": "table_a", "b": "table_b", "c": "table_c"}
-        self.embedding = tnpk.DistributedEmbedding({
-            key: keras_rs.layers.FeatureConfig(name=key, table=tables[table_of[key]],
-                                               input_shape=shapes[key],
-                                               output_shape=(GLOBAL_BATCH, dims[key]))
-            for key in shapes})
+        features = {key: keras_rs.layers.FeatureConfig(
+            name=key, table=tables[table_of[key]], input_shape=shapes[key],
+            output_shape=(GLOBAL_BATCH, dims[key])) for key in shapes}
+        self.embedding = keras_rs.layers.DistributedEmbedding(
+            {key: features[key] for key in ("a", "a_first", "b")})
+        self.embedding_c = tnpk.DistributedEmbedding({"c": features["c"]})
         self.hidden = keras.layers.Dense(16, activation="relu", name="hidden")
         self.logit = keras.layers.Dense(1, name="logit")
 
     def call(self, x):
-        out = self.embedding({"a": x["a"], "a_first": x["a"][:, 0], "b": x["b"], "c": x["c"]})
+        out = self.embedding({"a": x["a"], "a_first": x["a"][:, 0], "b": x["b"]})
+        out.update(self.embedding_c({"c": x["c"]}))
         return self.logit(self.hidden(keras.ops.concatenate(
             [out["a"], out["a_first"], out["b"], out["c"], x["dense"]], axis=1)))
 
@@ -155,8 +161,9 @@ def check_saving(strategy, model, prefix, batches):
     np.testing.assert_allclose(fresh.predict(x, verbose=0), before, atol=1e-6)
     whole = model.get_layer("table_a").get_weights()[0]
     assert whole.shape == (VOCAB["table_a"], 8), whole.shape
-    # Served by plain TensorFlow (the test loads it in a process without tf_nestpipe).
+    # Served by plain TensorFlow (the test loads them in a process without tf_nestpipe).
     tnp.export_saved_model(model, prefix + ".export")
+    model.export(prefix + ".keras_export", verbose=False)  # Keras 3's own export
     if strategy.worker_index == 0:
         np.savez(prefix + ".export_check.npz", predictions=before, **x)
     return 1
@@ -179,6 +186,12 @@ def run(strategy, batches, name, prefix, check_files):
     extra.update({"placement/" + layer.name: layer.placement for layer in sharded_layers(model)})
     if check_files:
         extra["saving_ok"] = check_saving(strategy, model, "%s.%s" % (prefix, name), batches)
+    if placement == "front":  # keras-rs's reader gives the whole tables (on every worker)
+        whole = tables_of(model)
+        read = model.embedding.get_embedding_tables()
+        assert sorted(read) == ["table_a", "table_b"], sorted(read)
+        for table, value in read.items():
+            np.testing.assert_array_equal(np.asarray(value), whole[table], err_msg=table)
     dense = {"dense/" + v.path: v.numpy() for v in model.trainable_variables
              if "table_" not in v.path}
     out = {"table/" + k: v for k, v in tables_of(model).items()}
