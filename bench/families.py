@@ -223,6 +223,9 @@ FAMILIES: Dict[str, Family] = {
         args=("--data", "synthetic", "movielens-1m", "--workers", "2", "--networks",
               "0.2ms:1gbit", "--wire-dtypes", "int8-bf16", "bf16-bf16", "--steps", "30",
               "--warmup", "5", "--eval-batches", "8", "--row-timeout", "200")),
+    "keras3_step": Family(
+        "the natural cell's step under Keras 3 against tf_keras and the compute-only bound, "
+        "2 workers, pipeline none", "keras3_step.py", args=("--workers", "2", "--rounds", "3")),
     "faults": Family("every injected fault: recovered, exact, seconds to fail or resume",
                      "faults.py", args=("--runs", "1"), output_flag=None),
     "memory": Family("peak memory of a 1 GiB table with Adagrad, one process vs 2 workers",
