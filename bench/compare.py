@@ -275,6 +275,7 @@ def worker_argv(row, args):
             "--synthetic-tables", args.synthetic_tables,
             "--auto-timed-steps", str(args.auto_timed_steps),
             "--auto-probe-rounds", str(args.auto_probe_rounds),
+            "--auto-job-steps", str(args.auto_job_steps),
             "--profile-steps", str(profile_steps(row, args)),
             "--placement", row.get("placement") or "auto",
             "--memory-budget-bytes", str(args.memory_budget_bytes or 0)] + (
@@ -569,15 +570,15 @@ def summarize_rounds(row, args, out, results):
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
     first = results[0]
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s",
-                "ops_per_step", "cpu_ms_per_step", "cpu_busy"):
+                "ops_per_step", "cpu_ms_per_step", "cpu_busy", "auto_probe_extra_s"):
         if key in first:
             out[key] = median(key)
     steals = [r["steal"] for r in results if r.get("steal") is not None]
     if steals:
         out["steal"] = max(steals)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
-                "auto_timings_ms", "auto_probe_steps", "placements", "table_bytes_per_worker",
-                "torchrec_plan"):
+                "auto_timings_ms", "auto_probe_steps", "auto_job_steps", "placements",
+                "table_bytes_per_worker", "torchrec_plan"):
         if key in first:
             out[key] = first[key]
     if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
@@ -772,6 +773,9 @@ def collectives_text(row):
         text += ", auto chose %s" % row["auto_choice"]
         if row.get("auto_probe_steps"):
             text += " after a %d-step probe (not timed)" % row["auto_probe_steps"]
+        if row.get("auto_probe_extra_s") is not None and row.get("auto_job_steps"):
+            text += ("; the probe cost %.1f s beyond the chosen mode (traces included) in a "
+                     "%d-step job" % (row["auto_probe_extra_s"], row["auto_job_steps"]))
     return text
 
 
@@ -983,7 +987,7 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only",
               "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
-              "auto_probe_steps", "stages",
+              "auto_probe_steps", "auto_probe_extra_s", "auto_job_steps", "stages",
               "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker", "torchrec_plan",
               "table_bytes_per_process", "baselines_not_fitting"]
@@ -1082,6 +1086,10 @@ def parse_args(argv=None):
                         help="synthetic: N:ROWS (N tables of ROWS rows) instead of the Criteo profile")
     parser.add_argument("--auto-timed-steps", type=int, default=4,
                         help="ours, pipeline auto: timed probe steps per mode")
+    parser.add_argument("--auto-job-steps", type=int, default=0,
+                        help="ours, pipeline auto: the job length (steps) fit is told, whose 5%% "
+                             "the probe may spend (0: just room for the probe and the timed "
+                             "steps, a short job)")
     parser.add_argument("--auto-probe-rounds", type=int, default=0,
                         help="ours, pipeline auto: probe rounds (0: the strategy's default)")
     parser.add_argument("--profile-steps", type=int, default=5, help="ours: profiled steps")

@@ -36,6 +36,8 @@ class Cell:
         micro_batches: M of fwp / nested.
         auto_timed_steps: The auto probe's timed steps per candidate and round.
         auto_probe_rounds: The auto probe's rounds.
+        auto_job_steps: The job length auto's rows tell fit (the probe may spend 5% of it;
+            None: a short job, room for the probe and the timed steps only).
         row_timeout: Seconds a row may take before it is listed as failed.
         profile_steps: Steps of ours profiled after the timed ones (the exposure, the per-stage
             timeline and the stage that bounds a missed target; 0: none).
@@ -58,6 +60,7 @@ class Cell:
     micro_batches: Optional[int] = None
     auto_timed_steps: Optional[int] = None
     auto_probe_rounds: Optional[int] = None
+    auto_job_steps: Optional[int] = None
     row_timeout: int = 900
     profile_steps: int = 0
 
@@ -77,7 +80,8 @@ class Cell:
                             ("--zipf", self.zipf),
                             ("--micro-batches", self.micro_batches),
                             ("--auto-timed-steps", self.auto_timed_steps),
-                            ("--auto-probe-rounds", self.auto_probe_rounds)):
+                            ("--auto-probe-rounds", self.auto_probe_rounds),
+                            ("--auto-job-steps", self.auto_job_steps)):
             if value is not None:
                 argv += [flag, str(value)]
         return argv + ["--output", output]
@@ -129,7 +133,9 @@ NATURAL = Cell(
 # Bandwidth-bound DLRM: 8 separate 200k x 64 tables, strong Zipf ids, global batch 4096, 2
 # workers in their own network namespaces joined by a 1 Gbit/s link; every pipeline of ours, the
 # compute-only bound and TorchRec (plain and pipelined) side by side, with ours' per-stage
-# timeline (3 profiled steps on worker 0).
+# timeline (3 profiled steps on worker 0). auto's rows are told a 20000-step job (82M samples,
+# a fraction of a click log's epoch): its probe may spend 5% of that, and the row times the mode
+# it chose.
 BANDWIDTH_BASE = Cell(
     networks=("0ms:1gbit",),
     systems=("compute_only", "nestpipe:none:sockets", "nestpipe:dbp:sockets",
@@ -137,7 +143,7 @@ BANDWIDTH_BASE = Cell(
              "torchrec", "torchrec_pipelined"),
     tables="per_table", synthetic_tables="8:200000", global_batch=4096, dim=64, zipf=1.2,
     steps=20, warmup=10, rounds=2, micro_batches=4, auto_timed_steps=5, auto_probe_rounds=4,
-    profile_steps=3, row_timeout=600)
+    auto_job_steps=20000, profile_steps=3, row_timeout=600)
 
 
 def _bandwidth_cell(**changes):
@@ -217,6 +223,9 @@ FAMILIES: Dict[str, Family] = {
         args=("--data", "synthetic", "movielens-1m", "--workers", "2", "--networks",
               "0.2ms:1gbit", "--wire-dtypes", "int8-bf16", "bf16-bf16", "--steps", "30",
               "--warmup", "5", "--eval-batches", "8", "--row-timeout", "200")),
+    "keras3_step": Family(
+        "the natural cell's step under Keras 3 against tf_keras and the compute-only bound, "
+        "2 workers, pipeline none", "keras3_step.py", args=("--workers", "2", "--rounds", "3")),
     "faults": Family("every injected fault: recovered, exact, seconds to fail or resume",
                      "faults.py", args=("--runs", "1"), output_flag=None),
     "memory": Family("peak memory of a 1 GiB table with Adagrad, one process vs 2 workers",

@@ -4,8 +4,9 @@ family's one results file set, bench/results/FAMILY.{md,json}.
 Per cell it says: ours without a pipeline against the compute-only bound (how much of the step
 is exposed communication), the best pipelined mode and how much of that exposure it hides,
 whether auto chose within 5% of the best, TorchRec's time in units of ours, and, from worker
-0's profile of every mode (bench/step_stages.py), the stage times and what the step waits on:
-the largest wait of the best mode is the stage that bounds the cell.
+0's profile of every mode (bench/step_stages.py), the stage times and what the step waits on.
+What bounds the best mode: its own CPU work where its process keeps its cores about as busy as
+the compute-only bound does (nothing left to hide), else its largest wait.
 """
 import json
 import os
@@ -20,6 +21,9 @@ BEST_VS_NONE = 0.85
 BEST_VS_BOUND = 1.15
 AUTO_VS_BEST = 1.05
 TORCHREC_RATIO = 1.2
+# A mode whose process keeps its cores at least this share as busy as the compute-only bound's
+# is bounded by its own CPU work, not by an exchange it waits on.
+CPU_BOUND_BUSY = 0.85
 PIPELINED = ("dbp", "fwp", "nested")
 STAGE_COLUMNS = ("route", "rows", "dense_forward", "dense_backward", "embedding_backward",
                  "optimizer", "other")
@@ -81,7 +85,8 @@ def summarize_cell(rows):
     best = min(ratios, key=ratios.get) if ratios else None
     out = {"none_ms": _ms(none), "bound_ms": _ms(bound), "best": best,
            "best_vs_none": ratios.get(best), "vs_none": ratios,
-           "auto_vs_none": _ratio(auto, none), "auto_choice": (auto or {}).get("auto_choice")}
+           "auto_vs_none": _ratio(auto, none), "auto_choice": (auto or {}).get("auto_choice"),
+           "auto_probe_s": (auto or {}).get("auto_probe_extra_s")}
     if none and bound:
         out["exposed_share"] = 1.0 - _ratio(bound, none)
     if best and bound:
@@ -98,9 +103,24 @@ def summarize_cell(rows):
         peer = _system(rows, system)
         if peer and ours_best:
             out[system + "_vs_ours"] = peer["ms_median"] / ours_best
-    out["bounding"] = largest_wait(modes.get(best)) if best else None
-    out["none_bounding"] = largest_wait(none)
+    out["bounding"] = bounding_text(modes.get(best), bound) if best else None
+    out["none_bounding"] = bounding_text(none, bound)
     return out
+
+
+def bounding_text(row, bound):
+    """What bounds `row`'s step: its own CPU work where its process keeps its cores about as
+    busy as the compute-only bound keeps them (`CPU_BOUND_BUSY` of it: waiting cannot be what
+    is left), else the exchange it waits on most (worker 0's profile); None if unknown."""
+    if not row:
+        return None
+    wait = largest_wait(row)
+    busy, reference = row.get("cpu_busy"), (bound or {}).get("cpu_busy")
+    if busy and reference and busy >= CPU_BOUND_BUSY * reference:
+        text = "its own CPU: %.1f ms/step, %.2f cores busy (compute-only: %.1f ms, %.2f)" % (
+            row["cpu_ms_per_step"], busy, bound["cpu_ms_per_step"], reference)
+        return text + ("; largest wait %s %.1f ms" % wait if wait else "")
+    return "waits on %s %.1f ms" % wait if wait else None
 
 
 def _verdict(value, limit, below=True):
@@ -114,7 +134,7 @@ def summary_lines(cells):
     """The family's summary table (one line per cell) and the targets."""
     lines = ["| cell | none ms | compute-only ms | exposed share of none | best pipelined "
              "(vs none) | best vs compute-only | exposure hidden by best | auto (vs best) "
-             "| TorchRec / ours' best: plain, pipelined | best mode waits most on |",
+             "| TorchRec / ours' best: plain, pipelined | what bounds the best mode |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, summary in cells:
         judged = (summary.get("exposed_share") or 0) >= EXPOSED_MIN
@@ -129,11 +149,13 @@ def summary_lines(cells):
             _verdict(summary.get("best_vs_bound"), BEST_VS_BOUND) if judged
             else _fmt(summary.get("best_vs_bound"), "%.2fx"),
             _fmt(summary.get("hidden"), "%.2f"),
-            "%s: %s" % (summary.get("auto_choice") or "-",
-                        _verdict(summary.get("auto_vs_best"), AUTO_VS_BEST)),
+            "%s: %s%s" % (summary.get("auto_choice") or "-",
+                          _verdict(summary.get("auto_vs_best"), AUTO_VS_BEST),
+                          "" if summary.get("auto_probe_s") is None else
+                          ", probe cost %.0f s" % summary["auto_probe_s"]),
             _verdict(summary.get("torchrec_vs_ours"), TORCHREC_RATIO, below=False),
             _verdict(summary.get("torchrec_pipelined_vs_ours"), TORCHREC_RATIO, below=False),
-            "%s %.1f ms" % bounding if bounding else "-"))
+            bounding or "-"))
     return lines
 
 
@@ -214,6 +236,9 @@ def join(family, about, cell_names, command, started, load_start, load_end, decl
             if os.path.exists(base + ext):
                 os.remove(base + ext)
     order = [n for n in declared if n in stored]
+    # Summaries are recomputed from each cell's rows, so a kept cell is judged by today's rules.
+    for n in order:
+        stored[n]["summary"] = summarize_cell(stored[n]["rows"])
     cells = [(n, stored[n]["summary"]) for n in order]
     documents = [(n, stored[n]["rows"], stored[n]["markdown"]) for n in order]
     data = {n: stored[n] for n in order}

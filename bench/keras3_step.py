@@ -2,22 +2,31 @@
 
 The cell of bench/families.py's `natural` (8 separate 100k x 16 tables, one sharded layer per
 field, 13 dense features, global batch 1024, Adagrad, a bottom MLP 64-32-16, dot interaction, a
-top MLP 64-32-1; `--optimizer sgd` for plain SGD) written once per Keras: `--keras tf_keras` builds it with `tnp.ShardedEmbedding`
-and tf_keras layers, `--keras keras3` with `tnpk.ShardedEmbedding` and Keras 3 layers, both
-functional models fitted under `NestPipeStrategy(pipeline=...)`. Rank 0 prints
-`RESULT {json}` with the median step time of the timed steps (after the warm-up).
+top MLP 64-32-1; `--optimizer sgd` for plain SGD) written once per Keras: `--keras tf_keras`
+builds it with `tnp.ShardedEmbedding` and tf_keras layers, `--keras keras3` with
+`tnpk.ShardedEmbedding` and Keras 3 layers, both functional models fitted under
+`NestPipeStrategy(pipeline=...)`. The compute-only bound is `--workers` Keras 3 processes at
+once, each alone (a one-worker strategy: the same layers and sparse updates, no exchange) on its
+share of the global batch (plain `keras.layers.Embedding` is no bound: Keras 3's Adagrad
+squares an embedding's gradient into a dense update of the whole table). Rank 0 prints `RESULT {json}` with the median step time of the timed steps (after the
+warm-up).
 
     python bench/keras3_step.py --workers 2 --rounds 3
 
-runs both Kerases (alternating, `--rounds` times each) on `--workers` local workers through the
-launcher and prints a table with the machine's load average at the start and the end.
+runs the three rows interleaved (round r of every row before round r + 1) on `--workers` local
+workers through the launcher, and writes bench/results/keras3_step.md: each row's median step
+per round, Keras 3 over tf_keras paired by round (the target: <= 1.10), both over the
+compute-only bound, and the machine's load average at the start and the end.
 """
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import time
+
+from runner import HERE, write_result
 
 TABLES, ROWS, DIM, DENSE, GLOBAL_BATCH = 8, 100_000, 16, 13, 1024
 
@@ -59,15 +68,27 @@ def build(keras_name, strategy, optimizer="adagrad"):
 
 def worker(args):
     """One worker's fit; rank 0 prints RESULT."""
-    if args.keras == "keras3":
+    if args.keras in ("keras3", "compute_only"):
         import keras  # noqa: F401  pylint: disable=import-outside-toplevel,unused-import
     import numpy as np  # pylint: disable=import-outside-toplevel
     import tensorflow as tf  # pylint: disable=import-outside-toplevel
     import tf_nestpipe as tnp  # pylint: disable=import-outside-toplevel
 
-    strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, placement="row_wise")
-    model, k = build(args.keras, strategy, args.optimizer)
     steps = args.warmup + args.steps
+    context = None
+    if args.keras == "compute_only":
+        # Each task alone on its share: the launcher's TF_CONFIG only says which share, and a
+        # one-worker strategy runs the same layers and sparse updates with no exchange.
+        config = json.loads(os.environ.pop("TF_CONFIG", "{}"))
+        workers = len(config.get("cluster", {}).get("worker", [None]))
+        rank = config.get("task", {}).get("index", 0)
+        context = tf.distribute.InputContext(workers, rank, workers)
+        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, placement="row_wise")
+        model, k = build("keras3", strategy, args.optimizer)
+    else:
+        strategy = tnp.NestPipeStrategy(pipeline=args.pipeline, placement="row_wise")
+        model, k = build(args.keras, strategy, args.optimizer)
+        rank = strategy.worker_index
 
     def dataset_fn(context):
         rng = np.random.default_rng(context.input_pipeline_id)
@@ -87,52 +108,87 @@ def worker(args):
         def on_train_batch_end(self, batch, logs=None):
             times.append(time.perf_counter() - self.start)
 
-    model.fit(strategy.distribute_datasets_from_function(dataset_fn), epochs=1,
-              steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
+    data = (dataset_fn(context) if context is not None
+            else strategy.distribute_datasets_from_function(dataset_fn))
+    model.fit(data, epochs=1, steps_per_epoch=steps, verbose=0, callbacks=[Timer()])
     timed = sorted(times[args.warmup:])
-    if strategy.worker_index == 0:
+    if rank == 0:
         print("RESULT " + json.dumps({"keras": args.keras, "median_ms": 1e3 * timed[len(timed) // 2],
                                       "steps": len(timed)}), flush=True)
 
 
+ROWS_RUN = ("tf_keras", "keras3", "compute_only")
+TARGET = 1.10  # Keras 3's step over tf_keras's, paired by round
+
+
+def run_row(name, args, env):
+    """One launch of row `name`: its rank 0's median step (ms)."""
+    argv = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(args.workers),
+            "--", sys.executable, os.path.abspath(__file__), "--worker", "--keras", name,
+            "--pipeline", args.pipeline, "--optimizer", args.optimizer,
+            "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, env=env, check=False).stdout
+    lines = [l for l in out.splitlines() if "RESULT " in l]
+    if not lines:
+        raise SystemExit("%s failed:\n%s" % (name, out[-4000:]))
+    return json.loads(lines[-1].split("RESULT ", 1)[1])["median_ms"]
+
+
+def paired(results, top, bottom):
+    """The median over rounds of `top`'s step / `bottom`'s in the same round."""
+    return statistics.median(t / b for t, b in zip(results[top], results[bottom]))
+
+
 def driver(args):
-    """Both Kerases, alternating, on `--workers` local workers; prints the table."""
+    """The rows, interleaved over `--rounds`, on `--workers` local workers; writes the table."""
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    results = {"tf_keras": [], "keras3": []}
-    load_start = os.getloadavg()
+    results = {name: [] for name in ROWS_RUN}
+    started, load_start = time.time(), os.getloadavg()
     for _ in range(args.rounds):
-        for name in ("tf_keras", "keras3"):
-            argv = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(args.workers),
-                    "--", sys.executable, os.path.abspath(__file__), "--worker", "--keras", name,
-                    "--pipeline", args.pipeline, "--optimizer", args.optimizer,
-                    "--steps", str(args.steps),
-                    "--warmup", str(args.warmup)]
-            out = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True, env=env, check=False).stdout
-            lines = [l for l in out.splitlines() if "RESULT " in l]
-            if not lines:
-                raise SystemExit("%s failed:\n%s" % (name, out[-4000:]))
-            results[name].append(json.loads(lines[-1].split("RESULT ", 1)[1])["median_ms"])
+        for name in ROWS_RUN:
+            results[name].append(run_row(name, args, env))
     load_end = os.getloadavg()
-    print("| Keras | median step (ms) per round | best |")
-    print("|---|---|---|")
-    for name, values in results.items():
-        print("| %s | %s | %.1f |" % (name, ", ".join("%.1f" % v for v in values), min(values)))
-    print("ratio keras3/tf_keras (best): %.3f" % (min(results["keras3"]) / min(results["tf_keras"])))
-    print("load average (1, 5, 15 min) at start %s, at end %s" % (
-        tuple(round(x, 2) for x in load_start), tuple(round(x, 2) for x in load_end)))
+    ratio = paired(results, "keras3", "tf_keras")
+    command = "python bench/keras3_step.py " + " ".join(sys.argv[1:])
+    lines = [
+        "# keras3_step", "",
+        "The natural DLRM cell (8 separate 100k x 16 tables, global batch 1024, %s, pipeline "
+        "%r, %d workers) under Keras 3 (`tnpk.ShardedEmbedding`) against tf_keras "
+        "(`tnp.ShardedEmbedding`), and the compute-only bound (%d Keras 3 processes at once, "
+        "each alone on its share: the same layers, no exchange)." % (args.optimizer, args.pipeline, args.workers,
+                                                    args.workers), "",
+        "Command: `%s` (%s, %.0f s; load average (1 min) %.2f at the start, %.2f at the end; "
+        "%d timed steps after %d warm-up steps per launch, rows interleaved by round)." % (
+            command, time.strftime("%Y-%m-%d %H:%M"), time.time() - started, load_start[0],
+            load_end[0], args.steps, args.warmup), "",
+        "| row | median step (ms) per round | median | vs tf_keras (paired by round) "
+        "| vs compute-only (paired) |", "|---|---|---|---|---|"]
+    for name in ROWS_RUN:
+        values = results[name]
+        lines.append("| %s | %s | %.1f | %.3f | %.2f |" % (
+            name, ", ".join("%.1f" % v for v in values), statistics.median(values),
+            paired(results, name, "tf_keras"), paired(results, name, "compute_only")))
+    lines += ["", "Target: Keras 3 <= %.2fx tf_keras: %.3f, %s." % (
+        TARGET, ratio, "met" if ratio <= TARGET else "**missed**")]
+    write_result(args.output + ".md", "\n".join(lines) + "\n")
+    with open(os.path.join(HERE, "results", args.output + ".json"), "w") as f:
+        json.dump({"command": command, "ms_rounds": results, "keras3_vs_tf_keras": ratio,
+                   "load_start": load_start, "load_end": load_end}, f, indent=1)
 
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worker", action="store_true", help="run one worker (the launcher's)")
-    parser.add_argument("--keras", choices=["tf_keras", "keras3"], default="keras3")
+    parser.add_argument("--keras", choices=list(ROWS_RUN), default="keras3")
     parser.add_argument("--pipeline", default="none")
     parser.add_argument("--optimizer", choices=["adagrad", "sgd"], default="adagrad")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=20)
+    parser.add_argument("--output", default="keras3_step",
+                        help="writes bench/results/OUTPUT.md and .json")
     args = parser.parse_args()
     (worker if args.worker else driver)(args)
 

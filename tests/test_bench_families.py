@@ -117,10 +117,20 @@ def test_a_cells_summary_prices_the_exposure_and_what_each_mode_hides():
     assert out["auto_vs_best"] == pytest.approx(41 / 40)
     assert out["torchrec_vs_ours"] == pytest.approx(2.0)
     assert out["torchrec_pipelined_vs_ours"] == pytest.approx(1.1)
-    assert out["bounding"] == ("gradient_exchange", 5.0)
+    assert out["bounding"] == "waits on gradient_exchange 5.0 ms"
     table = "\n".join(family_report.summary_lines([("c", out)]))
     assert "fwp 0.80x met" in table and "1.33x **missed**" in table
     assert "1.10x **missed**" in table  # TorchRec pipelined within 1.2x of ours
+
+
+def test_a_mode_that_keeps_its_cores_as_busy_as_the_bound_is_named_cpu_bound():
+    bound = _row("compute_only", "-", 30.0, cpu_busy=0.98, cpu_ms_per_step=29.5)
+    waits = {"wait_ms": {"rows_exchange": 2.0}}
+    busy = _row("nestpipe", "nested", 36.0, cpu_busy=0.9, cpu_ms_per_step=33.0, stages=waits)
+    assert family_report.bounding_text(busy, bound).startswith("its own CPU: 33.0 ms/step")
+    # Control: a mode that idles on its exchange is named by its largest wait.
+    idle = _row("nestpipe", "nested", 36.0, cpu_busy=0.5, cpu_ms_per_step=18.0, stages=waits)
+    assert family_report.bounding_text(idle, bound) == "waits on rows_exchange 2.0 ms"
 
 
 def test_an_unknown_family_is_refused_listing_the_families(capsys):

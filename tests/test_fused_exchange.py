@@ -1,6 +1,7 @@
 """The fused exchange's single-process pieces: the id check op, the fused id space of a table
 group, the frozen window's dedup, round assignment, the collective counter and `auto`'s choice."""
 import collections
+import statistics
 
 import numpy as np
 import pytest
@@ -320,20 +321,29 @@ def test_auto_reports_each_candidates_process_cpu_per_step():
 def test_auto_takes_the_slowest_workers_view():
     trained = []
     candidates = [("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))]
-    # Locally "a" looks fastest, but another worker was slow with it: the agreed times decide.
-    auto = AutoPipeline(candidates, lambda times: [1.0, 0.5], warmup_steps=0, timed_steps=1,
+    # Locally "a" looks fastest, but another worker was slow with it: the agreed times and
+    # ratios (one all-gather: the medians, then the ratios to the baseline) decide.
+    seen = []
+
+    def agree(values):
+        seen.append(len(values))
+        return [1.0, 0.5, 1.0, 0.5]
+
+    auto = AutoPipeline(candidates, agree, warmup_steps=0, timed_steps=1,
                         log=lambda text: None, rounds=1)
     iterator = iter(range(10))
     for _ in range(3):
         auto.progress(iterator)
     assert auto.choice == "b" and auto.timings_ms == {"a": 1000.0, "b": 500.0}
+    assert auto.ratios == {"a": 1.0, "b": 0.5} and seen == [4]
 
 
 def test_auto_keeps_the_baseline_unless_another_mode_is_clearly_faster():
     for agreed, choice in (([1.0, 0.97], "a"), ([1.0, 0.94], "b"), ([1.0, 1.2], "a")):
         trained = []
         auto = AutoPipeline([("a", _FakePipeline("a", trained)), ("b", _FakePipeline("b", trained))],
-                            lambda times, agreed=agreed: agreed, warmup_steps=0, timed_steps=1,
+                            lambda times, agreed=agreed: agreed + agreed, warmup_steps=0,
+                            timed_steps=1,
                             log=lambda text: None, margin=0.05, rounds=1)
         iterator = iter(range(10))
         auto.progress(iterator)
@@ -389,6 +399,62 @@ def test_auto_interleaves_rounds_so_a_load_change_does_not_decide():
     names = [n for n, _ in trained]
     assert names.count("ahead") > 2 * (1 + 3)
     assert sorted(auto.timings_ms) == ["ahead", "none"]
+
+
+class _FakeClock:
+    """`time` for the auto module: steps advance it by what the fake pipelines say."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+    def process_time(self):
+        return self.now
+
+
+def _round_load_probe(monkeypatch, paired):
+    """auto over a baseline of 20 ms and a look-ahead mode of 14 ms, 4 rounds, while another
+    job adds 230 ms to every step of rounds 0 and 3 (the first round also follows the traces):
+    with `paired`, as auto judges; without, judged by each candidate's median over all its
+    steps pooled (what the rounds alone would give)."""
+    from tf_nestpipe.pipeline import auto as auto_module
+    clock = _FakeClock()
+    monkeypatch.setattr(auto_module, "time", clock)
+    trained, holder = [], []
+
+    class Timed(_FakePipeline):
+        def progress(self, iterator):
+            load = 0.23 if holder[0]._round in (0, 3) else 0.0
+            clock.now += self.seconds + load
+            seconds, self.seconds = self.seconds, 0.0
+            try:
+                return super().progress(iterator)
+            finally:
+                self.seconds = seconds
+
+    candidates = [("none", Timed("none", trained, seconds=0.020)),
+                  ("ahead", Timed("ahead", trained, lookahead=1, seconds=0.014))]
+    auto = AutoPipeline(candidates, lambda values: values, warmup_steps=0, timed_steps=3,
+                        log=lambda text: None, rounds=4, settle_steps=1)
+    holder.append(auto)
+    if not paired:
+        auto._judged_rounds = lambda: [0, 1, 2, 3]
+        auto._local_ratio = lambda name, rounds: statistics.median(
+            t for r in rounds for t in auto._round_times[name][r]) / statistics.median(
+            t for r in rounds for t in auto._round_times["none"][r])
+    iterator = iter(range(1000))
+    outputs = [auto.progress(iterator) for _ in range(auto.probe_steps_bound + 3)]
+    assert outputs == list(range(len(outputs))) and auto.choice is not None
+    return auto
+
+
+def test_auto_judges_each_mode_against_the_baseline_in_the_same_rounds(monkeypatch):
+    auto = _round_load_probe(monkeypatch, paired=True)
+    assert auto.choice == "ahead" and auto.ratios["ahead"] == pytest.approx(0.7)
+    # Positive control: medians of all rounds pooled let the loaded rounds decide.
+    assert _round_load_probe(monkeypatch, paired=False).choice == "none"
 
 
 @pytest.mark.parametrize("count", [1, 2, 3, 4, 6])

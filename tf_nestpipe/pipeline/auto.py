@@ -13,11 +13,18 @@ instead of charging it to whichever candidate ran then. The rounds run the candi
 orders of a balanced Latin square (`round_order`; the first round starts with the baseline):
 over K rounds each candidate runs once in each place of a round and (K even) right after each
 other candidate once, so neither its place nor its predecessor (whose held batches, caches and
-allocations it inherits) favours one candidate. A candidate's time is the median of all
-its timed steps; the workers agree by an all-gather of their medians (the max over workers
-decides, as a synchronous step waits for the slowest). The first candidate is the baseline
-(none): another is chosen only if it is faster by more than `margin` (a fraction), so timing
-noise does not trade the baseline for an equal mode.
+allocations it inherits) favours one candidate.
+
+A candidate is judged by its speed relative to the baseline *within each round*: its median
+timed step over the baseline's in the same round, the median of that ratio over the rounds. A
+load that comes and goes (another job, the machine's host) slows a whole round, every candidate
+of it alike, and cancels out of the ratio; a median over all steps pooled would let the rounds
+it hit decide. With three rounds or more the first is not judged: its steps follow each
+candidate's trace, whose allocations and first calls still slow them unevenly. The workers
+agree by one all-gather of their ratios (the max over workers decides, as a synchronous step
+waits for the slowest). The first candidate is the baseline (none): another is chosen only if
+it is faster by more than `margin` (a fraction), so timing noise does not trade the baseline
+for an equal mode. `timings_ms` reports each candidate's median over the judged rounds' steps.
 
 `AutoPipeline.probe_log` keeps every probe step's candidate, start, end and whether it was
 timed (`ProbeStep`), e.g. to attribute a profiler's samples to the candidates.
@@ -83,10 +90,12 @@ class AutoPipeline:
         self._index = 0  # candidate being probed (this round's order at its place)
         self._steps = 0  # steps the current candidate ran in this round
         self._times = {name: [] for name, _ in self._candidates}
+        self._round_times = {name: {} for name, _ in self._candidates}  # round -> its times
         self._cpu_times = {name: [] for name, _ in self._candidates}  # process CPU seconds
         self._held = None  # a look-ahead pipeline whose held batches are trained first
         self.choice = None  # the chosen candidate's name, once agreed
         self.timings_ms = None  # {str(name): agreed median ms/step}
+        self.ratios = None  # {str(name): agreed median over rounds of its step / the baseline's}
         self.cpu = None  # {str(name): CpuUse of this worker's timed steps}
         self.probe_log = []  # a ProbeStep per step a candidate ran while probing
         # The probe's budget (see `_within_budget`): `epoch_steps()` gives the first epoch's
@@ -140,6 +149,7 @@ class AutoPipeline:
         timed = self._steps > untimed
         if timed:
             self._times[name].append(elapsed)
+            self._round_times[name].setdefault(self._round, []).append(elapsed)
             self._cpu_times[name].append(cpu)
         self._count_cost(name, elapsed)
         self.probe_log.append(ProbeStep(str(name), start, end, timed))
@@ -199,28 +209,49 @@ class AutoPipeline:
         if self.pipeline is not pipeline:
             self._held = pipeline  # its look-ahead batches come next
 
+    def _judged_rounds(self):
+        """The rounds whose steps judge the candidates: every round the baseline was timed in,
+        but the first when three or more were (see the module docstring)."""
+        rounds = sorted(self._round_times[self._candidates[0][0]])
+        return rounds[1:] if len(rounds) >= 3 else rounds
+
+    def _local_ratio(self, name, rounds):
+        """This worker's median over `rounds` of `name`'s median step / the baseline's in the
+        same round (inf where it was timed in none of them)."""
+        baseline = self._round_times[self._candidates[0][0]]
+        ratios = [statistics.median(self._round_times[name][r])
+                  / max(statistics.median(baseline[r]), 1e-9)
+                  for r in rounds if self._round_times[name].get(r)]
+        return statistics.median(ratios) if ratios else float("inf")
+
     def _choose(self):
         names = [name for name, _ in self._candidates]
+        rounds = self._judged_rounds()
         # A candidate the probe stopped before timing is never chosen.
-        local = [statistics.median(self._times[name]) if self._times[name] else float("inf")
-                 for name in names]
-        agreed = self._agree(local)
+        local = [statistics.median([t for r in rounds for t in self._round_times[name].get(r, [])]
+                                   or [float("inf")]) for name in names]
+        ratios = [self._local_ratio(name, rounds) for name in names]
+        agreed = self._agree(local + ratios)  # one all-gather for both
+        agreed, ratios = agreed[:len(names)], agreed[len(names):]
         self.timings_ms = {str(name): 1e3 * t for name, t in zip(names, agreed)}
+        self.ratios = {str(name): r for name, r in zip(names, ratios)}
         self.cpu = {str(name): CpuUse.of(self._cpu_times[name], self._times[name])
                     if self._times[name] else None for name in names}
-        best = min(range(len(names)), key=lambda i: agreed[i])
-        if agreed[best] > agreed[0] * (1 - self._margin):
+        best = min(range(len(names)), key=lambda i: ratios[i])
+        if ratios[best] > 1 - self._margin:
             best = 0  # not clearly faster than the baseline
         self.choice = names[best]
         stopped = ("" if self.stopped_early is None else
                    " (the probe stopped after %d of %d rounds: %s)" % (
                        self._round, self._rounds, self.stopped_early))
-        self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d rounds of %d "
-                  "timed steps (slowest worker) %s; another mode than %r needs to be %.0f%% "
-                  "faster; this worker's process CPU ms/step (cores busy) %s%s"
-                  % (str(self.choice), self._rounds, self._timed, ", ".join(
-                      "%s %.1f" % (name, ms) if ms != float("inf") else "%s not run" % name
-                      for name, ms in self.timings_ms.items()),
+        self._log("tf_nestpipe: pipeline='auto' chose %r: median ms/step over %d judged of %d "
+                  "rounds of %d timed steps (slowest worker; in brackets: vs %r in the same "
+                  "rounds) %s; another mode than %r needs to be %.0f%% faster; this worker's "
+                  "process CPU ms/step (cores busy) %s%s"
+                  % (str(self.choice), len(rounds), self._rounds, self._timed, str(names[0]),
+                     ", ".join("%s %.1f (%.2fx)" % (name, ms, self.ratios[name])
+                               if ms != float("inf") else "%s not run" % name
+                               for name, ms in self.timings_ms.items()),
                       str(names[0]), 100 * self._margin, ", ".join(
                           "%s %.1f (%.2f)" % (name, use.ms_per_step, use.cores_busy)
                           for name, use in self.cpu.items() if use is not None), stopped))
