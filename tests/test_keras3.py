@@ -342,17 +342,49 @@ def test_keras_rs_layer_ragged_ids_pool_as_dense_ones():
     np.testing.assert_allclose(got[1], table[[4, 5, 6, 7]].mean(axis=0), atol=1e-6)
 
 
-def test_keras_rs_sparsecore_placement_is_refused_under_the_strategy():
-    table = keras_rs.layers.TableConfig(name="t", vocabulary_size=10, embedding_dim=2,
-                                        placement="sparsecore")
-    features = {"f": keras_rs.layers.FeatureConfig(name="f", table=table, input_shape=(4,),
-                                                   output_shape=(4, 2))}
+def test_keras_rs_sparsecore_tables_are_sharded_by_the_strategy_with_a_warning():
+    """keras-rs's TPU-style model (tables with placement="sparsecore" and a per-table optimizer,
+    a subclassed ranking model, `compile(optimizer="adagrad")`) made and fitted under the
+    strategy: the tables are tnpk tables, a warning says that the per-table optimizer is not
+    used, and it trains. Outside the scope keras-rs refuses "sparsecore" itself (untouched);
+    tf.tpu.experimental.embedding configs are refused under the strategy, naming the fix."""
+    tables = {name: keras_rs.layers.TableConfig(name=name, vocabulary_size=30, embedding_dim=4,
+                                                optimizer="adam", placement="sparsecore")
+              for name in ("movie_table", "user_table")}
+    features = {key: keras_rs.layers.FeatureConfig(name=key, table=tables[key + "_table"],
+                                                   input_shape=(8,), output_shape=(8, 4))
+                for key in ("movie", "user")}
+
+    class Ranking(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.embedding = keras_rs.layers.DistributedEmbedding(feature_configs=features)
+            self.tower = keras.Sequential([keras.layers.Dense(8, activation="relu"),
+                                           keras.layers.Dense(1)])
+
+        def call(self, x):
+            out = self.embedding(x)
+            return self.tower(keras.ops.concatenate([out["user"], out["movie"]], axis=1))
+
+    with pytest.raises(ValueError, match="not running under a TPU strategy"):
+        keras_rs.layers.DistributedEmbedding(features)  # keras-rs's own refusal off TPU
+    with tnp.NestPipeStrategy(pipeline="none").scope():
+        with pytest.warns(UserWarning, match="movie_table.*placement='sparsecore'.*compile"):
+            model = Ranking()
+        model.compile(loss="mse", optimizer="adagrad")
+    rng = np.random.default_rng(0)
+    x = {k: rng.integers(0, 30, (16,)).astype(np.int32) for k in features}
+    history = model.fit(x, rng.random((16, 1)).astype(np.float32), batch_size=8, epochs=2,
+                        verbose=0)
+    assert np.all(np.isfinite(history.history["loss"]))
+    assert {type(l) for l in model.embedding._default_device_embedding_layers.values()} == {
+        tnpk.EmbedReduce}
+    tpu_table = tf.tpu.experimental.embedding.TableConfig(vocabulary_size=10, dim=2, name="t")
+    tpu_features = {"f": tf.tpu.experimental.embedding.FeatureConfig(table=tpu_table, name="f")}
     with tnp.NestPipeStrategy().scope():
-        with pytest.raises(ValueError, match="SparseCore.*placement='auto'.*NestPipeStrategy"
-                                             r"\(placement=\.\.\.\)"):
-            keras_rs.layers.DistributedEmbedding(features)
-        table.placement = "default_device"  # positive control
-        keras_rs.layers.DistributedEmbedding(features)
+        with pytest.raises(ValueError, match="tf.tpu.experimental.embedding.*keras_rs.layers"
+                                             r".*NestPipeStrategy\(placement=\.\.\.\)"):
+            keras_rs.layers.DistributedEmbedding(tpu_features)
 
 
 def test_two_different_tables_of_one_name_are_refused():

@@ -338,9 +338,12 @@ def keras3_export_archive_class():
 #     ({path: ids} -> {path: embedding});
 # "read_tables": `_default_device_get_embedding_tables()` reads them ({table name: table});
 # "init_sparsecore": `_sparsecore_init(feature_configs, table_stacking)` makes SparseCore tables.
+# "place_features": `_init_feature_configs_structures(feature_configs)` resolves each feature's
+#     placement (before the tables are made).
 _KERAS_RS_METHODS = {"init_tables": "_default_device_init", "call_tables": "_default_device_call",
                      "read_tables": "_default_device_get_embedding_tables",
-                     "init_sparsecore": "_sparsecore_init"}
+                     "init_sparsecore": "_sparsecore_init",
+                     "place_features": "_init_feature_configs_structures"}
 
 
 def wrap_keras_rs_distributed_embedding(wrappers):
@@ -354,6 +357,29 @@ def wrap_keras_rs_distributed_embedding(wrappers):
         original = getattr(layer_class, name)
         if not getattr(original, "_nestpipe_hooked", False):
             setattr(layer_class, name, wrap(original))
+
+
+def keras_rs_move_to_default_device(layer, movable):
+    """Places the features of a keras-rs `DistributedEmbedding` that it placed on "sparsecore"
+    and for which `movable(feature_config)` holds on "default_device" instead (in its
+    placement -> path -> FeatureConfig dict and its per-feature placements), after its
+    `_init_feature_configs_structures` and before it makes its tables. Returns {path:
+    FeatureConfig} moved."""
+    import keras  # pylint: disable=import-outside-toplevel
+    by_placement = layer._placement_to_path_to_feature_config  # pylint: disable=protected-access
+    moved = {path: feature for path, feature in by_placement.get("sparsecore", {}).items()
+             if movable(feature)}
+    if not moved:
+        return moved
+    for path in moved:
+        del by_placement["sparsecore"][path]
+    if not by_placement["sparsecore"]:
+        del by_placement["sparsecore"]
+    by_placement.setdefault("default_device", {}).update(moved)
+    for placed in keras.tree.flatten(layer._feature_deeply_nested_placement_and_paths):  # pylint: disable=protected-access
+        if placed.path in moved:
+            placed.placement = "default_device"
+    return moved
 
 
 def set_keras_rs_tables(layer, layers_by_path):

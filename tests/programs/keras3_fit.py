@@ -6,8 +6,8 @@ Each RUN is `PIPELINE:PLACEMENT` with PIPELINE one of none, dbp, auto and PLACEM
 rw (every table row_wise), mix (table_a row_wise, table_b table_wise, table_c
 data_parallel) and front (every table row_wise, configured with keras-rs's `TableConfig` /
 `FeatureConfig` in a subclassed model: table_a (shared by two features, "sum") and table_b
-("sqrtn") in keras-rs's own `keras_rs.layers.DistributedEmbedding`, unchanged, table_c in a
-`tnpk.DistributedEmbedding`). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
+("sqrtn", placed on "sparsecore" as keras-rs's TPU examples place tables) in keras-rs's own
+`keras_rs.layers.DistributedEmbedding`, unchanged, table_c in a `tnpk.DistributedEmbedding`). A run builds a functional model of three `tnpk.ShardedEmbedding` tables and a
 dense tower (or the front's model) in `strategy.scope()`, fits it for STEPS steps (2 epochs) on per-worker slices of the
 same global batches, evaluates and predicts, and saves to `PREFIX.RUN.npz`: the whole tables,
 the dense weights, the history, the evaluation, the predictions and the fused exchange's count.
@@ -92,10 +92,14 @@ class FrontModel(keras.Model):
 
     def __init__(self):
         super().__init__()
+        # table_b as keras-rs's TPU examples configure tables: on SparseCore, its own optimizer
+        # (under the strategy: sharded by it, trained with compile's optimizer, a warning).
         tables = {name: keras_rs.layers.TableConfig(
             name=name, vocabulary_size=VOCAB[name], embedding_dim=dim, combiner=combiner,
-            initializer="uniform") for name, dim, combiner in (
-                ("table_a", 8, "sum"), ("table_b", 8, "sqrtn"), ("table_c", 4, "sum"))}
+            initializer="uniform", **extra) for name, dim, combiner, extra in (
+                ("table_a", 8, "sum", {}),
+                ("table_b", 8, "sqrtn", {"placement": "sparsecore", "optimizer": "adagrad"}),
+                ("table_c", 4, "sum", {}))}
         shapes = {"a": (GLOBAL_BATCH, 3), "a_first": (GLOBAL_BATCH,), "b": (GLOBAL_BATCH, 2),
                   "c": (GLOBAL_BATCH, 1)}
         dims = {"a": 8, "a_first": 8, "b": 8, "c": 4}

@@ -14,11 +14,16 @@ class name, so Keras files of a model load both ways: written by keras-rs's plai
 loaded under the strategy (the tables then sharded), or written under the strategy (whole
 tables) and loaded without it.
 
-A feature placed on "sparsecore" (a `TableConfig(placement="sparsecore")` or a
-`tf.tpu.experimental.embedding.FeatureConfig`) is refused under the strategy, naming the fix.
+Tables a `TableConfig(placement="sparsecore")` asks for TPU SparseCore (which shards them) are
+sharded by the strategy alike, with a `SparseCorePlacementWarning`: they train with the
+optimizer given to `model.compile`, not with `TableConfig.optimizer` as on SparseCore. So
+keras-rs's TPU examples run with their strategy line changed. Features configured with
+`tf.tpu.experimental.embedding.FeatureConfig` are refused under the strategy, naming the fix.
 Installed by `tf_nestpipe.keras3.install()` once keras-rs is imported (the keras-rs internals
 come from `tf_private`).
 """
+import warnings
+
 import keras
 import tensorflow as tf
 
@@ -98,17 +103,40 @@ def _read_tables(original):
     return _hooked(read_tables)
 
 
+class SparseCorePlacementWarning(UserWarning):
+    """keras-rs tables asked for TPU SparseCore are sharded by the NestPipeStrategy instead."""
+
+
+def _place_features(original):
+    def place_features(self, feature_configs):
+        original(self, feature_configs)
+        if not _in_nestpipe_scope():
+            return
+        import keras_rs  # pylint: disable=import-outside-toplevel
+        moved = tf_private.keras_rs_move_to_default_device(
+            self, lambda feature: isinstance(feature, keras_rs.layers.FeatureConfig))
+        if moved:
+            tables = sorted({feature.table.name for feature in moved.values()})
+            warnings.warn(
+                "keras_rs DistributedEmbedding: tables %s ask for placement='sparsecore' (TPU "
+                "SparseCore, which shards them); under NestPipeStrategy its planner places and "
+                "shards them over the workers instead, and they train with the optimizer given "
+                "to model.compile: TableConfig.optimizer is SparseCore's and is not used"
+                % tables, SparseCorePlacementWarning, stacklevel=4)
+
+    return _hooked(place_features)
+
+
 def _init_sparsecore(original):
     def init_sparsecore(self, feature_configs, table_stacking):
         if _in_nestpipe_scope():
             raise ValueError(
-                "keras_rs DistributedEmbedding: features %s are placed on TPU SparseCore "
-                "(TableConfig placement='sparsecore', or tf.tpu.experimental.embedding "
-                "configs), but under tf_nestpipe's NestPipeStrategy the strategy's planner "
-                "places every table: use keras_rs.layers.TableConfig / FeatureConfig with "
-                "placement='auto' (the default) or 'default_device', and choose row_wise / "
-                "table_wise / data_parallel with NestPipeStrategy(placement=...)"
-                % sorted(feature_configs))
+                "keras_rs DistributedEmbedding: features %s are configured with "
+                "tf.tpu.experimental.embedding's FeatureConfig (TPU SparseCore only); under "
+                "tf_nestpipe's NestPipeStrategy configure them with keras_rs.layers.TableConfig "
+                "/ FeatureConfig (their tables are then sharded by the strategy's planner: "
+                "choose row_wise / table_wise / data_parallel with "
+                "NestPipeStrategy(placement=...))" % sorted(feature_configs))
         return original(self, feature_configs, table_stacking)
 
     return _hooked(init_sparsecore)
@@ -117,5 +145,6 @@ def _init_sparsecore(original):
 def install():
     """Hooks keras-rs's `DistributedEmbedding` (idempotent; keras-rs must be importable)."""
     tf_private.wrap_keras_rs_distributed_embedding({
-        "init_tables": _init_tables, "call_tables": _call_tables, "read_tables": _read_tables,
+        "place_features": _place_features, "init_tables": _init_tables,
+        "call_tables": _call_tables, "read_tables": _read_tables,
         "init_sparsecore": _init_sparsecore})
