@@ -578,7 +578,8 @@ def summarize_rounds(row, args, out, results):
         out["steal"] = max(steals)
     for key in ("collectives_per_step", "collectives_detail", "exchanges", "auto_choice",
                 "auto_timings_ms", "auto_probe_steps", "auto_job_steps", "placements",
-                "table_bytes_per_worker", "torchrec_plan"):
+                "table_bytes_per_worker", "torchrec_plan", "wire_bytes_per_step",
+                "dense_bytes"):
         if key in first:
             out[key] = first[key]
     if len(results) > 1 and "auto_choice" in first:  # each round probes and chooses anew
@@ -988,7 +989,7 @@ EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communicatio
               "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",
               "auto_probe_steps", "auto_probe_extra_s", "auto_job_steps", "stages",
-              "placement",
+              "wire_bytes_per_step", "dense_bytes", "placement",
               "memory_budget_bytes", "placements", "table_bytes_per_worker", "torchrec_plan",
               "table_bytes_per_process", "baselines_not_fitting"]
 

@@ -70,6 +70,7 @@ from dlrm_worker import profile  # noqa: E402
 from ps_worker import MeanBag  # noqa: E402
 from tf_nestpipe.data import (SyntheticClickLog, criteo_kaggle_table_sizes,  # noqa: E402
                               load_or_prepare_movielens, make_dataset, split_files)
+from tf_nestpipe.sharding.row_shard import is_row_shard  # noqa: E402
 
 SYSTEMS = ("single", "mwms", "psv2", "hvd_replicated", "hvd_alltoall", "nestpipe", "compute_only")
 LEARNING_RATE = 0.05
@@ -427,6 +428,10 @@ def run_fit(args, data):
         result["wire_bytes_per_step"] = {k: (after[k] - before[k]) / steps
                                          for k in after if k != "clamped"}
         result["clamped"] = after["clamped"] - before["clamped"]
+        # The dense weights' all-reduce is not an embedding exchange: its bytes, for the link's
+        # share of a step (bench/family_report.py's wire bound).
+        result["dense_bytes"] = sum(v.shape.num_elements() * v.dtype.size
+                                    for v in model.trainable_variables if not is_row_shard(v))
     if args.eval_batches:
         result["auc"] = held_out_auc(args, strategy, model, data)
     profiling = None

@@ -10,6 +10,7 @@ the compute-only bound does (nothing left to hide), else its largest wait.
 """
 import json
 import os
+import re
 import time
 
 from runner import HERE
@@ -24,6 +25,9 @@ TORCHREC_RATIO = 1.2
 # A mode whose process keeps its cores at least this share as busy as the compute-only bound's
 # is bounded by its own CPU work, not by an exchange it waits on.
 CPU_BOUND_BUSY = 0.85
+# A mode whose bytes take at least this share of its step on the link at its rate is bounded by
+# the link: only fewer bytes (compression, fewer distinct ids) make it faster, no overlap.
+WIRE_BOUND_SHARE = 0.8
 PIPELINED = ("dbp", "fwp", "nested")
 STAGE_COLUMNS = ("route", "rows", "dense_forward", "dense_backward", "embedding_backward",
                  "optimizer", "other")
@@ -92,6 +96,8 @@ def summarize_cell(rows):
     if best and bound:
         out["best_vs_bound"] = modes[best]["ms_median"] / bound["ms_median"]
     if best:
+        out["wire_bound_ms"] = wire_bound_ms(modes[best])
+    if best:
         out["hidden"] = hidden_share(modes[best], none, bound)
     if auto and best:
         # auto's time over the best of none and the pipelines (auto may rightly pick none)
@@ -108,14 +114,42 @@ def summarize_cell(rows):
     return out
 
 
+def link_bytes_per_second(network):
+    """The rate of an emulated link "DELAYms:RATE" (RATE like 200mbit, 1gbit, 2500mbit) in
+    bytes per second; None for loopback or an unknown spelling."""
+    match = re.fullmatch(r"[\d.]+ms:([\d.]+)(k|m|g)bit", network or "")
+    if not match:
+        return None
+    return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
+
+
+def wire_bound_ms(row):
+    """The least time a step of `row` spends on its link: the bytes worker 0 sends per step
+    (its embedding exchanges, as the wire counters count them, and its share of the dense
+    all-reduce, a reduce-scatter and an all-gather: 2 (W - 1) / W of the dense weights' bytes)
+    over the link's rate; None where unknown. No overlap makes a step shorter than this."""
+    rate = link_bytes_per_second((row or {}).get("network"))
+    sent = (row or {}).get("wire_bytes_per_step")
+    if not rate or not sent:
+        return None
+    workers = row.get("workers") or 2
+    dense = (row.get("dense_bytes") or 0) * 2 * (workers - 1) / workers
+    return 1e3 * (sum(sent.values()) + dense) / rate
+
+
 def bounding_text(row, bound):
-    """What bounds `row`'s step: its own CPU work where its process keeps its cores about as
+    """What bounds `row`'s step: the link where its bytes fill most of the step at the link's
+    rate (`WIRE_BOUND_SHARE`); else its own CPU work where its process keeps its cores about as
     busy as the compute-only bound keeps them (`CPU_BOUND_BUSY` of it: waiting cannot be what
-    is left), else the exchange it waits on most (worker 0's profile); None if unknown."""
+    is left); else the exchange it waits on most (worker 0's profile); None if unknown."""
     if not row:
         return None
     wait = largest_wait(row)
     busy, reference = row.get("cpu_busy"), (bound or {}).get("cpu_busy")
+    wire = wire_bound_ms(row)
+    if wire is not None and wire >= WIRE_BOUND_SHARE * row["ms_median"]:
+        return "the link: %.1f ms/step of bytes on it at its rate (%.0f%% of the step)" % (
+            wire, 100 * wire / row["ms_median"])
     if busy and reference and busy >= CPU_BOUND_BUSY * reference:
         text = "its own CPU: %.1f ms/step, %.2f cores busy (compute-only: %.1f ms, %.2f)" % (
             row["cpu_ms_per_step"], busy, bound["cpu_ms_per_step"], reference)
@@ -134,13 +168,14 @@ def summary_lines(cells):
     """The family's summary table (one line per cell) and the targets."""
     lines = ["| cell | none ms | compute-only ms | exposed share of none | best pipelined "
              "(vs none) | best vs compute-only | exposure hidden by best | auto (vs best) "
-             "| TorchRec / ours' best: plain, pipelined | what bounds the best mode |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| TorchRec / ours' best: plain, pipelined | best mode's bytes on the link "
+             "(ms/step at its rate) | what bounds the best mode |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, summary in cells:
         judged = (summary.get("exposed_share") or 0) >= EXPOSED_MIN
         best = summary.get("best")
         bounding = summary.get("bounding")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s, %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s, %s | %s | %s |" % (
             name, _fmt(summary.get("none_ms")), _fmt(summary.get("bound_ms")),
             _fmt(summary.get("exposed_share"), "%.2f"),
             "%s %s" % (best, _verdict(summary.get("best_vs_none"), BEST_VS_NONE)
@@ -155,7 +190,7 @@ def summary_lines(cells):
                           ", probe cost %.0f s" % summary["auto_probe_s"]),
             _verdict(summary.get("torchrec_vs_ours"), TORCHREC_RATIO, below=False),
             _verdict(summary.get("torchrec_pipelined_vs_ours"), TORCHREC_RATIO, below=False),
-            bounding or "-"))
+            _fmt(summary.get("wire_bound_ms")), bounding or "-"))
     return lines
 
 

@@ -133,6 +133,22 @@ def test_a_mode_that_keeps_its_cores_as_busy_as_the_bound_is_named_cpu_bound():
     assert family_report.bounding_text(idle, bound) == "waits on rows_exchange 2.0 ms"
 
 
+def test_a_mode_whose_bytes_fill_its_step_on_the_link_is_named_link_bound():
+    assert family_report.link_bytes_per_second("0ms:200mbit") == 25e6
+    assert family_report.link_bytes_per_second("1ms:2.5gbit") == 312.5e6
+    assert family_report.link_bytes_per_second("loopback") is None
+    bound = _row("compute_only", "-", 25.0, cpu_busy=1.0, cpu_ms_per_step=25.0)
+    # 1.5 MB of exchanges + 2 (W - 1) / W of 0.5 MB dense on 25 MB/s: 80 ms of an 84 ms step.
+    sent = {"rows": 1.0e6, "grads": 0.5e6}
+    full = _row("nestpipe", "fwp", 84.0, network="0ms:200mbit", workers=2, cpu_busy=0.95,
+                cpu_ms_per_step=30.0, wire_bytes_per_step=sent, dense_bytes=0.5e6)
+    assert family_report.wire_bound_ms(full) == pytest.approx(80.0)
+    assert family_report.bounding_text(full, bound).startswith("the link: 80.0 ms/step")
+    # Control: the same bytes on a 1 Gbit/s link fill a sixth of the step: CPU names it.
+    fast = dict(full, network="0ms:1gbit")
+    assert family_report.bounding_text(fast, bound).startswith("its own CPU")
+
+
 def test_an_unknown_family_is_refused_listing_the_families(capsys):
     assert run.main(["nope"]) == 2
     assert "unknown benchmark family 'nope'; the families are" in capsys.readouterr().err
