@@ -46,6 +46,13 @@ from tf_nestpipe.strategy.row_shard_saving import whole_table_values, whole_tabl
 _HOOKED = "_nestpipe_hooked"
 
 
+def mark_hooked(wrapper):
+    """Marks `wrapper` as one of our wrappers (installing the hooks again keeps it) and returns
+    it."""
+    setattr(wrapper, _HOOKED, True)
+    return wrapper
+
+
 def _is_nestpipe(strategy):
     from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy  # pylint: disable=import-outside-toplevel
 
@@ -71,8 +78,7 @@ def _all_reduce_sum_gradients(original):
                 tf.distribute.ReduceOp.SUM, pairs), args=(present,)) if present else [])
         return [(None if g is None else next(reduced), v) for g, v in grads_and_vars]
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def _sparse_adagrad_update_step(original):
@@ -96,8 +102,7 @@ def _sparse_adagrad_update_step(original):
         target.scatter_sub(tf.IndexedSlices(
             lr * summed / tf.sqrt(accumulated + tf.cast(self.epsilon, target.dtype)), rows))
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 # --- step outputs ---------------------------------------------------------------------------
@@ -131,8 +136,7 @@ def _reduce_per_replica(original):
                 lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), values)
         return original(values, strategy, "first" if reduction != "concat" else reduction)
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 # --- the train function ---------------------------------------------------------------------
@@ -195,8 +199,7 @@ def _make_train_function(original):
         self.train_function = pipeline.progress
         return self.train_function
 
-    setattr(make, _HOOKED, True)
-    return make
+    return mark_hooked(make)
 
 
 # --- saving and weights -----------------------------------------------------------------------
@@ -225,8 +228,7 @@ def _saving(method, writes):
             raise failure
         return result
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def _optimizer_load_own_variables(original):
@@ -237,8 +239,7 @@ def _optimizer_load_own_variables(original):
             store = {str(i): own_rows_of(v, store[str(i)]) for i, v in enumerate(variables)}
         return original(self, store)
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def _get_weights(original):
@@ -247,8 +248,7 @@ def _get_weights(original):
         with whole_table_values():
             return original(self)
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def _set_weights(original):
@@ -259,8 +259,7 @@ def _set_weights(original):
             weights = [own_rows_of(v, np.asarray(w)) for v, w in zip(variables, weights)]
         return original(self, weights)
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -298,8 +297,7 @@ def _write_out(original):
         refuse_unservable(os.fspath(filepath))
         return result
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def _has_sharded_tables(model):
@@ -319,8 +317,7 @@ def _export(original):
                 "(served by plain TensorFlow) or tnp.export_saved_model(model, path)" % format)
         return saving(self, filepath, format, *args, **kwargs)
 
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
+    return mark_hooked(wrapped)
 
 
 def install():

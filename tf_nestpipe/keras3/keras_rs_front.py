@@ -29,11 +29,9 @@ import tensorflow as tf
 
 from tf_nestpipe import tf_private
 from tf_nestpipe.keras3 import feature_lookup
+from tf_nestpipe.keras3.hooks import mark_hooked
 from tf_nestpipe.keras3.layers import EmbedReduce
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
-
-_HOOKED = "_nestpipe_hooked"
-
 
 def _in_nestpipe_scope():
     return isinstance(tf.distribute.get_strategy(), NestPipeStrategy)
@@ -53,11 +51,6 @@ def _tables_of(layer):
     return layer.__dict__.get("_nestpipe_tables")
 
 
-def _hooked(wrapped):
-    setattr(wrapped, _HOOKED, True)
-    return wrapped
-
-
 def _init_tables(original):
     def init_tables(self, feature_configs, table_stacking):
         if not _in_nestpipe_scope():
@@ -73,7 +66,7 @@ def _init_tables(original):
         self.__dict__["_nestpipe_tables"] = _Tables(layers, dict(feature_configs))
         return None
 
-    return _hooked(init_tables)
+    return mark_hooked(init_tables)
 
 
 def _call_tables(original):
@@ -88,7 +81,7 @@ def _call_tables(original):
             None if weights is None else [weights.get(path) for path in paths])
         return dict(zip(paths, outputs))
 
-    return _hooked(call_tables)
+    return mark_hooked(call_tables)
 
 
 def _read_tables(original):
@@ -100,7 +93,7 @@ def _read_tables(original):
         return {name: keras.ops.convert_to_tensor(layer.full_table())
                 for name, layer in tables.layers.items()}
 
-    return _hooked(read_tables)
+    return mark_hooked(read_tables)
 
 
 class SparseCorePlacementWarning(UserWarning):
@@ -124,7 +117,7 @@ def _place_features(original):
                 "to model.compile: TableConfig.optimizer is SparseCore's and is not used"
                 % tables, SparseCorePlacementWarning, stacklevel=4)
 
-    return _hooked(place_features)
+    return mark_hooked(place_features)
 
 
 def _init_sparsecore(original):
@@ -139,7 +132,7 @@ def _init_sparsecore(original):
                 "NestPipeStrategy(placement=...))" % sorted(feature_configs))
         return original(self, feature_configs, table_stacking)
 
-    return _hooked(init_sparsecore)
+    return mark_hooked(init_sparsecore)
 
 
 def install():

@@ -29,21 +29,27 @@ from tf_nestpipe.sharding.dynamic_slots import dynamic_table_of, is_dynamic_tabl
 from tf_nestpipe.sharding.dynamic_state import (ROW_KEYS, restored_rows, row_keys,
                                                 set_local_serialization_check)
 from tf_nestpipe.sharding.full_table import gather_full_rows
-from tf_nestpipe.sharding.row_shard import is_row_shard, mark_row_shard, row_shard_layout
+from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
 
 _state = threading.local()
 _classes = {}
 
 
 @contextlib.contextmanager
-def local_shard_serialization():
-    """Within this context, row shards save and restore only this worker's own rows."""
-    previous = getattr(_state, "local", False)
-    _state.local = True
+def _thread_setting(name, value):
+    """Within this context, this thread's setting `name` (an attribute of `_state`) is
+    `value`; the previous value is back after it."""
+    previous = getattr(_state, name, None)
+    setattr(_state, name, value)
     try:
         yield
     finally:
-        _state.local = previous
+        setattr(_state, name, previous)
+
+
+def local_shard_serialization():
+    """Within this context, row shards save and restore only this worker's own rows."""
+    return _thread_setting("local", True)
 
 
 def _saving_local_rows():
@@ -53,17 +59,11 @@ def _saving_local_rows():
 set_local_serialization_check(_saving_local_rows)  # dynamic tables' hash-table state too
 
 
-@contextlib.contextmanager
 def whole_table_values():
     """Within this context (eager), a row shard's `numpy()` returns the whole table (every
     worker must read it at the same point) and `assign()` of a whole table takes this worker's
     rows: what tf_keras' `.h5` / `.keras` saving and loading use (see module)."""
-    previous = getattr(_state, "whole", False)
-    _state.whole = True
-    try:
-        yield
-    finally:
-        _state.whole = previous
+    return _thread_setting("whole", True)
 
 
 @contextlib.contextmanager
@@ -78,7 +78,7 @@ def whole_tables_gathered(variables):
     different order on each worker."""
     gathered = {}
     for variable in variables:
-        layout = row_shard_layout(variable) if is_row_shard(variable) else None
+        layout = row_shard_layout(variable)
         if (layout is None or layout.num_shards == 1 or _saving_local_rows()
                 or id(variable) in gathered):
             continue
@@ -87,12 +87,8 @@ def whole_tables_gathered(variables):
                 variable.read_value_no_copy(), layout,
                 variable._nestpipe_collectives,  # pylint: disable=protected-access
                 "nestpipe/export/" + variable._shared_name)  # pylint: disable=protected-access
-    previous = getattr(_state, "gathered", None)
-    _state.gathered = gathered
-    try:
+    with _thread_setting("gathered", gathered):
         yield
-    finally:
-        _state.gathered = previous
 
 
 def _whole_values(variable):
