@@ -67,6 +67,18 @@ def test_fit_reads_the_share_sizes_from_the_keys_exchange(share_results):
     assert share_results["loop", 0]["gathered_checks"] > 0
 
 
+@pytest.mark.cluster
+@pytest.mark.parametrize("case", ["uneven", "static", "uneven:dbp", "uneven:fwp", "uneven:nested",
+                                  "middle:dbp", "middle:nested"])
+def test_no_collective_can_be_pending_when_the_check_fails(share_results, case):
+    """Every collective of a checked step runs before its check or after it: a refused step
+    leaves no exchange half-done (its cancellation would close the mesh, and every later step
+    of the process would fail)."""
+    for rank in (0, 1):
+        assert share_results[case, rank]["checks"] > 0, share_results[case, rank]
+        assert share_results[case, rank]["racing"] == [], share_results[case, rank]
+
+
 @pytest.mark.parametrize("size,workers,shares,advice", [(63, 2, "32 + 31", "e.g. 62 or 64"),
                                                         (10, 4, "3 + 3 + 2 + 2", "e.g. 8 or 12"),
                                                         (3, 4, "1 + 1 + 1 + 0", "e.g. 4")])

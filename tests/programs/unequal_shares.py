@@ -11,6 +11,9 @@ usage: unequal_shares.py OUT_DIR CASE...   (on 2 workers)
   eager strategy.run of a training step), evaluate (uneven, model.evaluate: not refused),
   middle (4, 3, then 4: the refused batch is not the last one, so a look-ahead pipeline's
   refused step is one that also prefetches and reads the iterator).
+  "racing" lists the collectives of a traced step that may run while its check fails (neither
+  before nor after the check in the graph): a step aborted then would leave their exchanges
+  half-done and close the mesh (the cases after it would fail).
 """
 import json
 import os
@@ -23,6 +26,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
+from tf_nestpipe.collectives.counting import is_collective  # noqa: E402
 from tf_nestpipe.strategy import equal_shares  # noqa: E402
 
 SHARES = {"uneven": [[2, 2], [2, 1]], "even": [[2, 2], [1, 1]], "static": [[2, 2], [2, 2]],
@@ -62,14 +66,59 @@ def dataset_fn_for(kind):
     return dataset_fn
 
 
+def racing_collectives(graph):
+    """The collectives of `graph` (nodes issuing one, calls of functions that do included) that
+    are neither ancestors nor descendants of its equal-shares Assert."""
+    graph_def = graph.as_graph_def()
+    library = {f.signature.name: f for f in graph_def.library.function}
+    bearing = {}
+
+    def function_bears(name):
+        if name not in bearing:
+            bearing[name] = False  # recursion guard
+            bearing[name] = any(node_bears(n) for n in library[name].node_def)
+        return bearing[name]
+
+    def node_bears(node):
+        if is_collective(node.op):
+            return True
+        names = [a.func.name for a in node.attr.values() if a.func.name]
+        names += [f.name for a in node.attr.values() for f in a.list.func]
+        return any(function_bears(n) for n in names if n in library)
+
+    inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
+    outputs = {}
+    for name, sources in inputs.items():
+        for source in sources:
+            outputs.setdefault(source, []).append(name)
+
+    def reach(start, edges):
+        seen, todo = set(), [start]
+        while todo:
+            for nxt in edges.get(todo.pop(), []):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(nxt)
+        return seen
+
+    checks = [n.name for n in graph_def.node if n.op == "Assert" and "nestpipe_equal_shares" in n.name]
+    racing = set()
+    for check in checks:
+        ordered = reach(check, inputs) | reach(check, outputs)
+        racing.update(n.name for n in graph_def.node if node_bears(n) and n.name not in ordered)
+    return sorted(racing)
+
+
 def run(strategy, case):
     kind, _, pipeline = case.partition(":")
     strategy.pipeline = pipeline or "none"
-    traced, gathered = [], []
+    traced, gathered, graphs = [], [], []
     original, original_gathered = equal_shares.check_shares, equal_shares.check_equal_shares
 
     def counting(sizes):
         traced.append(1)
+        if not tf.executing_eagerly():
+            graphs.append(tf.compat.v1.get_default_graph())
         return original(sizes)
 
     def counting_gathered(size, collectives):
@@ -110,7 +159,8 @@ def run(strategy, case):
     finally:
         equal_shares.check_shares, equal_shares.check_equal_shares = original, original_gathered
     return {"steps": len(steps), "error": error, "checks": len(traced),
-            "gathered_checks": len(gathered)}
+            "gathered_checks": len(gathered),
+            "racing": sorted({n for g in graphs for n in racing_collectives(g)})}
 
 
 def main():

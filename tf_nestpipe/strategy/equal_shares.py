@@ -18,6 +18,8 @@ static but different on each worker (each traces its own static shape).
 """
 import tensorflow as tf
 
+from tf_nestpipe.tf_private import distribute_values as _dist_values
+
 TAG = "nestpipe/equal_shares"
 
 
@@ -110,6 +112,20 @@ def check_shares(sizes):
     return tf.debugging.Assert(
         tf.reduce_all(tf.equal(sizes, sizes[0])),
         [_message("samples per worker at the end of this message"), sizes], name="nestpipe_equal_shares")
+
+
+def graph_tensors(values):
+    """The graph tensors of `values` (tensors, IndexedSlices, per-replica values), for control
+    dependencies; none when executing eagerly."""
+    if tf.executing_eagerly():
+        return []
+    flat = []
+    for value in tf.nest.flatten(values, expand_composites=False):
+        parts = value.values if isinstance(value, _dist_values.DistributedValues) else (value,)
+        for part in parts:
+            flat.extend(t for t in tf.nest.flatten(part, expand_composites=True)
+                        if isinstance(t, tf.Tensor) and hasattr(t, "graph"))
+    return flat
 
 
 def after(check, value):

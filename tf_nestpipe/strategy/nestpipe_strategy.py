@@ -247,9 +247,13 @@ class NestPipeExtended(_cars.CollectiveAllReduceExtended):
         self._nestpipe_share_size = None  # once per step
         if self._nestpipe_known_check is not None:  # the step checked them already
             return self._nestpipe_known_check
-        if self._nestpipe_known_shares is not None:
-            return equal_shares.check_shares(self._nestpipe_known_shares)
-        return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
+        # After every value to aggregate, i.e. after every exchange the step made to compute
+        # them: a failing check aborts the step, and an exchange still pending then would be
+        # cancelled half-done, which closes the mesh.
+        with tf.control_dependencies(equal_shares.graph_tensors([v for v, _ in pairs])):
+            if self._nestpipe_known_shares is not None:
+                return equal_shares.check_shares(self._nestpipe_known_shares)
+            return equal_shares.check_equal_shares(size, self._nestpipe_collectives)
 
     def share_size_of(self, batch):
         """This worker's share size of `batch` for the keys exchange to carry (None when the
