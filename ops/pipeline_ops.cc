@@ -29,6 +29,7 @@ REGISTER_OP("NestpipeSyncPlan")
     .Attr("all_updated: bool = false")
     .Output("sync_slots: int32")
     .Output("sync_counts: int32")
+    .Output("kept_slot_to_unique: int32")
     .SetShapeFn([](InferenceContext* c) {
       int w;
       TF_RETURN_IF_ERROR(c->GetAttr("num_requesters", &w));
@@ -40,12 +41,16 @@ REGISTER_OP("NestpipeSyncPlan")
       }
       c->set_output(0, c->Matrix(w, cap));
       c->set_output(1, c->Vector(w));
+      c->set_output(2, slots);
       return absl::OkStatus();
     })
     .Doc(R"doc(
 Owner side: for each requester w, the slot positions p (of its [capacity] prefetch slots) whose
 local row is in `updated_rows` (every valid slot if all_updated), compacted to the left of row w
-of `sync_slots` and padded with -1; `sync_counts[w]` is how many.
+of `sync_slots` and padded with -1; `sync_counts[w]` is how many. `kept_slot_to_unique` is
+`slot_to_unique` without those slots: each requester's other entries in slot order, compacted
+to the left of its [capacity] part and padded with -1 (the rows the prefetch sends now; the
+planned ones travel once, fresh, in the sync).
 )doc");
 
 // The set of a step's updated local rows, for membership tests: a bitmap over [0, max] when
@@ -97,23 +102,31 @@ class SyncPlanOp : public OpKernel {
                                         num_requesters_, " requesters"));
     const int64_t capacity = n / num_requesters_;
     const UpdatedRows updated_set(updated.data(), all_updated_ ? 0 : updated.size());
-    Tensor *plan_t, *counts_t;
+    Tensor *plan_t, *counts_t, *kept_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num_requesters_, capacity}), &plan_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({num_requesters_}), &counts_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({n}), &kept_t));
     auto plan = plan_t->matrix<int32>();
     auto counts = counts_t->flat<int32>();
+    auto kept = kept_t->flat<int32>();
     for (int w = 0; w < num_requesters_; ++w) {
       int32 count = 0;
+      int64_t kept_count = 0;
       for (int64_t p = 0; p < capacity; ++p) {
         const int32 u = slots(w * capacity + p);
         if (u < 0) continue;
         OP_REQUIRES(ctx, u < local_rows.size(),
                     errors::InvalidArgument("slot_to_unique entry ", u, " out of range [0, ",
                                             local_rows.size(), ")"));
-        if (all_updated_ || updated_set.contains(local_rows(u))) plan(w, count++) = static_cast<int32>(p);
+        if (all_updated_ || updated_set.contains(local_rows(u))) {
+          plan(w, count++) = static_cast<int32>(p);
+        } else {
+          kept(w * capacity + kept_count++) = u;
+        }
       }
       counts(w) = count;
       for (int64_t p = count; p < capacity; ++p) plan(w, p) = -1;
+      for (int64_t p = kept_count; p < capacity; ++p) kept(w * capacity + p) = -1;
     }
   }
 
@@ -460,6 +473,7 @@ REGISTER_OP("NestpipeApplySyncPayload")
     .Output("synced: T")
     .Output("rows_received: int64")
     .Attr("T: {float, double}")
+    .Attr("kept_first: bool = false")
     .SetShapeFn([](InferenceContext* c) {
       ShapeHandle buffer, received, splits;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &buffer));
@@ -474,12 +488,17 @@ Requester side of the buffer sync: received[o, j] is owner o's j-th fresh row fo
 position p among the slots this worker asked of o (-1: padding); the row replaces
 buffer[(splits[0] + ... + splits[o - 1]) + p]. The buffer is patched in place when nothing else
 holds it. rows_received counts the rows copied.
+With kept_first, owner o's part of the buffer holds only the rows it did not sync, in slot order,
+first (the prefetch sent only those): they are moved to the slots the fresh rows leave free, so
+o's positions must ascend and be at most splits[o] of them.
 )doc");
 
 template <typename T>
 class ApplySyncPayloadOp : public OpKernel {
  public:
-  explicit ApplySyncPayloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
+  explicit ApplySyncPayloadOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("kept_first", &kept_first_));
+  }
 
   void Compute(OpKernelContext* ctx) override {
     const Tensor& buffer = ctx->input(0);
@@ -496,7 +515,39 @@ class ApplySyncPayloadOp : public OpKernel {
     OP_REQUIRES_OK(ctx, PatchableBuffer(ctx, buffer, &out));
     const T* src = received.flat<T>().data();
     int64_t offset = 0, copied = 0;
-    for (int64_t o = 0; o < w; ++o) {
+    for (int64_t o = 0; o < w && kept_first_; ++o) {
+      OP_REQUIRES(ctx, splits(o) >= 0 && offset + splits(o) <= rows,
+                  errors::InvalidArgument("splits exceed the buffer's ", rows, " rows"));
+      // Owner o's fresh rows, by ascending position.
+      std::vector<const T*> fresh;
+      std::vector<int64_t> at;
+      for (int64_t j = 0; j < cap_s; ++j) {
+        const T* entry = src + (o * cap_s + j) * (dim + 1);
+        const int64_t p = static_cast<int64_t>(entry[dim]);
+        if (p < 0) continue;
+        OP_REQUIRES(ctx, p < splits(o) && (at.empty() || p > at.back()),
+                    errors::InvalidArgument("owner ", o, " sent slot position ", p, " (after ",
+                                            at.empty() ? -1 : at.back(), "), not ascending in [0, ",
+                                            splits(o), ")"));
+        fresh.push_back(entry);
+        at.push_back(p);
+      }
+      // From the last slot down: slot p takes the next fresh row or kept row p - (fresh rows
+      // before it), which sits at or before p, so nothing is overwritten before it is moved.
+      int64_t next = static_cast<int64_t>(at.size()) - 1;
+      for (int64_t p = splits(o) - 1; p >= 0; --p) {
+        T* target = out + (offset + p) * dim;
+        if (next >= 0 && at[next] == p) {
+          std::memcpy(target, fresh[next], sizeof(T) * dim);
+          --next;
+          ++copied;
+        } else if (next + 1 > 0) {
+          std::memmove(target, out + (offset + p - (next + 1)) * dim, sizeof(T) * dim);
+        }
+      }
+      offset += splits(o);
+    }
+    for (int64_t o = 0; o < w && !kept_first_; ++o) {
       for (int64_t j = 0; j < cap_s; ++j) {
         const T* entry = src + (o * cap_s + j) * (dim + 1);
         const int64_t p = static_cast<int64_t>(entry[dim]);
@@ -513,6 +564,9 @@ class ApplySyncPayloadOp : public OpKernel {
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({}), &count_t));
     count_t->scalar<int64_t>()() = copied;
   }
+
+ private:
+  bool kept_first_;
 };
 
 #define NESTPIPE_REGISTER_SYNC(T)                                                          \

@@ -10,14 +10,19 @@ def sync_plan_reference(slot_to_unique, local_rows, updated, num_requesters, all
     capacity = len(slot_to_unique) // num_requesters
     plan = -np.ones((num_requesters, capacity), np.int32)
     counts = np.zeros(num_requesters, np.int32)
+    kept = -np.ones(num_requesters * capacity, np.int32)
     updated = set(updated.tolist())
     for w in range(num_requesters):
+        others = 0
         for p in range(capacity):
             u = slot_to_unique[w * capacity + p]
             if u >= 0 and (all_updated or local_rows[u] in updated):
                 plan[w, counts[w]] = p
                 counts[w] += 1
-    return plan, counts
+            elif u >= 0:
+                kept[w * capacity + others] = u
+                others += 1
+    return plan, counts, kept
 
 
 @pytest.mark.parametrize("all_updated", [False, True])
@@ -31,12 +36,13 @@ def test_sync_plan_matches_numpy(all_updated):
 
 def _check_sync_plan(slot_to_unique, local_rows, updated, num_requesters, all_updated):
     """The op against the reference; some but not all valid slots are planned (or all)."""
-    plan, counts = ops.sync_plan(slot_to_unique, local_rows, updated, num_requesters,
-                                 all_updated=all_updated)
-    ref_plan, ref_counts = sync_plan_reference(slot_to_unique, local_rows, updated,
-                                               num_requesters, all_updated)
+    plan, counts, kept = ops.sync_plan(slot_to_unique, local_rows, updated, num_requesters,
+                                       all_updated=all_updated)
+    ref_plan, ref_counts, ref_kept = sync_plan_reference(slot_to_unique, local_rows, updated,
+                                                         num_requesters, all_updated)
     np.testing.assert_array_equal(plan.numpy(), ref_plan)
     np.testing.assert_array_equal(counts.numpy(), ref_counts)
+    np.testing.assert_array_equal(kept.numpy(), ref_kept)
     assert 0 < ref_counts.sum() < (slot_to_unique >= 0).sum() or all_updated
 
 
@@ -207,6 +213,59 @@ def test_sync_rows_payload_and_patch_match_numpy(dtype):
     np.testing.assert_array_equal(patched.numpy(), reference.numpy())
     assert int(copied) == len(expected_rows) > 0
     assert not np.array_equal(patched.numpy(), buffer)  # a positive control: rows changed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_patch_of_a_buffer_holding_only_the_kept_rows_matches_numpy(dtype):
+    """A prefetch that sent only the rows it would not sync (`kept_slot_to_unique`): each
+    owner's part of the buffer holds them first; the patch moves them to the slots the fresh
+    rows leave free, giving the buffer a full prefetch patched as before would hold."""
+    rng = np.random.default_rng(12)
+    splits = np.array([6, 0, 5], np.int32)
+    full = rng.standard_normal((11, 5)).astype(dtype)  # what a full prefetch would hold
+    fresh_at = [[0, 2, 5], [], [4]]  # owner 0 syncs its first, third and last slot
+    payload = np.zeros((3, 3, 6), dtype)
+    payload[..., 5] = -1
+    compact = np.zeros_like(full)
+    offset = 0
+    for o, positions in enumerate(fresh_at):
+        kept = [p for p in range(splits[o]) if p not in positions]
+        compact[offset:offset + len(kept)] = full[offset + np.array(kept, int)] if kept else 0
+        for j, p in enumerate(positions):
+            payload[o, j, :5] = rng.standard_normal(5)
+            payload[o, j, 5] = p
+        offset += splits[o]
+    expected = full.copy()
+    offset = 0
+    for o, positions in enumerate(fresh_at):
+        for j, p in enumerate(positions):
+            expected[offset + p] = payload[o, j, :5]
+        offset += splits[o]
+    patched, copied = ops.apply_sync_payload(compact, payload, splits, kept_first=True)
+    np.testing.assert_array_equal(patched.numpy(), expected)
+    assert int(copied) == 4
+    # The control: the same buffer patched in place (no kept-first move) differs.
+    plain, _ = ops.apply_sync_payload(compact, payload, splits)
+    assert not np.array_equal(plain.numpy(), expected)
+    # No fresh rows: the buffer is the full prefetch already.
+    unchanged, none = ops.apply_sync_payload(full, np.full((3, 1, 6), -1, dtype), splits,
+                                             kept_first=True)
+    np.testing.assert_array_equal(unchanged.numpy(), full)
+    assert int(none) == 0
+
+
+def test_kept_first_patch_errors():
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not ascending"):
+        ops.apply_sync_payload(tf.zeros([4, 2]), [[[0, 0, 1], [0, 0, 0]], [[0, 0, -1]] * 2],
+                               [2, 2], kept_first=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="not ascending in"):
+        ops.apply_sync_payload(tf.zeros([4, 2]), [[[0, 0, -1]], [[1, 1, 2]]], [2, 2],
+                               kept_first=True)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="splits exceed"):
+        ops.apply_sync_payload(tf.zeros([3, 2]), [[[0, 0, -1]], [[1, 1, -1]]], [2, 2],
+                               kept_first=True)
+    ops.apply_sync_payload(tf.zeros([4, 2]), [[[0, 0, 0], [0, 0, 1]], [[0, 0, -1]] * 2],
+                           [2, 2], kept_first=True)  # the control: ascending, in range
 
 
 def test_sync_rows_payload_and_patch_errors():

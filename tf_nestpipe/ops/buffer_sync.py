@@ -5,9 +5,10 @@ from tf_nestpipe.ops.library import load_op_library
 
 
 def sync_plan(slot_to_unique, local_rows, updated_rows, num_requesters, all_updated=False):
-    """Returns `(sync_slots [W, capacity], sync_counts [W])`: for each requester, the positions of
-    its prefetched slots whose row is in `updated_rows` (all valid slots if `all_updated`),
-    compacted left and padded with -1."""
+    """Returns `(sync_slots [W, capacity], sync_counts [W], kept_slot_to_unique [W * capacity])`:
+    for each requester, the positions of its prefetched slots whose row is in `updated_rows` (all
+    valid slots if `all_updated`), compacted left and padded with -1; and `slot_to_unique`
+    without those slots (each requester's others in slot order, compacted left, -1 padded)."""
     return load_op_library().nestpipe_sync_plan(
         tf.cast(slot_to_unique, tf.int32), tf.cast(local_rows, tf.int64),
         tf.cast(updated_rows, tf.int64), num_requesters=num_requesters, all_updated=all_updated)
@@ -70,11 +71,14 @@ def sync_payload(fresh_rows, sync_slots):
     return load_op_library().nestpipe_sync_payload(fresh_rows, tf.cast(sync_slots, tf.int32))
 
 
-def apply_sync_payload(buffer, received, splits):
+def apply_sync_payload(buffer, received, splits, kept_first=False):
     """Requester side of the sync: `(buffer patched with every received row at its owner's
-    offset (the sum of `splits` before it) + its position, the number of rows copied)`."""
+    offset (the sum of `splits` before it) + its position, the number of rows copied)`. With
+    `kept_first`, each owner's part of `buffer` holds only the rows it did not sync, first, in
+    slot order: they move to the slots the fresh rows leave free (positions must ascend)."""
     return load_op_library().nestpipe_apply_sync_payload(buffer, received,
-                                                         tf.cast(splits, tf.int32))
+                                                         tf.cast(splits, tf.int32),
+                                                         kept_first=kept_first)
 
 
 tf.no_gradient("NestpipeSyncPlan")

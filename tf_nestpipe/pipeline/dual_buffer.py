@@ -7,7 +7,10 @@ exchange's row source (`FusedTables`: one table or a group fused in one id space
   needs. Under DBP it also plans the sync: the owner finds
   which prefetched slots hold rows that the current batch updates (keys updated ∩ keys
   prefetched; only routing data, so before the update finishes), and the counts ride on the rows
-  all-to-all, so the sync's padded size is agreed without a collective of its own.
+  all-to-all, so the sync's padded size is agreed without a collective of its own. On the
+  exact wire that all-to-all leaves the planned rows out (they would only be overwritten):
+  each owner's part of the buffer holds the other rows first, until the sync moves them into
+  place, and every row crosses the network once per step.
 - sync: after the update, the owner sends just those rows, fresh (`sync_payload`); the
   requester copies them into its prefetch buffer (`patch_buffers`). The payload rides on the
   next step's keys all-to-all (`sync_rider`: it is read at the start of the next step, after
@@ -69,11 +72,11 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
         rows = fetched_rows(owned, routing, layout, collectives, tag, wire=wire)
         return PrefetchedRows(routing, rows), None
     num_shards, dim = layout.num_shards, layout.dim
-    slots, counts = ops.sync_plan(routing.slot_to_unique, routing.local_rows, updated_rows,
-                                  num_shards, all_updated=all_updated)
+    slots, counts, kept = ops.sync_plan(routing.slot_to_unique, routing.local_rows,
+                                        updated_rows, num_shards, all_updated=all_updated)
     if wire.forward.exact:
-        rows, largest = _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire,
-                                             num_shards, dim)
+        rows, largest = _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag,
+                                             wire, num_shards, dim)
     else:
         rows, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire,
                                                 num_shards, dim)
@@ -86,15 +89,18 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     return PrefetchedRows(routing, rows), plan
 
 
-def _rows_with_plan_fp32(owned, routing, counts, collectives, tag, wire, num_shards, dim):
-    """The rows all-to-all headed by the sync counts as float rows (exact below 2**24):
-    returns (the received rows, one per bucketed unique id, every owner's largest sync count).
-    The blocks are gathered behind their header rows and read past them by two ops, never
-    concatenated or sliced (each a copy of the whole exchange)."""
+def _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag, wire, num_shards, dim):
+    """The rows all-to-all headed by the sync counts as float rows (exact below 2**24), without
+    the planned rows (`kept`: the other slots' rows, `sync_plan`): the sync sends those once,
+    fresh, so each crosses the network once, as without a pipeline. Returns (the received rows,
+    one per bucketed unique id, each owner's part holding its kept rows first: the sync moves
+    them into place, `patch_buffers`; every owner's largest sync count). The blocks are
+    gathered behind their header rows and read past them by two ops, never concatenated or
+    sliced (each a copy of the whole exchange)."""
     header = ops.sync_header(counts, dim, owned.dtype)  # [W, 2, dim]
-    outgoing = ops.gather_blocks(owned, routing.slot_to_unique, header)
+    outgoing = ops.gather_blocks(owned, kept, header)
     # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
-    send_counts = _SYNC_HEADER_ROWS + routing.received
+    send_counts = _SYNC_HEADER_ROWS + routing.received - counts
     with tf.control_dependencies(wire.count("forward", outgoing, collectives, send_counts)):
         received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
                                           send_counts=send_counts)
@@ -182,7 +188,7 @@ def patch_buffers(tables, prefetched_rounds, received, wire=None):
     if codec.exact and single:
         prefetched = prefetched_rounds[0]
         patched, count = ops.apply_sync_payload(prefetched.rows, received,
-                                                prefetched.routing.splits)
+                                                prefetched.routing.splits, kept_first=True)
         return [prefetched._replace(rows=patched)], tf.cast(count, tf.int64)
     if codec.exact:
         rows, position = received[..., :dim], tf.cast(received[..., dim], tf.int32)
@@ -199,7 +205,7 @@ def patch_buffers(tables, prefetched_rounds, received, wire=None):
         if codec.exact:
             buffer_rows, count = ops.apply_sync_payload(
                 prefetched.rows, tf.concat([rows, tf.cast(mine, rows.dtype)[..., None]], -1),
-                prefetched.routing.splits)
+                prefetched.routing.splits, kept_first=True)
             synced = prefetched._replace(rows=buffer_rows)
         else:
             synced, count = _patch_at_positions(prefetched, rows, mine)
