@@ -39,7 +39,6 @@ from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
 
-_HOOKED = "_nestpipe_hooked"
 _state = threading.local()
 # Paths a non-chief worker of this process saved to (its copy went to a scratch path).
 _diverted_paths = set()
@@ -93,7 +92,7 @@ def _with_model_context(make_function):
             # Losses the model's own step calls (TFRS tasks): reduced as compile reduces.
             task_losses.reduce_like_compile(self)
         function = make_function(self, force)
-        if function is None or getattr(function, _HOOKED, False):
+        if function is None or tf_private.is_hooked(function):
             return function
 
         training = make_function.__name__ == "make_train_function"
@@ -106,11 +105,11 @@ def _with_model_context(make_function):
             with _tracing_model(self), metric_reads_within_step(self):
                 return function(*args, **kwargs)
 
-        setattr(run, _HOOKED, True)
+        tf_private.mark_hooked(run)
         run.__wrapped__ = function
         return run
 
-    setattr(make, _HOOKED, True)
+    tf_private.mark_hooked(make)
     return make
 
 
@@ -220,51 +219,51 @@ def _wrap_saving(name, method):
             raise failure
         return result
 
-    setattr(wrapped, _HOOKED, True)
+    tf_private.mark_hooked(wrapped)
     return wrapped
 
 
 def install():
     """Installs the hooks (idempotent). Call after `keras_integration.install()`."""
-    if getattr(keras_training.reduce_per_replica, _HOOKED, False):
+    if tf_private.is_hooked(keras_training.reduce_per_replica):
         return
-    setattr(reduce_per_replica, _HOOKED, True)
+    tf_private.mark_hooked(reduce_per_replica)
     keras_training.reduce_per_replica = reduce_per_replica
     model = keras_training.Model
     for name in ("make_train_function", "make_test_function"):
         original = getattr(model, name)
-        if not getattr(original, _HOOKED, False):
+        if not tf_private.is_hooked(original):
             setattr(model, name, _with_model_context(original))
     # mixed_float16 (loss scaling) refused with the reason and the policy to use.
     scaling = tf_private.keras_loss_scale
-    if not getattr(scaling.strategy_supports_loss_scaling, _HOOKED, False):
+    if not tf_private.is_hooked(scaling.strategy_supports_loss_scaling):
         scaling.strategy_supports_loss_scaling = keras_checks.refuse_loss_scaling(
             scaling.strategy_supports_loss_scaling)
     # tf_keras' own BackupAndRestore accepts NestPipeStrategy (strategy.keras_callbacks).
     backup = tf_keras.callbacks.BackupAndRestore
-    if not getattr(backup.__init__, _HOOKED, False):
+    if not tf_private.is_hooked(backup.__init__):
         wrapped_init = keras_callbacks.accept_nestpipe_strategy(backup.__init__)
-        setattr(wrapped_init, _HOOKED, True)
+        tf_private.mark_hooked(wrapped_init)
         backup.__init__ = wrapped_init
         # save_before_preemption under NestPipeStrategy (strategy.keras_preemption).
         for name, wrap in keras_preemption.WRAPPERS.items():
             wrapped = wrap(getattr(backup, name))
-            setattr(wrapped, _HOOKED, True)
+            tf_private.mark_hooked(wrapped)
             setattr(backup, name, wrapped)
     # get_weights / set_weights: whole tables (strategy.keras_weights).
     layer = tf_keras.layers.Layer
-    if not getattr(layer.get_weights, _HOOKED, False):
+    if not tf_private.is_hooked(layer.get_weights):
         for name, wrap in (("get_weights", keras_weights.whole_get_weights),
                            ("set_weights", keras_weights.whole_set_weights)):
             wrapped = wrap(getattr(layer, name))
-            setattr(wrapped, _HOOKED, True)
+            tf_private.mark_hooked(wrapped)
             setattr(layer, name, wrapped)
     # Saving and loading: whole tables in Keras files, plain-TF serving in SavedModels.
     for name in ("save", "save_weights", "load_weights"):
         setattr(model, name, _wrap_saving(name, getattr(model, name)))
     for owner in (saving_api, tf_keras.models, tf_keras.saving):
         for name in ("load_model", "save_model"):
-            if hasattr(owner, name) and not getattr(getattr(owner, name), _HOOKED, False):
+            if hasattr(owner, name) and not tf_private.is_hooked(getattr(owner, name)):
                 setattr(owner, name, _wrap_saving(name, getattr(owner, name)))
     keras_embedding.Embedding.build = keras_checks.warn_replicated_embedding(
         keras_embedding.Embedding.build)

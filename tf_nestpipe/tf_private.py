@@ -346,16 +346,32 @@ _KERAS_RS_METHODS = {"init_tables": "_default_device_init", "call_tables": "_def
                      "place_features": "_init_feature_configs_structures"}
 
 
+# Our wrappers of TensorFlow's, tf_keras', Keras 3's and keras-rs' functions carry this mark, so
+# installing a hook again keeps the wrapper instead of wrapping it twice.
+_HOOKED = "_nestpipe_hooked"
+
+
+def mark_hooked(wrapper):
+    """Marks `wrapper` as one of our wrappers (`is_hooked`) and returns it."""
+    setattr(wrapper, _HOOKED, True)
+    return wrapper
+
+
+def is_hooked(function):
+    """Whether `function` is one of our wrappers (`mark_hooked`)."""
+    return getattr(function, _HOOKED, False)
+
+
 def wrap_keras_rs_distributed_embedding(wrappers):
     """Replaces each private method of keras-rs's `DistributedEmbedding` named by a role of
     `wrappers` ({role: wrap}, roles above) with `wrap(original)`; a method already replaced
-    (marked `_nestpipe_hooked`) is kept, so this is idempotent."""
+    (`is_hooked`) is kept, so this is idempotent."""
     import keras_rs  # pylint: disable=import-outside-toplevel
     layer_class = keras_rs.layers.DistributedEmbedding
     for role, wrap in wrappers.items():
         name = _KERAS_RS_METHODS[role]
         original = getattr(layer_class, name)
-        if not getattr(original, "_nestpipe_hooked", False):
+        if not is_hooked(original):
             setattr(layer_class, name, wrap(original))
 
 

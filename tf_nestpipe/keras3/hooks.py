@@ -43,14 +43,7 @@ from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe.strategy.keras_saving import keras_saving_context
 from tf_nestpipe.strategy.row_shard_saving import whole_table_values, whole_tables_gathered
 
-_HOOKED = "_nestpipe_hooked"
-
-
-def mark_hooked(wrapper):
-    """Marks `wrapper` as one of our wrappers (installing the hooks again keeps it) and returns
-    it."""
-    setattr(wrapper, _HOOKED, True)
-    return wrapper
+mark_hooked = tf_private.mark_hooked
 
 
 def _is_nestpipe(strategy):
@@ -325,7 +318,7 @@ def install():
     from tf_nestpipe.strategy.nestpipe_strategy import NestPipeExtended  # pylint: disable=import-outside-toplevel
     NestPipeExtended.reduce_structures_elementwise = True
     optimizer = tf_private.keras3_tf_optimizer_class()
-    if getattr(optimizer._all_reduce_sum_gradients, _HOOKED, False):  # pylint: disable=protected-access
+    if tf_private.is_hooked(optimizer._all_reduce_sum_gradients):  # pylint: disable=protected-access
         return
     optimizer._all_reduce_sum_gradients = _all_reduce_sum_gradients(  # pylint: disable=protected-access
         optimizer._all_reduce_sum_gradients)  # pylint: disable=protected-access

@@ -18,6 +18,8 @@ import weakref
 
 import tensorflow as tf
 
+from tf_nestpipe import tf_private
+
 _gathered = weakref.WeakKeyDictionary()  # graph -> set of refs of gathered candidate tensors
 
 
@@ -116,8 +118,7 @@ def warn_local_negatives(layer_call):
                 LocalNegativesWarning, stacklevel=2)
         return layer_call(self, *args, **kwargs)
 
-    wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
-    return wrapped
+    return tf_private.mark_hooked(wrapped)
 
 
 def hook_tfrs():
@@ -128,5 +129,5 @@ def hook_tfrs():
     if tfrs is None:
         return
     retrieval = tfrs.tasks.Retrieval
-    if not getattr(retrieval.__call__, "_nestpipe_hooked", False):
+    if not tf_private.is_hooked(retrieval.__call__):
         retrieval.__call__ = warn_local_negatives(retrieval.__call__)

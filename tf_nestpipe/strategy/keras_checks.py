@@ -18,6 +18,7 @@ import functools
 import sys
 import warnings
 
+from tf_nestpipe import tf_private
 
 
 class ReplicatedEmbeddingWarning(UserWarning):
@@ -112,8 +113,7 @@ def warn_replicated_embedding(build):
                 ReplicatedEmbeddingWarning, stacklevel=3)
         return build(self, input_shape)
 
-    wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
-    return wrapped
+    return tf_private.mark_hooked(wrapped)
 
 
 def refuse_loss_scaling(supports_loss_scaling):
@@ -130,5 +130,4 @@ def refuse_loss_scaling(supports_loss_scaling):
             raise ValueError(FLOAT16_MESSAGE)
         return supports_loss_scaling()
 
-    wrapped._nestpipe_hooked = True  # pylint: disable=protected-access
-    return wrapped
+    return tf_private.mark_hooked(wrapped)
