@@ -5,6 +5,7 @@ import re
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 
@@ -94,6 +95,33 @@ def test_failure_tears_down_the_cluster_fast_and_leaves_no_orphans(tmp_path):
     time.sleep(0.5)
     for pid in pids:
         assert not os.path.exists("/proc/%d" % pid) or _is_zombie(pid), "orphan %d" % pid
+
+
+class _Exited:
+    """A finished (or, with None, running) process, as `LocalCluster` polls it."""
+
+    def __init__(self, returncode):
+        self.returncode = returncode
+
+    def poll(self):
+        return self.returncode
+
+
+def test_a_task_killed_by_a_signal_is_reported_before_peers_that_failed_after_it():
+    """Worker 1 killed (-9) and worker 0 exiting 1 on the broken connection, both found in one
+    poll: the launcher names worker 1 (it polled worker 0 first and blamed it)."""
+    cluster = LocalCluster(["true"], 2)
+
+    def first_failure(codes):
+        cluster.tasks = [types.SimpleNamespace(role="worker:%d" % i, process=_Exited(code),
+                                               runs_command=True)
+                         for i, code in enumerate(codes)]
+        return cluster._first_failure(cluster.tasks[0]).role  # pylint: disable=protected-access
+
+    assert first_failure([1, -9]) == "worker:1"
+    assert first_failure([1, None]) == "worker:0"  # the controls: the peer still runs,
+    assert first_failure([1, 3]) == "worker:0"  # or failed on its own,
+    assert first_failure([-15, -9]) == "worker:0"  # or both were killed: polling order
 
 
 def _is_zombie(pid):

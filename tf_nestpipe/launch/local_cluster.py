@@ -437,6 +437,19 @@ class LocalCluster:
         return all(t.process.returncode in (0, PREEMPTED_EXIT_CODE)
                    for t in self.tasks if t.runs_command)
 
+    def _first_failure(self, failed):
+        """The failure to report when `failed` (a task found exited with an error) may only
+        follow another: a training task killed by a signal by now (its peers then exit with an
+        error of their own, and one polled first would be blamed) is the one that failed first."""
+        if failed.process.returncode < 0:
+            return failed
+        for task in self.tasks:
+            if task.runs_command and task is not failed:
+                code = task.process.poll()
+                if code is not None and code < 0:
+                    return task
+        return failed
+
     def wait(self, timeout: Optional[float] = None) -> int:
         """Waits until every command task succeeded (0) or one failed / timed out (non-zero:
         `PREEMPTED_EXIT_CODE` when every training task exited after its preemption save)."""
@@ -453,6 +466,8 @@ class LocalCluster:
                     if code is None:
                         pending = pending or task.runs_command
                     elif code != 0 and not self._restart_if_worker_server(position, code):
+                        task = self._first_failure(task)
+                        code = task.process.returncode
                         failed, failed_task = (task.role, code), task
                         if code == PREEMPTED_EXIT_CODE and task.runs_command:
                             preempted = self._wait_after_preemption(task.role)
