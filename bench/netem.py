@@ -34,6 +34,11 @@ TASK_INTERFACE = "npb0"  # every task's veth end, inside its own namespace
 BASE_PORT = 21000
 PROBE_PORT = 21900  # relayed to the last task's namespace for `round_trip_ms` (not a task port)
 DYNAMIC_PORT = 21901  # the relay port of direct task-to-task connections (relay_connect.c)
+# Behind the relay, worker k's socket mesh listens on MESH_BASE_PORT + k on every interface of
+# its namespace and the relay forwards the hub's port to it: the mesh dials the TF_CONFIG host
+# (here the relay's) at the port each worker announced.
+MESH_BASE_PORT = 22000
+MAX_RELAYED_WORKERS = 10  # the task prefix writes the port as "2200{index}"
 NETNS_ETC = "/etc/netns"
 
 
@@ -73,8 +78,11 @@ class EmulatedNetwork:
         """Flags for `python -m tf_nestpipe.launch` that run the tasks in their namespaces (with
         `horovod`: Horovod's rendezvous on this namespace's bridge address, Gloo on the task
         interface)."""
-        flags = ["--cluster-spec", json.dumps(self.cluster),
-                 "--task-prefix", "ip netns exec %s_{role}{index}" % self.prefix]
+        prefix = "ip netns exec %s_{role}{index}" % self.prefix
+        if self.delay_ms > 0:  # the socket mesh behind the relay (MESH_BASE_PORT)
+            prefix += (" env TF_NESTPIPE_TRANSPORT_LISTEN_HOST=0.0.0.0 "
+                       "TF_NESTPIPE_TRANSPORT_PORT=%d{index}" % (MESH_BASE_PORT // 10))
+        flags = ["--cluster-spec", json.dumps(self.cluster), "--task-prefix", prefix]
         if horovod:
             flags += ["--horovod", "--horovod-address", HOST_ADDRESS,
                       "--horovod-interface", TASK_INTERFACE]
@@ -133,6 +141,12 @@ class EmulatedNetwork:
             if self.delay_ms > 0:
                 advertised = "%s:%d" % (HUB_ADDRESS, port)
                 mappings.append("%d:%s:%d" % (port, address, port))
+                if role == "worker":
+                    if index >= MAX_RELAYED_WORKERS:
+                        raise ValueError("a delayed network relays the socket mesh of at most "
+                                         "%d workers" % MAX_RELAYED_WORKERS)
+                    mesh = MESH_BASE_PORT + index
+                    mappings.append("%d:%s:%d" % (mesh, address, mesh))
             else:
                 advertised = "%s:%d" % (address, port)
             self.cluster.setdefault(role, []).append(advertised)
