@@ -101,7 +101,8 @@ def racing_collectives(graph):
                     todo.append(nxt)
         return seen
 
-    checks = [n.name for n in graph_def.node if n.op == "Assert" and "nestpipe_equal_shares" in n.name]
+    checks = [n.name for n in graph_def.node
+              if n.op == "Assert" and "nestpipe_equal_shares" in n.name]
     racing = set()
     for check in checks:
         ordered = reach(check, inputs) | reach(check, outputs)
