@@ -109,8 +109,7 @@ def _with_model_context(make_function):
         run.__wrapped__ = function
         return run
 
-    tf_private.mark_hooked(make)
-    return make
+    return tf_private.mark_hooked(make)
 
 
 def metric_reads_within_step(model):
@@ -219,8 +218,7 @@ def _wrap_saving(name, method):
             raise failure
         return result
 
-    tf_private.mark_hooked(wrapped)
-    return wrapped
+    return tf_private.mark_hooked(wrapped)
 
 
 def install():

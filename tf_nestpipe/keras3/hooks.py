@@ -43,8 +43,6 @@ from tf_nestpipe.sharding.embedding import ShardedTableLayer
 from tf_nestpipe.strategy.keras_saving import keras_saving_context
 from tf_nestpipe.strategy.row_shard_saving import whole_table_values, whole_tables_gathered
 
-mark_hooked = tf_private.mark_hooked
-
 
 def _is_nestpipe(strategy):
     from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy  # pylint: disable=import-outside-toplevel
@@ -71,7 +69,7 @@ def _all_reduce_sum_gradients(original):
                 tf.distribute.ReduceOp.SUM, pairs), args=(present,)) if present else [])
         return [(None if g is None else next(reduced), v) for g, v in grads_and_vars]
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def _sparse_adagrad_update_step(original):
@@ -95,7 +93,7 @@ def _sparse_adagrad_update_step(original):
         target.scatter_sub(tf.IndexedSlices(
             lr * summed / tf.sqrt(accumulated + tf.cast(self.epsilon, target.dtype)), rows))
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 # --- step outputs ---------------------------------------------------------------------------
@@ -129,7 +127,7 @@ def _reduce_per_replica(original):
                 lambda v: strategy.reduce(tf.distribute.ReduceOp.SUM, v, axis=None), values)
         return original(values, strategy, "first" if reduction != "concat" else reduction)
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 # --- the train function ---------------------------------------------------------------------
@@ -192,7 +190,7 @@ def _make_train_function(original):
         self.train_function = pipeline.progress
         return self.train_function
 
-    return mark_hooked(make)
+    return tf_private.mark_hooked(make)
 
 
 # --- saving and weights -----------------------------------------------------------------------
@@ -221,7 +219,7 @@ def _saving(method, writes):
             raise failure
         return result
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def _optimizer_load_own_variables(original):
@@ -232,7 +230,7 @@ def _optimizer_load_own_variables(original):
             store = {str(i): own_rows_of(v, store[str(i)]) for i, v in enumerate(variables)}
         return original(self, store)
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def _get_weights(original):
@@ -241,7 +239,7 @@ def _get_weights(original):
         with whole_table_values():
             return original(self)
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def _set_weights(original):
@@ -252,7 +250,7 @@ def _set_weights(original):
             weights = [own_rows_of(v, np.asarray(w)) for v, w in zip(variables, weights)]
         return original(self, weights)
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 # --- export -----------------------------------------------------------------------------------
@@ -290,7 +288,7 @@ def _write_out(original):
         refuse_unservable(os.fspath(filepath))
         return result
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def _has_sharded_tables(model):
@@ -310,7 +308,7 @@ def _export(original):
                 "(served by plain TensorFlow) or tnp.export_saved_model(model, path)" % format)
         return saving(self, filepath, format, *args, **kwargs)
 
-    return mark_hooked(wrapped)
+    return tf_private.mark_hooked(wrapped)
 
 
 def install():

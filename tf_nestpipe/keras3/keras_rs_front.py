@@ -29,9 +29,9 @@ import tensorflow as tf
 
 from tf_nestpipe import tf_private
 from tf_nestpipe.keras3 import feature_lookup
-from tf_nestpipe.keras3.hooks import mark_hooked
 from tf_nestpipe.keras3.layers import EmbedReduce
 from tf_nestpipe.strategy.nestpipe_strategy import NestPipeStrategy
+
 
 def _in_nestpipe_scope():
     return isinstance(tf.distribute.get_strategy(), NestPipeStrategy)
@@ -66,7 +66,7 @@ def _init_tables(original):
         self.__dict__["_nestpipe_tables"] = _Tables(layers, dict(feature_configs))
         return None
 
-    return mark_hooked(init_tables)
+    return tf_private.mark_hooked(init_tables)
 
 
 def _call_tables(original):
@@ -81,7 +81,7 @@ def _call_tables(original):
             None if weights is None else [weights.get(path) for path in paths])
         return dict(zip(paths, outputs))
 
-    return mark_hooked(call_tables)
+    return tf_private.mark_hooked(call_tables)
 
 
 def _read_tables(original):
@@ -93,7 +93,7 @@ def _read_tables(original):
         return {name: keras.ops.convert_to_tensor(layer.full_table())
                 for name, layer in tables.layers.items()}
 
-    return mark_hooked(read_tables)
+    return tf_private.mark_hooked(read_tables)
 
 
 class SparseCorePlacementWarning(UserWarning):
@@ -117,7 +117,7 @@ def _place_features(original):
                 "to model.compile: TableConfig.optimizer is SparseCore's and is not used"
                 % tables, SparseCorePlacementWarning, stacklevel=4)
 
-    return mark_hooked(place_features)
+    return tf_private.mark_hooked(place_features)
 
 
 def _init_sparsecore(original):
@@ -132,7 +132,7 @@ def _init_sparsecore(original):
                 "NestPipeStrategy(placement=...))" % sorted(feature_configs))
         return original(self, feature_configs, table_stacking)
 
-    return mark_hooked(init_sparsecore)
+    return tf_private.mark_hooked(init_sparsecore)
 
 
 def install():
