@@ -570,7 +570,8 @@ def summarize_rounds(row, args, out, results):
     out["samples_per_s"] = args.global_batch / out["ms_median"] * 1e3
     first = results[0]
     for key in ("communication_ms", "exposed_ms", "profiled_step_ms", "async_samples_per_s",
-                "ops_per_step", "cpu_ms_per_step", "cpu_busy", "auto_probe_extra_s"):
+                "ops_per_step", "cpu_ms_per_step", "cpu_busy", "cpu_sys_ms_per_step",
+                "auto_probe_extra_s"):
         if key in first:
             out[key] = median(key)
     steals = [r["steal"] for r in results if r.get("steal") is not None]
@@ -612,8 +613,10 @@ def summarize_rounds(row, args, out, results):
     if out.get("torchrec_plan"):
         extras.append("TorchRec's plan: %s" % ", ".join(out["torchrec_plan"]))
     if out.get("cpu_ms_per_step") is not None:
-        extras.append("rank 0's process CPU %.1f ms/step (%.2f cores busy)"
-                      % (out["cpu_ms_per_step"], out["cpu_busy"]))
+        kernel = ("; %.1f in the kernel" % out["cpu_sys_ms_per_step"]
+                  if out.get("cpu_sys_ms_per_step") is not None else "")
+        extras.append("rank 0's process CPU %.1f ms/step (%.2f cores busy%s)"
+                      % (out["cpu_ms_per_step"], out["cpu_busy"], kernel))
     out["details"] = "; ".join(extras)
     out["note"] = "; ".join([out["note"]] + extras)
     return out
@@ -984,7 +987,7 @@ JSON_KEYS = ["system", "pipeline", "collectives", "model", "data", "network", "w
              "exposure", "note"]
 EXTRA_KEYS = ["status", "vs_mwms", "vs_psv2", "vs_hvd_replicated", "communication_ms",
               "exposed_ms", "profiled_step_ms", "stage_ms", "async_samples_per_s", "rtt_ms",
-              "ops_per_step", "cpu_ms_per_step", "cpu_busy",
+              "ops_per_step", "cpu_ms_per_step", "cpu_busy", "cpu_sys_ms_per_step",
               "ms_rounds", "vs_none", "vs_none_paired", "vs_compute_only",
               "collectives_per_step", "collectives_detail", "exchanges",
               "auto_choice", "auto_timings_ms", "auto_timings_ms_rounds", "auto_cpu_rounds",

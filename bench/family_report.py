@@ -151,10 +151,17 @@ def bounding_text(row, bound):
         return "the link: %.1f ms/step of bytes on it at its rate (%.0f%% of the step)" % (
             wire, 100 * wire / row["ms_median"])
     if busy and reference and busy >= CPU_BOUND_BUSY * reference:
-        text = "its own CPU: %.1f ms/step, %.2f cores busy (compute-only: %.1f ms, %.2f)" % (
-            row["cpu_ms_per_step"], busy, bound["cpu_ms_per_step"], reference)
+        text = "its own CPU: %.1f ms/step%s, %.2f cores busy (compute-only: %.1f ms%s, %.2f)" % (
+            row["cpu_ms_per_step"], _kernel(row), busy, bound["cpu_ms_per_step"], _kernel(bound),
+            reference)
         return text + ("; largest wait %s %.1f ms" % wait if wait else "")
     return "waits on %s %.1f ms" % wait if wait else None
+
+
+def _kernel(row):
+    """`row`'s kernel share of its process CPU, e.g. " (4.1 in the kernel)", or "" if unknown."""
+    kernel = row.get("cpu_sys_ms_per_step")
+    return " (%.1f in the kernel)" % kernel if kernel is not None else ""
 
 
 def _verdict(value, limit, below=True):

@@ -128,6 +128,11 @@ def test_a_mode_that_keeps_its_cores_as_busy_as_the_bound_is_named_cpu_bound():
     waits = {"wait_ms": {"rows_exchange": 2.0}}
     busy = _row("nestpipe", "nested", 36.0, cpu_busy=0.9, cpu_ms_per_step=33.0, stages=waits)
     assert family_report.bounding_text(busy, bound).startswith("its own CPU: 33.0 ms/step")
+    # The kernel's part of each process's CPU, where the rows measured it.
+    busy["cpu_sys_ms_per_step"], bound["cpu_sys_ms_per_step"] = 6.5, 0.5
+    assert family_report.bounding_text(busy, bound).startswith(
+        "its own CPU: 33.0 ms/step (6.5 in the kernel), 0.90 cores busy (compute-only: 29.5 ms"
+        " (0.5 in the kernel), 0.98)")
     # Control: a mode that idles on its exchange is named by its largest wait.
     idle = _row("nestpipe", "nested", 36.0, cpu_busy=0.5, cpu_ms_per_step=18.0, stages=waits)
     assert family_report.bounding_text(idle, bound) == "waits on rows_exchange 2.0 ms"
