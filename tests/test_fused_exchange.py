@@ -9,7 +9,7 @@ import tensorflow as tf
 from tensorflow.python.ops import collective_ops
 
 from tf_nestpipe import ops
-from tf_nestpipe.collectives.counting import count_collectives
+from tf_nestpipe.collectives.counting import collective_issuers, count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
 from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, RouteRecorder,
                                                  RoundTracker, lookup_counts, run_route_pass)
@@ -233,6 +233,26 @@ def test_collective_counter_counts_branches_as_conditional_and_has_a_zero_contro
     assert count.conditional == {"CollectiveGatherV2": 1}
     assert count.total == 1 and "1 conditional" in count.describe()
     assert count_collectives(without.get_concrete_function(spec).graph).total == 0
+
+
+def test_collective_issuers_names_collectives_and_the_calls_and_branches_that_run_one():
+    @tf.function
+    def inner(x):
+        return collective_ops.all_reduce_v2(x, 1, 7, 1)
+
+    @tf.function
+    def step(x):
+        called = inner(x)  # a call of a function that issues one
+        branched = tf.cond(tf.reduce_sum(x) > 0, lambda: collective_ops.all_gather_v2(x, 1, 7, 2),
+                           lambda: tf.identity(x))
+        quiet = tf.cond(tf.reduce_sum(x) > 1, lambda: x * 3, lambda: x)  # control: none
+        return called + tf.reduce_sum(branched) + quiet
+
+    graph_def = step.get_concrete_function(tf.TensorSpec([2], tf.float32)).graph.as_graph_def()
+    issues = collective_issuers(graph_def)
+    by_op = collections.Counter(n.op for n in graph_def.node if issues(n))
+    assert by_op == {"StatefulPartitionedCall": 1, "If": 1}, by_op
+    assert sum(n.op in ("If", "StatelessIf") for n in graph_def.node) == 2  # the quiet one left
 
 
 class _FakePipeline:

@@ -26,7 +26,7 @@ import tensorflow as tf  # noqa: E402
 import tf_keras  # noqa: E402
 
 import tf_nestpipe as tnp  # noqa: E402
-from tf_nestpipe.collectives.counting import is_collective  # noqa: E402
+from tf_nestpipe.collectives import counting  # noqa: E402
 from tf_nestpipe.strategy import equal_shares  # noqa: E402
 
 SHARES = {"uneven": [[2, 2], [2, 1]], "even": [[2, 2], [1, 1]], "static": [[2, 2], [2, 2]],
@@ -70,22 +70,7 @@ def racing_collectives(graph):
     """The collectives of `graph` (nodes issuing one, calls of functions that do included) that
     are neither ancestors nor descendants of its equal-shares Assert."""
     graph_def = graph.as_graph_def()
-    library = {f.signature.name: f for f in graph_def.library.function}
-    bearing = {}
-
-    def function_bears(name):
-        if name not in bearing:
-            bearing[name] = False  # recursion guard
-            bearing[name] = any(node_bears(n) for n in library[name].node_def)
-        return bearing[name]
-
-    def node_bears(node):
-        if is_collective(node.op):
-            return True
-        names = [a.func.name for a in node.attr.values() if a.func.name]
-        names += [f.name for a in node.attr.values() for f in a.list.func]
-        return any(function_bears(n) for n in names if n in library)
-
+    issues_collective = counting.collective_issuers(graph_def)
     inputs = {n.name: [i.lstrip("^").split(":")[0] for i in n.input] for n in graph_def.node}
     outputs = {}
     for name, sources in inputs.items():
@@ -106,7 +91,8 @@ def racing_collectives(graph):
     racing = set()
     for check in checks:
         ordered = reach(check, inputs) | reach(check, outputs)
-        racing.update(n.name for n in graph_def.node if node_bears(n) and n.name not in ordered)
+        racing.update(n.name for n in graph_def.node
+                      if issues_collective(n) and n.name not in ordered)
     return sorted(racing)
 
 

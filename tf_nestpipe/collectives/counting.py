@@ -16,6 +16,47 @@ def is_collective(op_type):
     return op_type in _TF_COLLECTIVES or op_type.startswith("Horovod")
 
 
+def called_functions(node, library):
+    """The functions of `library` that `node` runs: a call's, a branch's or a loop's bodies.
+
+    Args:
+      node: A `NodeDef`.
+      library: `{function name: FunctionDef}` of the graph the node belongs to.
+
+    Returns:
+      Their names, in attribute order (a name may repeat).
+    """
+    names = [attr.func.name for attr in node.attr.values() if attr.func.name]
+    names += [f.name for attr in node.attr.values() for f in attr.list.func]
+    return [name for name in names if name in library]
+
+
+def collective_issuers(graph_def):
+    """A predicate telling whether a node of `graph_def` issues a collective: is one, or runs a
+    function of its library that (at any depth) does.
+
+    Args:
+      graph_def: A `GraphDef` with its function library.
+
+    Returns:
+      `issues(node) -> bool`, memoized per function.
+    """
+    library = {f.signature.name: f for f in graph_def.library.function}
+    issuing = {}
+
+    def function_issues(name):
+        if name not in issuing:
+            issuing[name] = False  # recursion guard
+            issuing[name] = any(issues(n) for n in library[name].node_def)
+        return issuing[name]
+
+    def issues(node):
+        return is_collective(node.op) or any(
+            function_issues(name) for name in called_functions(node, library))
+
+    return issues
+
+
 class CollectiveCount(collections.namedtuple("CollectiveCount", ["always", "conditional"])):
     """Collectives of one step: `always` issued every step, `conditional` inside a branch or a
     loop (e.g. the keys exchange's overflow round); each a `{op type: count}` dict."""
@@ -62,11 +103,10 @@ def count_collectives(graph):
                     conditional.update(inner[0])
                     conditional.update(inner[1])
                 continue
-            for attr in node.attr.values():  # function calls (PartitionedCall, ...)
-                if attr.func.name in library:
-                    inner = of_function(attr.func.name)
-                    always.update(inner[0])
-                    conditional.update(inner[1])
+            for name in called_functions(node, library):  # calls (PartitionedCall, ...)
+                inner = of_function(name)
+                always.update(inner[0])
+                conditional.update(inner[1])
         return always, conditional
 
     def of_function(name):
