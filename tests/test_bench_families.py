@@ -62,7 +62,16 @@ def test_the_bandwidth_family_spans_the_declared_factors():
         assert cell.profile_steps > 0
 
 
-def test_torchrec_rows_run_its_worker_on_per_table_cells_only():
+def _torchrec_installed(monkeypatch, installed):
+    """Makes compare see torchrec installed or not, whatever this machine has (CI installs
+    only requirements.txt)."""
+    real = compare.importlib.util.find_spec
+    monkeypatch.setattr(compare.importlib.util, "find_spec", lambda name, *rest: (
+        (object() if installed else None) if name == "torchrec" else real(name, *rest)))
+
+
+def test_torchrec_rows_run_its_worker_on_per_table_cells_only(monkeypatch):
+    _torchrec_installed(monkeypatch, True)
     args = compare.parse_args(families.FAMILIES["bandwidth_family"].cells[0][1].argv("x"))
     row = compare.make_row("torchrec_pipelined", "-", "gloo", "dlrm", "synthetic", "0ms:1gbit", 2)
     argv = compare.worker_argv(row, args)
@@ -72,6 +81,14 @@ def test_torchrec_rows_run_its_worker_on_per_table_cells_only():
     with pytest.raises(compare.NotRun, match="synthetic-tables COUNT:ROWS only"):
         compare.worker_argv(row, fused)
 
+
+
+def test_a_torchrec_row_without_torchrec_is_not_run_naming_the_install(monkeypatch):
+    _torchrec_installed(monkeypatch, False)
+    args = compare.parse_args(families.FAMILIES["bandwidth_family"].cells[0][1].argv("x"))
+    row = compare.make_row("torchrec", "-", "gloo", "dlrm", "synthetic", "0ms:1gbit", 2)
+    with pytest.raises(compare.NotRun, match="pip install -r bench/requirements.txt"):
+        compare.worker_argv(row, args)
 
 class _Event:
     def __init__(self, name, op_type, start_us, end_us):
