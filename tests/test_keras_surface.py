@@ -382,15 +382,22 @@ def test_check_exactness_refuses_other_strategies():
 
 def test_mixed_bfloat16_with_row_sharded_tables_fits_as_one_process(surface):
     """mixed_bfloat16 with row-sharded tables trains on 2 workers as in one process: the
-    float32 tables equal, the bfloat16 loss within one bfloat16 rounding of its reduction."""
+    float32 tables within bfloat16 rounding of their updates, the bfloat16 loss within one
+    bfloat16 rounding of its reduction. TensorFlow's oneDNN bfloat16 matmuls (on by default on
+    AVX-512 CPUs) round a worker's half batch differently from the whole one, so the dense
+    gradients, and through them the tables' updates, agree to bfloat16's precision, not bitwise
+    (with TF_ENABLE_ONEDNN_OPTS=0 the tables are equal within 1e-6)."""
     for rank in (0, 1):
         run = surface[rank]
         assert str(run["bf16/output_dtype"]) == "bfloat16"
         np.testing.assert_allclose(run["bf16/loss"], surface["ref"]["bf16/loss"], atol=4e-3)
         for table in ("table_a", "table_b"):
             assert run["bf16/" + table].dtype == np.float32
-            np.testing.assert_allclose(run["bf16/" + table], surface["ref"]["bf16/" + table],
-                                       rtol=0, atol=1e-6)
+            expected = surface["ref"]["bf16/" + table]
+            moved = np.abs(expected - surface["ref"]["bf16/initial/" + table]).max()
+            # Two bfloat16 roundings (2 ** -8 each) of the largest update.
+            np.testing.assert_allclose(run["bf16/" + table], expected, rtol=0,
+                                       atol=2.0 ** -7 * moved)
             # Positive control: the fit moved the tables well beyond that tolerance.
             assert np.abs(run["bf16/" + table] - run["bf16/initial/" + table]).max() > 5e-3
 
