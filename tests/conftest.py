@@ -221,13 +221,12 @@ def launch(workers, program_args, timeout=300, env=None, chief=False):
 # Session fixtures run by a background lane: a thread that, as soon as the tests are collected,
 # runs every such fixture a collected test uses (`background_fixture`), one after the other,
 # beside the tests before their first user. A test that needs one waits for it if the lane has
-# started it, and otherwise runs it itself (the lane then skips it). Only the exactness runs
-# (~300 s, 8 processes; their users come mid-suite) are in it: the suite in a fresh clone took
-# 19:43 and 20:12 with every fixture in turn, 18:48 and 19:37 with the exactness runs in the
-# lane (a small gain, within the runs' spread). With every cluster fixture in the lane (the
-# others from the suite's end backwards) it took 18:56 and 2133 CPU-s (1865-1955 otherwise):
-# the 2 cores were already the bound, and oversubscribed they did more work. Fixture name ->
-# function(tmp_path_factory).
+# started it, and otherwise runs it itself (the lane then skips it). In it: the exactness runs
+# (8 processes; their users come mid-suite) and the fixtures of three files late in the suite
+# (test_keras3, test_keras_surface, test_wire_dtypes), which the lane reaches while the tests
+# in front wait on purpose (dead peers, time-outs) or run one thread. Not every cluster
+# fixture: from the suite's start the 2 cores are the bound, and oversubscribed they do more
+# work for no gain. Fixture name -> function(tmp_path_factory).
 BACKGROUND_FIXTURES = {}
 BACKGROUND_THREAD = "background fixture lane"
 _CLAIMS = {}  # fixture name -> Future of its value, once the lane or a test started it

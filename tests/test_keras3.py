@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import PROGRAMS, launch, run_command, run_together
+from conftest import PROGRAMS, background_fixture, launch, run_command, run_together
 
 import keras  # noqa: E402  (Keras 3, beside the tf_keras the other tests use)
 import keras_rs  # noqa: E402
@@ -29,7 +29,7 @@ def _reference(results, run):
     return results[(1, "none:front" if run.endswith(":front") else "none:rw")]
 
 
-@pytest.fixture(scope="session")
+@background_fixture
 def keras3_results(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras3")
     program = os.path.join(PROGRAMS, "keras3_fit.py")

@@ -14,14 +14,14 @@ import tensorflow as tf
 import tf_keras
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, launch, run_command, run_together
+from conftest import PROGRAMS, background_fixture, launch, run_command, run_together
 from tf_nestpipe.pipeline import keras_outputs
 from tf_nestpipe.strategy.keras_checks import ReplicatedEmbeddingWarning
 
 VOCAB_A, VOCAB_B, DIM = 37, 23, 4
 
 
-@pytest.fixture(scope="session")
+@background_fixture
 def surface(tmp_path_factory):
     out = tmp_path_factory.mktemp("keras_surface")
     ref, two = out / "ref", out / "two"

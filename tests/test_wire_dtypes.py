@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import tf_nestpipe as tnp
-from conftest import PROGRAMS, launch, load_run, run_command, run_together
+from conftest import PROGRAMS, background_fixture, launch, load_run, run_command, run_together
 
 STEPS = 20
 DIM = 4  # exactness.py's table dim: an int8 row is ceil((4 + 8) / 4) = 3 words, 12 bytes
@@ -30,7 +30,7 @@ EXACT_TOLERANCE = 1e-5
 COMPRESSED_TOLERANCE = 2e-2
 
 
-@pytest.fixture(scope="session")
+@background_fixture
 def wire_results(tmp_path_factory):
     """The single-process references (exactness.py) and every RUN in one 2-worker launch."""
     out = tmp_path_factory.mktemp("wire")
