@@ -82,13 +82,13 @@ def test_torchrec_rows_run_its_worker_on_per_table_cells_only(monkeypatch):
         compare.worker_argv(row, fused)
 
 
-
 def test_a_torchrec_row_without_torchrec_is_not_run_naming_the_install(monkeypatch):
     _torchrec_installed(monkeypatch, False)
     args = compare.parse_args(families.FAMILIES["bandwidth_family"].cells[0][1].argv("x"))
     row = compare.make_row("torchrec", "-", "gloo", "dlrm", "synthetic", "0ms:1gbit", 2)
     with pytest.raises(compare.NotRun, match="pip install -r bench/requirements.txt"):
         compare.worker_argv(row, args)
+
 
 class _Event:
     def __init__(self, name, op_type, start_us, end_us):
