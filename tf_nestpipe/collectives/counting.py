@@ -87,31 +87,18 @@ def count_collectives(graph):
             if is_collective(node.op):
                 always[node.op] += 1
                 continue
-            if node.op in _BRANCHING:
-                branches = [of_function(node.attr[name].func.name)
-                            for name in ("then_branch", "else_branch") if name in node.attr]
-                branches += [of_function(f.name) for f in node.attr["branches"].list.func] \
-                    if "branches" in node.attr else []
-                costliest = max(branches, key=lambda c: sum(c[0].values()) + sum(c[1].values()),
-                                default=(collections.Counter(), collections.Counter()))
-                conditional.update(costliest[0])
-                conditional.update(costliest[1])
-                continue
-            if node.op in _LOOPING:
-                for name in ("cond", "body"):
-                    inner = of_function(node.attr[name].func.name)
-                    conditional.update(inner[0])
-                    conditional.update(inner[1])
-                continue
-            for name in called_functions(node, library):  # calls (PartitionedCall, ...)
-                inner = of_function(name)
-                always.update(inner[0])
+            bodies = [of_function(name) for name in called_functions(node, library)]
+            if node.op in _BRANCHING:  # one branch runs: the costliest counts
+                bodies = [max(bodies, key=lambda c: sum(c[0].values()) + sum(c[1].values()),
+                              default=(collections.Counter(), collections.Counter()))]
+            # A call's body runs whenever the node does; a branch or a loop body may not.
+            into = always if node.op not in _BRANCHING + _LOOPING else conditional
+            for inner in bodies:
+                into.update(inner[0])
                 conditional.update(inner[1])
         return always, conditional
 
     def of_function(name):
-        if name not in library:
-            return collections.Counter(), collections.Counter()
         if name not in cache:
             cache[name] = (collections.Counter(), collections.Counter())  # recursion guard
             cache[name] = of_nodes(library[name].node_def)
