@@ -387,6 +387,9 @@ def run_fit(args, data):
     exchange = strategy.extended.embedding_exchange if kind == "sharded" else None
     before = exchange.wire_stats() if exchange is not None else None
     callbacks = [timer, cpu_timer]
+    marks = StepMarks() if args.steps_out else None
+    if marks is not None:
+        callbacks.append(marks)
     if kind == "sharded" and args.pipeline == "auto":
         # auto's probe is not the mode it chose: warm-up and timing start after the choice.
         settled = AutoSettled(args.warmup + args.steps)
@@ -402,6 +405,10 @@ def run_fit(args, data):
         with open(args.times_out, "w") as f:
             json.dump([1e3 * t for t in timer.times], f)
     probe = settled.probe_steps if settled is not None else 0
+    if marks is not None and rank == 0:
+        with open(args.steps_out, "w") as f:  # timed: after the probe and the warm-up steps
+            json.dump([{"start": start, "end": end, "timed": i >= probe + args.warmup}
+                       for i, (start, end) in enumerate(marks.steps)], f)
     if settled is not None and probe is None:
         raise RuntimeError("pipeline='auto' made no choice within %d steps"
                            % auto_probe_steps_limit(strategy))
@@ -480,6 +487,21 @@ class CpuTimer(tf_keras.callbacks.Callback):
         return {"cpu_ms_per_step": (cpu_end - cpu_start) / steps * 1e3,
                 "cpu_busy": (cpu_end - cpu_start) / max(wall_end - wall_start, 1e-9),
                 "cpu_sys_ms_per_step": (sys_end - sys_start) / steps * 1e3}
+
+
+class StepMarks(tf_keras.callbacks.Callback):
+    """Every fit step's start and end (`time.perf_counter`, CLOCK_MONOTONIC seconds, the clock
+    of `perf record -k CLOCK_MONOTONIC`), for bench/bound_profile.py to give a profiler's
+    samples to the steps they fell in."""
+
+    def on_train_begin(self, logs=None):
+        self.steps = []
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps.append((self._start, time.perf_counter()))
 
 
 class AutoSettled(tf_keras.callbacks.Callback):
@@ -701,6 +723,9 @@ def main():
     parser.add_argument("--probe-steps-out", default="",
                         help="nestpipe pipeline=auto: write each rank's probe steps (candidate, "
                              "start, end, timed) to this JSON path ('{rank}' is replaced)")
+    parser.add_argument("--steps-out", default="",
+                        help="write rank 0's fit steps (start, end: perf_counter seconds; "
+                             "timed) to this JSON (bench/bound_profile.py)")
     parser.add_argument("--times-out", default="",
                         help="write rank 0's per-step wall times (ms, every fit step) to this JSON")
     parser.add_argument("--trace", default="",

@@ -49,7 +49,7 @@ CATEGORY_RULES = (
     ("our ops", r"^_nestpipe", r""),
     ("TensorFlow executor and framework", r"^libtensorflow_framework", r""),
     ("TensorFlow kernels", r"^libtensorflow_cc", r""),
-    ("JIT code (oneDNN)", r"^perf-\d+\.map$", r""),
+    ("JIT code (oneDNN)", r"^perf-(\d+|PID)\.map$", r""),  # PID: bound_profile's
     ("libc, other", r"^libc", r""),
 )
 SAMPLE_LINE = re.compile(r"\s*([\d.]+):\s+(\d+)\s+[0-9a-f]+\s+(.*)\s+\((.*)\)\s*$")
@@ -75,17 +75,18 @@ def parse_samples(text):
     return samples
 
 
-def attribute(samples, steps):
-    """Gives each sample to the timed probe step (`{"candidate", "start", "end", "timed"}`) it
-    fell in; samples outside every timed step are dropped. Returns {candidate: {(dso, symbol):
-    CPU seconds}}."""
+def attribute(samples, steps, key=lambda sample: (sample[2], sample[3])):
+    """Gives each sample (`(seconds, period ns, ...)`) to the timed probe step (`{"candidate",
+    "start", "end", "timed"}`) it fell in; samples outside every timed step are dropped.
+    Returns {candidate: {key(sample): CPU seconds}}, by default keyed by (dso, symbol)."""
     timed = sorted((s["start"], s["end"], s["candidate"]) for s in steps if s["timed"])
     starts = [start for start, _, _ in timed]
     cpu = collections.defaultdict(collections.Counter)
-    for seconds, period, dso, symbol in samples:
+    for sample in samples:
+        seconds, period = sample[0], sample[1]
         i = bisect.bisect_right(starts, seconds) - 1
         if i >= 0 and seconds <= timed[i][1]:
-            cpu[timed[i][2]][(dso, symbol)] += period * 1e-9
+            cpu[timed[i][2]][key(sample)] += period * 1e-9
     return cpu
 
 
