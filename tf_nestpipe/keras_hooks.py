@@ -34,7 +34,7 @@ import tf_keras
 from tf_nestpipe.pipeline import keras_outputs, task_losses
 from tf_nestpipe.strategy import (downpour_fit, keras_callbacks, keras_checks, keras_preemption,
                                   keras_saving, keras_weights)
-from tf_nestpipe import tf_private
+from tf_nestpipe import ops, tf_private
 from tf_nestpipe.tf_private import keras_embedding
 from tf_nestpipe.tf_private import keras_saving_api as saving_api
 from tf_nestpipe.tf_private import keras_training
@@ -221,6 +221,21 @@ def _wrap_saving(name, method):
     return tf_private.mark_hooked(wrapped)
 
 
+def _skipping_distinct_rows(deduplicate):
+    """tf_keras' summing of duplicate rows in sparse gradients, skipping the gradients whose rows
+    are distinct already (our tables' own rows after the exchange, `ops.has_distinct_indices`):
+    it would sum each row with nothing, bitwise the same, at a `tf.unique` and a segment-sum per
+    table per step."""
+    @functools.wraps(deduplicate)
+    def wrapped(self, grads):
+        grads = list(grads)
+        rest = [i for i, grad in enumerate(grads) if not ops.has_distinct_indices(grad)]
+        for i, grad in zip(rest, deduplicate(self, [grads[i] for i in rest])):
+            grads[i] = grad
+        return grads
+    return wrapped
+
+
 def install():
     """Installs the hooks (idempotent). Call after `keras_integration.install()`."""
     if tf_private.is_hooked(keras_training.reduce_per_replica):
@@ -263,5 +278,6 @@ def install():
         for name in ("load_model", "save_model"):
             if hasattr(owner, name) and not tf_private.is_hooked(getattr(owner, name)):
                 setattr(owner, name, _wrap_saving(name, getattr(owner, name)))
+    tf_private.wrap_keras_sparse_dedup(_skipping_distinct_rows)
     keras_embedding.Embedding.build = keras_checks.warn_replicated_embedding(
         keras_embedding.Embedding.build)

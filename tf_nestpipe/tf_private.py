@@ -11,6 +11,7 @@ the private attributes the package reads."""
 import contextlib
 
 import tensorflow as tf
+import tf_keras
 from tensorflow.python.autograph.core import config as autograph_config  # noqa: F401
 from tensorflow.python.checkpoint import graph_view  # noqa: F401
 from tensorflow.python.checkpoint import tensor_callable  # noqa: F401
@@ -360,6 +361,18 @@ def mark_hooked(wrapper):
 def is_hooked(function):
     """Whether `function` is one of our wrappers (`mark_hooked`)."""
     return getattr(function, _HOOKED, False)
+
+
+def wrap_keras_sparse_dedup(wrap):
+    """Replaces tf_keras optimizers' summing of duplicate rows in sparse gradients (the
+    `_deduplicate_sparse_grad(self, grads)` every `Optimizer.apply_gradients` runs on its
+    gradients, a `tf.unique` and a segment-sum per `IndexedSlices`) with `wrap(original)`;
+    idempotent (a method already replaced, `is_hooked`, is kept)."""
+    owner = next(klass for klass in tf_keras.optimizers.Optimizer.__mro__
+                 if "_deduplicate_sparse_grad" in vars(klass))
+    original = vars(owner)["_deduplicate_sparse_grad"]
+    if not is_hooked(original):
+        setattr(owner, "_deduplicate_sparse_grad", mark_hooked(wrap(original)))
 
 
 def wrap_keras_rs_distributed_embedding(wrappers):

@@ -1,6 +1,8 @@
 """Row gather with -1 padding and its adjoint, the deterministic sparse-gradient segment-sum;
 a group of tables' row read and the gradient carrier that stands in for a gather whose values
 come from elsewhere."""
+import weakref
+
 import tensorflow as tf
 
 from tf_nestpipe import tf_private
@@ -21,16 +23,64 @@ def read_table_rows(handles, local_rows, row_offsets, dtype, dim):
         dim=dim)
 
 
-def gradient_carrier(variables, local_rows, row_offsets, dtype, dim):
+# Per graph, the names of the int tensors known to hold no value twice: the local rows of
+# gradient carriers told so, and the indices their gradients give each table
+# (`has_distinct_indices`). Names, not ops: a tape's gradient function sees a stand-in op.
+_DISTINCT = weakref.WeakKeyDictionary()
+
+
+def _graph_of(tensor):
+    """A traced tensor's graph; None for an eager one (e.g. a constant a trace captures)."""
+    try:
+        return tensor.graph
+    except AttributeError:
+        return None
+
+
+def _mark_distinct(tensor):
+    graph = _graph_of(tensor)
+    if graph is not None:  # an eager tensor stays unmarked: deduplicated as any other
+        _DISTINCT.setdefault(graph, set()).add(tensor.name)
+
+
+def _is_marked_distinct(tensor):
+    graph = _graph_of(tensor)
+    return graph is not None and tensor.name in _DISTINCT.get(graph, ())
+
+
+def gradient_carrier(variables, local_rows, row_offsets, dtype, dim, distinct_rows=False):
     """Zeros `[len(local_rows), dim]` of `dtype` (the tables') whose gradient reaches the tables
     `variables` (in order; the layout of `read_table_rows`) as the `IndexedSlices` a gather of
     `local_rows` would give each table. Reads no row: for a lookup whose values come from
-    elsewhere (a prefetch buffer) and whose gradient must still reach the tables' rows."""
+    elsewhere (a prefetch buffer) and whose gradient must still reach the tables' rows.
+
+    With `distinct_rows` (the caller's promise: no local row twice), the `IndexedSlices` it
+    gives the tables are marked as such (`has_distinct_indices`), so that an optimizer can skip
+    summing duplicates there are none of."""
     for variable in variables:
         tf_private.variable_accessed(variable)  # so the tapes record the op on its handles
+    local_rows = tf.cast(local_rows, tf.int64)
+    if distinct_rows:
+        _mark_distinct(local_rows)
     return load_op_library().nestpipe_gradient_carrier(
-        [variable.handle for variable in variables], tf.cast(local_rows, tf.int64),
+        [variable.handle for variable in variables], local_rows,
         tf.cast(row_offsets, tf.int64), dtype=dtype, dim=dim)
+
+
+def has_distinct_indices(gradient):
+    """Whether `gradient` is an `IndexedSlices` a gradient carrier of distinct rows gave a table
+    (its indices tensor itself: a gradient rebuilt from it, e.g. two lookups' gradients
+    concatenated, is not).
+
+    Args:
+      gradient: A gradient (`IndexedSlices`, tensor or None).
+
+    Returns:
+      True if no index of `gradient` repeats, as its carrier's caller promised.
+    """
+    if not isinstance(gradient, tf.IndexedSlices):
+        return False
+    return _is_marked_distinct(gradient.indices)
 
 
 def tables_of_rows(local_rows, row_offsets, num_tables):
@@ -64,13 +114,18 @@ def _gradient_carrier_grad(op, grad):
     handles = op.inputs[:num_tables]
     local_rows, row_offsets = op.inputs[num_tables], op.inputs[num_tables + 1]
     grad = tf.convert_to_tensor(grad)
-    none = [None, None]
     if num_tables == 1:
-        return [tf.IndexedSlices(grad, local_rows, tf_private.variable_shape(handles[0]))] + none
-    table, rows_in_table = tables_of_rows(local_rows, row_offsets, num_tables)
-    values = tf.dynamic_partition(grad, table, num_tables)
-    return [tf.IndexedSlices(v, rows, tf_private.variable_shape(handle))
-            for v, rows, handle in zip(values, rows_in_table, handles)] + none
+        slices = [tf.IndexedSlices(grad, local_rows, tf_private.variable_shape(handles[0]))]
+    else:
+        table, rows_in_table = tables_of_rows(local_rows, row_offsets, num_tables)
+        values = tf.dynamic_partition(grad, table, num_tables)
+        slices = [tf.IndexedSlices(v, rows, tf_private.variable_shape(handle))
+                  for v, rows, handle in zip(values, rows_in_table, handles)]
+    if num_tables > 1 and _is_marked_distinct(local_rows):
+        # Distinct fused rows are distinct within each table (a table's rows minus its start).
+        for gradient in slices:
+            _mark_distinct(gradient.indices)
+    return slices + [None, None]
 
 
 @tf.RegisterGradient("NestpipeGatherRows")

@@ -271,7 +271,8 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
-    owned = tables.gradient_carrier(routing.local_rows)  # the gradient path to the rows
+    # The gradient path to the rows; one round's local rows are distinct (`ops.owner_rounds`).
+    owned = tables.gradient_carrier(routing.local_rows, distinct_rows=True)
 
     @tf.custom_gradient
     def active_rows(owned_rows):

@@ -125,13 +125,16 @@ class FusedTables:
         return ops.read_table_rows(handles, local_rows, self._row_offsets, self.dtype,
                                    self.layers[0].dim)
 
-    def gradient_carrier(self, local_rows):
+    def gradient_carrier(self, local_rows, distinct_rows=False):
         """Zeros `[r, dim]` for fused local rows `local_rows` (int64 `[r]`) whose gradient is
         `gather(local_rows)`'s (an `IndexedSlices` of each table's own rows, the same values and
         indices in the same order), reading no row (`ops.gradient_carrier`): for a lookup whose
-        values come from a prefetch buffer. Called in a replica context, as `read_rows`."""
+        values come from a prefetch buffer. Called in a replica context, as `read_rows`. With
+        `distinct_rows` (no row of `local_rows` repeats) the gradients say so
+        (`ops.has_distinct_indices`)."""
         return ops.gradient_carrier([layer.embeddings for layer in self.layers], local_rows,
-                                    self._row_offsets, self.dtype, self.layers[0].dim)
+                                    self._row_offsets, self.dtype, self.layers[0].dim,
+                                    distinct_rows=distinct_rows)
 
     def gather(self, local_rows):
         """This worker's rows at fused local rows `local_rows` (int64 `[r]`), read from each
