@@ -136,19 +136,8 @@ def _launch(system_args, extra, workers, frequency, folder, label):
     command = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(workers), "--",
                sys.executable, "-u", WORKER] + system_args + [
                    "--profile-steps", "0", "--steps-out", steps_path] + extra
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
-    with open(log_path, "w") as log:
-        cluster = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            pid = probe_profile._worker_zero_pid()  # pylint: disable=protected-access
-            recorder = subprocess.Popen(["perf", "record", "-g", "-k", "CLOCK_MONOTONIC", "-F",
-                                         str(frequency), "-o", data, "-p", str(pid)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            code = cluster.wait()
-            recorder.wait(timeout=120)
-        finally:
-            if cluster.poll() is None:
-                cluster.kill()
+    code = probe_profile.record_worker_zero(command, data, frequency, log_path,
+                                            call_graph=True, write_s=120)
     if code != 0 or not os.path.exists(steps_path):
         sys.exit("the %s launch failed (exit %s); its output: %s" % (label, code, log_path))
     with open(steps_path) as f:

@@ -173,6 +173,28 @@ def _worker_zero_pid(timeout_s=120.0):
     raise RuntimeError("worker 0 of the cluster did not start within %.0f s" % timeout_s)
 
 
+def record_worker_zero(command, data, frequency, log_path, call_graph=False, write_s=60):
+    """Runs `command` (a local cluster of compare_worker tasks, with TF_USE_LEGACY_KERAS=1) with
+    its output in `log_path`, and records its worker 0 with `perf record -k CLOCK_MONOTONIC` at
+    `frequency` Hz into `data` (with `call_graph`, call chains too: `-g`) until the cluster
+    exits, giving perf `write_s` seconds after it to write its data. Returns the cluster's exit
+    code."""
+    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
+    record = ["perf", "record"] + (["-g"] if call_graph else []) + [
+        "-k", "CLOCK_MONOTONIC", "-F", str(frequency), "-o", data]
+    with open(log_path, "w") as log:
+        cluster = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
+        try:
+            recorder = subprocess.Popen(record + ["-p", str(_worker_zero_pid())],
+                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            code = cluster.wait()
+            recorder.wait(timeout=write_s)
+        finally:
+            if cluster.poll() is None:
+                cluster.kill()
+    return code
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", required=True, help="bench/results/OUTPUT.md and .json")
@@ -192,19 +214,8 @@ def main():
                "--", sys.executable, "-u", WORKER, "--system", "nestpipe", "--pipeline", "auto",
                "--collectives", "sockets", "--profile-steps", "0",
                "--probe-steps-out", steps_path] + extra
-    env = dict(os.environ, TF_USE_LEGACY_KERAS="1")
-    with open(os.path.join(folder, "cluster.log"), "w") as log:
-        cluster = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            pid = _worker_zero_pid()
-            recorder = subprocess.Popen(["perf", "record", "-k", "CLOCK_MONOTONIC", "-F",
-                                         str(args.frequency), "-o", data, "-p", str(pid)],
-                                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            code = cluster.wait()
-            recorder.wait(timeout=60)
-        finally:
-            if cluster.poll() is None:
-                cluster.kill()
+    code = record_worker_zero(command, data, args.frequency,
+                              os.path.join(folder, "cluster.log"))
     if code != 0 or not os.path.exists(steps_path.format(rank=0)):
         sys.exit("the auto row failed (exit %s); its output: %s"
                  % (code, os.path.join(folder, "cluster.log")))
