@@ -79,24 +79,34 @@ class GatherRowsOp : public OpKernel {
 };
 
 REGISTER_OP("NestpipeSegmentSum")
-    .Input("data: T")
+    .Input("data: N * T")
     .Input("segment_ids: Tindices")
     .Input("num_segments: int32")
     .Output("output: T")
+    .Attr("N: int >= 1")
     .Attr("T: {float, double, bfloat16, half}")
     .Attr("Tindices: {int32, int64}")
     .SetShapeFn([](InferenceContext* c) {
+      int n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
       ShapeHandle data, ids;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &data));
-      TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 1, &ids));
+      DimensionHandle dim = c->Dim(data, 1);
+      for (int i = 1; i < n; ++i) {
+        TF_RETURN_IF_ERROR(c->WithRank(c->input(i), 2, &data));
+        TF_RETURN_IF_ERROR(c->Merge(dim, c->Dim(data, 1), &dim));
+      }
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(n), 1, &ids));
       DimensionHandle num;
-      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(2, &num));
-      c->set_output(0, c->Matrix(num, c->Dim(data, 1)));
+      TF_RETURN_IF_ERROR(c->MakeDimForScalarInput(n + 1, &num));
+      c->set_output(0, c->Matrix(num, dim));
       return absl::OkStatus();
     })
     .Doc(R"doc(
-output[s] = sum of data[i] over i with segment_ids[i] == s; ids of -1 are skipped.
-Rows are summed in input order, so the result is deterministic.
+output[s] = sum of data[i] over i with segment_ids[i] == s; ids of -1 are skipped. `data` is
+one matrix or several read as their concatenation along rows (so a gradient that arrives in
+pieces is summed without first being concatenated). Rows are summed in input order, so the
+result is deterministic.
 )doc");
 
 template <typename T, typename Index>
@@ -105,33 +115,40 @@ class SegmentSumOp : public OpKernel {
   explicit SegmentSumOp(OpKernelConstruction* ctx) : OpKernel(ctx) {}
 
   void Compute(OpKernelContext* ctx) override {
-    const Tensor& data = ctx->input(0);
-    const Tensor& ids = ctx->input(1);
-    const int32 num = ctx->input(2).scalar<int32>()();
-    OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(data.shape()),
-                errors::InvalidArgument("data must be a matrix"));
-    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()) &&
-                         ids.dim_size(0) == data.dim_size(0),
-                errors::InvalidArgument("segment_ids must be a vector of length ",
-                                        data.dim_size(0), ", got ",
-                                        ids.shape().DebugString()));
+    OpInputList data;
+    OP_REQUIRES_OK(ctx, ctx->input_list("data", &data));
+    const Tensor& ids = ctx->input(data.size());
+    const int32 num = ctx->input(data.size() + 1).scalar<int32>()();
+    int64_t n = 0;
+    const int64_t dim = data[0].dims() == 2 ? data[0].dim_size(1) : -1;
+    for (int p = 0; p < data.size(); ++p) {
+      OP_REQUIRES(ctx, TensorShapeUtils::IsMatrix(data[p].shape()) && data[p].dim_size(1) == dim,
+                  errors::InvalidArgument("data must be matrices of one width, got piece ", p,
+                                          " of shape ", data[p].shape().DebugString()));
+      n += data[p].dim_size(0);
+    }
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(ids.shape()) && ids.dim_size(0) == n,
+                errors::InvalidArgument("segment_ids must be a vector of length ", n,
+                                        " (the data's rows), got ", ids.shape().DebugString()));
     OP_REQUIRES(ctx, num >= 0, errors::InvalidArgument("num_segments must be >= 0"));
-    const int64_t dim = data.dim_size(1), n = data.dim_size(0);
     Tensor* out_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({num, dim}), &out_t));
     T* o = out_t->flat<T>().data();
     std::fill(o, o + static_cast<int64_t>(num) * dim, T(0));
-    const T* d = data.flat<T>().data();
     const auto seg = ids.flat<Index>();
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t s = static_cast<int64_t>(seg(i));
-      if (s < 0) continue;
-      OP_REQUIRES(ctx, s < num,
-                  errors::InvalidArgument("segment id ", s, " at position ", i,
-                                          " is out of range [0, ", num, ")"));
-      T* dst = o + s * dim;
-      const T* src = d + i * dim;
-      for (int64_t k = 0; k < dim; ++k) dst[k] += src[k];
+    int64_t i = 0;  // row of the concatenated data
+    for (int p = 0; p < data.size(); ++p) {
+      const T* d = data[p].flat<T>().data();
+      for (int64_t row = 0; row < data[p].dim_size(0); ++row, ++i) {
+        const int64_t s = static_cast<int64_t>(seg(i));
+        if (s < 0) continue;
+        OP_REQUIRES(ctx, s < num,
+                    errors::InvalidArgument("segment id ", s, " at position ", i,
+                                            " is out of range [0, ", num, ")"));
+        T* dst = o + s * dim;
+        const T* src = d + row * dim;
+        for (int64_t k = 0; k < dim; ++k) dst[k] += src[k];
+      }
     }
   }
 };

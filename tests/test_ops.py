@@ -191,6 +191,67 @@ def test_slices_of_gathered_rows_send_their_gradients_straight_to_params():
     np.testing.assert_allclose(grad, expected, rtol=1e-6)
     assert "StridedSliceGrad" in types  # the control: plain slices pad their gradients
 
+def test_segment_sum_of_pieces_equals_segment_sum_of_their_concatenation():
+    rng = np.random.default_rng(4)
+    pieces = [rng.normal(size=(n, 3)).astype(np.float32) for n in (2, 0, 4)]
+    ids = tf.constant([3, -1, 0, 3, 1, 3])
+    summed = ops.segment_sum([tf.constant(p) for p in pieces], ids, 5).numpy()
+    whole = ops.segment_sum(tf.constant(np.concatenate(pieces)), ids, 5).numpy()
+    np.testing.assert_array_equal(summed, whole)  # bitwise: the same rows in the same order
+    theoretical, numerical = tf.test.compute_gradient(
+        lambda a, b: ops.segment_sum([a, b], ids, 5), [tf.constant(pieces[0]),
+                                                       tf.constant(pieces[2])])
+    for t, n in zip(theoretical, numerical):
+        np.testing.assert_allclose(t, n, atol=1e-2)
+
+
+def test_segment_sum_of_pieces_errors():
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError), match="width|Dimensions"):
+        ops.segment_sum([tf.zeros([1, 2]), tf.zeros([1, 3])], tf.constant([0, 1]), 2)
+    with pytest.raises((ValueError, tf.errors.InvalidArgumentError),
+                       match="length 3 \\(the data's rows\\)|Shape"):
+        ops.segment_sum([tf.zeros([1, 2]), tf.zeros([2, 2])], tf.constant([0, 1]), 2)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_gather_pieces_match_numpy_and_sum_their_gradients_without_a_concat(traced):
+    """`gather_pieces`: the pieces of a gather, and a gradient equal to NumPy's (pieces left
+    unused get none) whose graph holds no concatenation of the pieces' gradients; the control,
+    a split of `gather_rows`, concatenates them."""
+    rng = np.random.default_rng(5)
+    params = tf.Variable(rng.normal(size=(6, 4)).astype(np.float32))
+    indices = tf.constant([5, 0, 5, 2, 1, 0, 3])
+    sizes = tf.constant([3, 1, 3])
+    weights = [1.0, 0.0, 2.0]  # the middle piece unused
+
+    def loss_of(split):
+        pieces = split()
+        assert len(pieces) == 3
+        return tf.add_n([w * tf.reduce_sum(p * p) for w, p in zip(weights, pieces) if w])
+
+    def expected():
+        rows, grad = params.numpy()[indices.numpy()], np.zeros((6, 4), np.float32)
+        for (start, end), w in zip([(0, 3), (3, 4), (4, 7)], weights):
+            for i in range(start, end):
+                grad[indices.numpy()[i]] += 2 * w * rows[i]
+        return grad
+
+    pieces = ops.gather_pieces(params, indices, sizes, 3)
+    np.testing.assert_array_equal(tf.concat(pieces, 0).numpy(), params.numpy()[indices.numpy()])
+    ours = lambda: loss_of(lambda: ops.gather_pieces(params, indices, sizes, 3))
+    control = lambda: loss_of(lambda: tf.split(ops.gather_rows(params, indices), sizes, num=3))
+    if traced:
+        grad, types = _gradient_op_types(ours, params)
+        assert "ConcatV2" not in types, types
+        _, control_types = _gradient_op_types(control, params)
+        assert "ConcatV2" in control_types
+    else:
+        with tf.GradientTape() as tape:
+            loss = ours()
+        grad = tf.convert_to_tensor(tape.gradient(loss, params)).numpy()
+    np.testing.assert_allclose(grad, expected(), rtol=1e-6)
+
+
 def test_segment_sum_gradient_is_gather():
     data = tf.constant(np.random.default_rng(2).normal(size=(5, 2)), tf.float32)
     ids = tf.constant([1, 1, -1, 0, 2])

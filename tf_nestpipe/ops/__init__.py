@@ -4,8 +4,9 @@ from tf_nestpipe.ops.buffer_sync import (apply_sync_payload, buffer_sync, gather
                                           sync_payload, sync_plan, sync_plan_pad, sync_rows)
 from tf_nestpipe.ops.dynamic_table import (DynamicTable, DynamicTableState, dynamic_owner,
                                           dynamic_row_init)
-from tf_nestpipe.ops.gather import (gather_rows, gradient_carrier, has_distinct_indices,
-                                    read_table_rows, segment_sum, tables_of_rows)
+from tf_nestpipe.ops.gather import (dense_pieces, gather_pieces, gather_rows, gradient_carrier,
+                                    has_distinct_indices, read_table_rows, segment_sum,
+                                    tables_of_rows)
 from tf_nestpipe.ops.library import load_op_library
 from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, fuse_ids,
                                      keys_block, owner_rounds, route_counts, route_keys,
@@ -19,6 +20,7 @@ __all__ = [
     "DynamicTable",
     "DynamicTableState",
     "decode_int8_rows",
+    "dense_pieces",
     "dynamic_owner",
     "dynamic_row_init",
     "encode_int8_rows",
@@ -34,6 +36,7 @@ __all__ = [
     "fuse_ids",
     "gather_blocks",
     "gather_from_blocks",
+    "gather_pieces",
     "gather_rows",
     "gradient_carrier",
     "has_distinct_indices",

@@ -95,8 +95,54 @@ def tables_of_rows(local_rows, row_offsets, num_tables):
 
 
 def segment_sum(data, segment_ids, num_segments):
-    """Sums rows of `data` into `num_segments` rows by `segment_ids`, skipping ids of -1."""
-    return load_op_library().nestpipe_segment_sum(data, segment_ids, tf.cast(num_segments, tf.int32))
+    """Sums rows of `data` into `num_segments` rows by `segment_ids`, skipping ids of -1, in
+    input order (deterministic).
+
+    Args:
+      data: A `[n, dim]` tensor, or a list of `[n_i, dim]` tensors read as their concatenation
+        (summed in place, never concatenated).
+      segment_ids: int32 or int64 `[n]` (`sum(n_i)`): each row's output row, or -1.
+      num_segments: int scalar, the output's rows.
+
+    Returns:
+      `[num_segments, dim]` of `data`'s dtype.
+    """
+    pieces = list(data) if isinstance(data, (list, tuple)) else [data]
+    return load_op_library().nestpipe_segment_sum(pieces, segment_ids,
+                                                  tf.cast(num_segments, tf.int32))
+
+
+def gather_pieces(params, indices, sizes, num):
+    """`tf.split(gather_rows(params, indices), sizes, num=num)`, whose gradient sums the
+    pieces' gradients into `params`' rows in one op (no concatenation of them first).
+
+    Args:
+      params: `[rows, dim]`.
+      indices: int32 or int64 `[n]`, rows of `params` (no -1).
+      sizes: int `[num]` summing to `n`: each piece's rows.
+      num: the number of pieces (static).
+
+    Returns:
+      A list of `num` tensors `[sizes[i], dim]`.
+    """
+
+    @tf.custom_gradient
+    def pieces_of(params):
+        pieces = tf.split(gather_rows(params, indices), sizes, num=num)
+
+        def grad(*d_pieces):
+            return segment_sum(dense_pieces(d_pieces, pieces), indices,
+                               tf.shape(params, out_type=tf.int32)[0])
+
+        return pieces, grad
+
+    return pieces_of(params)
+
+
+def dense_pieces(gradients, pieces):
+    """The gradients of `pieces` as dense tensors, zeros where a piece has none."""
+    return [tf.zeros_like(piece) if gradient is None else tf.convert_to_tensor(gradient)
+            for gradient, piece in zip(gradients, pieces)]
 
 
 tf.no_gradient("NestpipeReadTableRows")
@@ -141,4 +187,11 @@ def _gather_rows_grad(op, grad):
 
 @tf.RegisterGradient("NestpipeSegmentSum")
 def _segment_sum_grad(op, grad):
-    return gather_rows(grad, op.inputs[1]), None, None
+    num_pieces = op.get_attr("N")
+    pieces, segment_ids = op.inputs[:num_pieces], op.inputs[num_pieces]
+    gathered = gather_rows(grad, segment_ids)
+    if num_pieces > 1:
+        gathered = tf.split(gathered, [tf.shape(piece)[0] for piece in pieces], num=num_pieces)
+    else:
+        gathered = [gathered]
+    return gathered + [None, None]

@@ -263,23 +263,44 @@ def _patch_at_positions(prefetched, rows, position):
     return prefetched._replace(rows=patched), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
-def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct=False):
-    """Compute stage: the rows of every fused id the buffer was prefetched for, in order (with
-    `distinct`: its distinct rows, in bucketed order, for a frozen window's own indexing); the
-    gradient flows to the owners' rows through the reverse all-to-all (an `IndexedSlices`
-    gradient of each table) in `wire`'s backward encoding."""
+def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, index=None, sizes=None,
+                       num=1):
+    """Compute stage: the buffer's rows of every id looked up, in order, as `num` pieces of
+    `sizes` rows (one piece: all of them). The gradient flows to the owners' rows through the
+    reverse all-to-all (an `IndexedSlices` gradient of each table) in `wire`'s backward
+    encoding: the pieces' gradients are summed straight into the exchange's slots, in one op.
+
+    Args:
+      tables: The exchange's `FusedTables`.
+      prefetched: The `PrefetchedRows` buffer.
+      collectives: The exchange's collectives.
+      tag: The gradient exchange's tag prefix.
+      wire: A `collectives.wire.Wire` (None: fp32).
+      index: int32 `[n]`: the buffer row of each id looked up (None: the ids the buffer was
+        routed for, `routing.inverse`; a frozen window's one buffer: its rounds' window index).
+      sizes: int32 `[num]` summing to `n`: each piece's rows (None with `num` 1).
+      num: The number of pieces (static).
+
+    Returns:
+      A list of `num` tensors, `[sizes[i], dim]`.
+    """
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
+    index = routing.inverse if index is None else index
     # The gradient path to the rows; one round's local rows are distinct (`ops.owner_rounds`).
     owned = tables.gradient_carrier(routing.local_rows, distinct_rows=True)
 
     @tf.custom_gradient
     def active_rows(owned_rows):
         del owned_rows  # the values come from the buffer; only the gradient path is needed
+        rows = ops.gather_rows(prefetched.rows, index)
+        pieces = [rows] if num == 1 else tf.split(rows, sizes, num=num)
 
-        def grad(d_unique):
-            d_slots = ops.segment_sum(d_unique, routing.slot_of_bucket_pos,
+        def grad(*d_pieces):
+            # Each looked-up row's slot in the exchange: its buffer row's.
+            slots = tf.gather(routing.slot_of_bucket_pos, index)
+            d_slots = ops.segment_sum(ops.dense_pieces(d_pieces, pieces), slots,
                                       num_shards * routing.capacity)
             back = wire.exchange(wire.backward, "backward",
                                  tf.reshape(d_slots, [num_shards, routing.capacity, dim]),
@@ -288,11 +309,9 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct
             return ops.segment_sum(tf.reshape(back, [-1, dim]), routing.slot_to_unique,
                                    tf.size(routing.local_rows))
 
-        return tf.identity(prefetched.rows), grad
+        return pieces, grad
 
-    if distinct:
-        return active_rows(owned)
-    return ops.gather_rows(active_rows(owned), routing.inverse)
+    return active_rows(owned)
 
 
 def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire=None):

@@ -343,8 +343,10 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
 class BufferReader(_WindowAware):
     """Compute pass: each row-wise lookup takes its rows from its (round, group) buffer, in the
     order the route pass recorded them (in a frozen window: from the rows of rounds 0..r). A
-    buffer's rows are cut into its lookups' pieces in one op, at its first lookup:
-    `lookup_counts` (`lookup_counts(...)` of the route pass of the same model) says how many.
+    buffer's rows are read and cut into its lookups' pieces at its first lookup (a window
+    fetched as one buffer: every round's, at the window's first lookup), so that their
+    gradients are summed in one op: `lookup_counts` (`lookup_counts(...)` of the route pass of
+    the same model) says how many.
 
     A `DynamicEmbedding` looks up in the compute pass itself (admission and eviction are a
     step of the table): outside a frozen window each lookup directly; in one, the first lookup
@@ -359,50 +361,60 @@ class BufferReader(_WindowAware):
         self._lookup_counts = lookup_counts
         self._dynamic_ids = dynamic_ids or {}
         self._dynamic_rows = {}  # DynamicEmbedding name -> rows of all its recorded ids
-        self._rows = {}  # (group, round key) -> the buffer's rows, one per id it fetched
         self._window_outputs = {}  # group -> {round key: its rows} (one gradient exchange)
         self._pieces = {}  # (group, round key) -> its lookups' rows, one tensor per lookup
         self._taken = {}  # (group, round key), or ("dynamic", name) -> lookups / ids taken
 
-    def _buffer_rows(self, group, key):
-        if (group, key) not in self._rows:
-            buffers = self._buffers[group]
-            rounds = buffers.rounds
-            if self.windowed and len(rounds) > 1:
-                # One gradient exchange for the window's rounds (each round's rows still
-                # arrive by its own exchange).
-                if group not in self._window_outputs:
-                    keys = sorted(rounds)
-                    outputs = dual_buffer.lookup_window_from_buffers(
-                        self._exchange.tables(group), [rounds[k] for k in keys],
-                        self._exchange.collectives, "nestpipe/fused/%s" % group,
-                        self._exchange.wire)
-                    self._window_outputs[group] = dict(zip(keys, outputs))
-                self._rows[(group, key)] = self._window_outputs[group][key]
-            else:
-                # In a window the rounds read the buffer's distinct rows by their window index.
-                self._rows[(group, key)] = dual_buffer.lookup_from_buffer(
-                    self._exchange.tables(group), rounds[key], self._exchange.collectives,
-                    "nestpipe/fused/%s/%s" % (group, key), self._exchange.wire,
-                    distinct=bool(buffers.window_inverse))
-        return self._rows[(group, key)]
+    def _window_rows(self, group, key):
+        """In a frozen window of several buffers: the distinct rows round `key`'s fetched."""
+        if group not in self._window_outputs:
+            # One gradient exchange for the window's rounds (each round's rows still arrive by
+            # its own exchange).
+            rounds = self._buffers[group].rounds
+            keys = sorted(rounds)
+            outputs = dual_buffer.lookup_window_from_buffers(
+                self._exchange.tables(group), [rounds[k] for k in keys],
+                self._exchange.collectives, "nestpipe/fused/%s" % group, self._exchange.wire)
+            self._window_outputs[group] = dict(zip(keys, outputs))
+        return self._window_outputs[group][key]
+
+    def _buffer_pieces(self, group, buffer, keys, index):
+        """Rounds `keys` of `group` all read `buffer`: the rows of all their lookups from one
+        `lookup_from_buffer` (one gradient sum into the exchange's slots), cut into each
+        round's pieces. `index`: round key -> the buffer row of each id it looks up."""
+        sizes = self._buffers[group].lookup_sizes
+        counts = [self._lookup_counts[(group, key)] for key in keys]
+        pieces = dual_buffer.lookup_from_buffer(
+            self._exchange.tables(group), buffer, self._exchange.collectives,
+            "nestpipe/fused/%s/%s" % (group, keys[0]), self._exchange.wire,
+            index=_concat([index[key] for key in keys]),
+            sizes=_concat([sizes[key] for key in keys]), num=sum(counts))
+        for key, end, count in zip(keys, np.cumsum(counts), counts):
+            self._pieces[(group, key)] = pieces[end - count:end]
 
     def _round_pieces(self, group, key):
         """The rows of round `key`'s lookups of `group`, one tensor per lookup (route order)."""
         if (group, key) not in self._pieces:
             buffers = self._buffers[group]
-            if self.windowed:
-                # The window's rows up to this round (all of them from a window's one buffer),
-                # each lookup's by its window index. The gradient is dense, one segment-sum per
-                # round into the window's rows so far (O(rounds x window) per batch, a few ops;
-                # an IndexedSlices split back over the concat costs a dozen).
-                upto = [self._buffer_rows(group, k) for k in sorted(buffers.rounds) if k <= key]
+            if self.windowed and len(buffers.rounds) > 1:
+                # The window's rows up to this round, each lookup's by its window index. The
+                # gradient is dense, one segment-sum per round into the window's rows so far
+                # (O(rounds x window) per batch, a few ops; an IndexedSlices split back over
+                # the concat costs a dozen).
+                upto = [self._window_rows(group, k) for k in sorted(buffers.rounds) if k <= key]
                 window_rows = upto[0] if len(upto) == 1 else tf.concat(upto, axis=0)
-                rows = ops.gather_rows(window_rows, buffers.window_inverse[key])
+                self._pieces[(group, key)] = ops.gather_pieces(
+                    window_rows, buffers.window_inverse[key], buffers.lookup_sizes[key],
+                    self._lookup_counts[(group, key)])
+            elif self.windowed:
+                # A window fetched at once: every round reads its one buffer through its window
+                # index, so all of them are read (and their gradients summed) together.
+                (buffer,) = buffers.rounds.values()
+                self._buffer_pieces(group, buffer, sorted(buffers.lookup_sizes),
+                                    buffers.window_inverse)
             else:
-                rows = self._buffer_rows(group, key)
-            self._pieces[(group, key)] = tf.split(rows, buffers.lookup_sizes[key],
-                                                  num=self._lookup_counts[(group, key)])
+                buffer = buffers.rounds[key]
+                self._buffer_pieces(group, buffer, [key], {key: buffer.routing.inverse})
         return self._pieces[(group, key)]
 
     def lookup(self, layer, flat_ids):
@@ -439,6 +451,10 @@ class BufferReader(_WindowAware):
         return sorted((group, r) for group, buffers in self._buffers.items()
                       for r in buffers.lookup_sizes
                       if self._taken.get((group, r), 0) < self._lookup_counts.get((group, r), 0))
+
+
+def _concat(tensors):
+    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
 
 
 def shares_of(buffers):
