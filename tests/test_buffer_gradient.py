@@ -73,16 +73,16 @@ def _expected_table_gradient(index, upstream):
     return grad
 
 
-@pytest.mark.parametrize("window_index", [False, True])
-def test_buffer_lookup_gives_the_buffers_rows_and_the_owners_gradient(window_index):
-    """Three pieces (one left unused: its gradient is zero) read through the routing's inverse,
-    or through an index of their own (a frozen window's rounds reading one buffer)."""
+@pytest.mark.parametrize("distinct", [False, True])
+def test_buffer_lookup_gives_the_buffers_rows_and_the_owners_gradient(distinct):
+    """Three pieces (one left unused: its gradient is zero) of the rows of the ids routed, or
+    the buffer's distinct rows as one piece (a frozen window's own indexing)."""
     tables = _Tables(ShardLayout(vocab_size=2 * VOCAB, dim=DIM, num_shards=2, shard_index=0),
                      tf.Variable(tf.zeros([VOCAB, DIM])))
     prefetched = _buffer()
-    index = [4, 0, 0, 3, 1, 2, 4] if not window_index else [2, 2, 1, 0, 4, 3, 3, 1]
-    sizes = [2, 3, 2] if not window_index else [4, 1, 3]
-    weights = [1.0, 0.0, 2.0]  # the middle piece unused
+    index = [4, 0, 0, 3, 1, 2, 4] if not distinct else [0, 1, 2, 3, 4]
+    sizes = [2, 3, 2] if not distinct else [5]
+    weights = [1.0, 0.0, 2.0] if not distinct else [3.0]  # the middle piece unused
     upstream = np.random.default_rng(0).normal(size=(len(index), DIM)).astype(np.float32)
     collectives = _EchoCollectives()
 
@@ -90,9 +90,8 @@ def test_buffer_lookup_gives_the_buffers_rows_and_the_owners_gradient(window_ind
     def step():
         with tf.GradientTape() as tape:
             pieces = dual_buffer.lookup_from_buffer(
-                tables, prefetched, collectives, "t",
-                index=tf.constant(index, tf.int32) if window_index else None,
-                sizes=tf.constant(sizes), num=3)
+                tables, prefetched, collectives, "t", distinct=distinct,
+                sizes=None if distinct else tf.constant(sizes), num=len(sizes))
             parts = tf.split(tf.constant(upstream), sizes)
             loss = tf.add_n([w * tf.reduce_sum(p * u)
                              for w, p, u in zip(weights, pieces, parts) if w])
@@ -106,10 +105,18 @@ def test_buffer_lookup_gives_the_buffers_rows_and_the_owners_gradient(window_ind
                                rtol=1e-6)
     assert collectives.tags == ["t/rows/grad"]  # the gradient exchange, once
     types = [op.type for op in step.get_concrete_function().graph.get_operations()]
-    # One sum into the slots, one on the owner; no concatenation of the pieces' gradients (the
-    # one ConcatV2 is the step's own concat of the rows it returns).
+    # One sum into the slots, one on the owner; no concatenation of the pieces' gradients (a
+    # ConcatV2 is the step's own concat of the rows it returns, for more than one piece).
     assert types.count("NestpipeSegmentSum") == 2, sorted(types)
-    assert types.count("ConcatV2") == 1, sorted(types)
+    assert types.count("ConcatV2") == (len(sizes) > 1), sorted(types)
+
+
+def test_distinct_rows_come_as_one_piece():
+    tables = _Tables(ShardLayout(vocab_size=2 * VOCAB, dim=DIM, num_shards=2, shard_index=0),
+                     tf.Variable(tf.zeros([VOCAB, DIM])))
+    with pytest.raises(ValueError, match="distinct rows as one piece, got num=2"):
+        dual_buffer.lookup_from_buffer(tables, _buffer(), _EchoCollectives(), "t",
+                                       distinct=True, sizes=[2, 3], num=2)
 
 
 def test_a_split_of_the_buffers_rows_concatenates_its_pieces_gradients():

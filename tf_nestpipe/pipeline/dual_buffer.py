@@ -263,12 +263,14 @@ def _patch_at_positions(prefetched, rows, position):
     return prefetched._replace(rows=patched), tf.reduce_sum(tf.cast(position >= 0, tf.int64))
 
 
-def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, index=None, sizes=None,
-                       num=1):
-    """Compute stage: the buffer's rows of every id looked up, in order, as `num` pieces of
-    `sizes` rows (one piece: all of them). The gradient flows to the owners' rows through the
-    reverse all-to-all (an `IndexedSlices` gradient of each table) in `wire`'s backward
-    encoding: the pieces' gradients are summed straight into the exchange's slots, in one op.
+def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct=False,
+                       sizes=None, num=1):
+    """Compute stage: the buffer's rows of every id it was routed for, in order, as `num` pieces
+    of `sizes` rows (one piece: all of them); with `distinct`, its distinct rows instead, in
+    bucketed order, for a frozen window's own indexing (one piece). The gradient flows to the
+    owners' rows through the reverse all-to-all (an `IndexedSlices` gradient of each table) in
+    `wire`'s backward encoding: the pieces' gradients are summed straight into the exchange's
+    slots, in one op.
 
     Args:
       tables: The exchange's `FusedTables`.
@@ -276,30 +278,39 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, index=No
       collectives: The exchange's collectives.
       tag: The gradient exchange's tag prefix.
       wire: A `collectives.wire.Wire` (None: fp32).
-      index: int32 `[n]`: the buffer row of each id looked up (None: the ids the buffer was
-        routed for, `routing.inverse`; a frozen window's one buffer: its rounds' window index).
+      distinct: Whether to give the buffer's distinct rows (one piece) rather than a row per
+        id routed.
       sizes: int32 `[num]` summing to `n`: each piece's rows (None with `num` 1).
       num: The number of pieces (static).
 
     Returns:
       A list of `num` tensors, `[sizes[i], dim]`.
+
+    Raises:
+      ValueError: `distinct` with more than one piece.
     """
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routing = prefetched.routing
-    index = routing.inverse if index is None else index
+    if distinct and num != 1:
+        raise ValueError("lookup_from_buffer gives a buffer's distinct rows as one piece, got "
+                         "num=%d" % num)
     # The gradient path to the rows; one round's local rows are distinct (`ops.owner_rounds`).
     owned = tables.gradient_carrier(routing.local_rows, distinct_rows=True)
 
     @tf.custom_gradient
     def active_rows(owned_rows):
         del owned_rows  # the values come from the buffer; only the gradient path is needed
-        rows = ops.gather_rows(prefetched.rows, index)
-        pieces = [rows] if num == 1 else tf.split(rows, sizes, num=num)
+        if distinct:
+            pieces = [tf.identity(prefetched.rows)]
+        else:
+            rows = ops.gather_rows(prefetched.rows, routing.inverse)
+            pieces = [rows] if num == 1 else tf.split(rows, sizes, num=num)
 
         def grad(*d_pieces):
-            # Each looked-up row's slot in the exchange: its buffer row's.
-            slots = tf.gather(routing.slot_of_bucket_pos, index)
+            # Each row's slot in the exchange: its distinct row's.
+            slots = (routing.slot_of_bucket_pos if distinct
+                     else tf.gather(routing.slot_of_bucket_pos, routing.inverse))
             d_slots = ops.segment_sum(ops.dense_pieces(d_pieces, pieces), slots,
                                       num_shards * routing.capacity)
             back = wire.exchange(wire.backward, "backward",

@@ -343,8 +343,7 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
 class BufferReader(_WindowAware):
     """Compute pass: each row-wise lookup takes its rows from its (round, group) buffer, in the
     order the route pass recorded them (in a frozen window: from the rows of rounds 0..r). A
-    buffer's rows are read and cut into its lookups' pieces at its first lookup (a window
-    fetched as one buffer: every round's, at the window's first lookup), so that their
+    round's rows are read and cut into its lookups' pieces at its first lookup, so that their
     gradients are summed in one op: `lookup_counts` (`lookup_counts(...)` of the route pass of
     the same model) says how many.
 
@@ -366,55 +365,47 @@ class BufferReader(_WindowAware):
         self._taken = {}  # (group, round key), or ("dynamic", name) -> lookups / ids taken
 
     def _window_rows(self, group, key):
-        """In a frozen window of several buffers: the distinct rows round `key`'s fetched."""
+        """In a frozen window: the distinct rows round `key`'s buffer fetched (a window fetched
+        at once: its one buffer's)."""
         if group not in self._window_outputs:
-            # One gradient exchange for the window's rounds (each round's rows still arrive by
-            # its own exchange).
             rounds = self._buffers[group].rounds
             keys = sorted(rounds)
-            outputs = dual_buffer.lookup_window_from_buffers(
-                self._exchange.tables(group), [rounds[k] for k in keys],
-                self._exchange.collectives, "nestpipe/fused/%s" % group, self._exchange.wire)
+            if len(keys) > 1:
+                # One gradient exchange for the window's rounds (each round's rows still
+                # arrive by its own exchange).
+                outputs = dual_buffer.lookup_window_from_buffers(
+                    self._exchange.tables(group), [rounds[k] for k in keys],
+                    self._exchange.collectives, "nestpipe/fused/%s" % group,
+                    self._exchange.wire)
+            else:
+                outputs = dual_buffer.lookup_from_buffer(
+                    self._exchange.tables(group), rounds[keys[0]], self._exchange.collectives,
+                    "nestpipe/fused/%s/%s" % (group, keys[0]), self._exchange.wire,
+                    distinct=True)
             self._window_outputs[group] = dict(zip(keys, outputs))
         return self._window_outputs[group][key]
-
-    def _buffer_pieces(self, group, buffer, keys, index):
-        """Rounds `keys` of `group` all read `buffer`: the rows of all their lookups from one
-        `lookup_from_buffer` (one gradient sum into the exchange's slots), cut into each
-        round's pieces. `index`: round key -> the buffer row of each id it looks up."""
-        sizes = self._buffers[group].lookup_sizes
-        counts = [self._lookup_counts[(group, key)] for key in keys]
-        pieces = dual_buffer.lookup_from_buffer(
-            self._exchange.tables(group), buffer, self._exchange.collectives,
-            "nestpipe/fused/%s/%s" % (group, keys[0]), self._exchange.wire,
-            index=_concat([index[key] for key in keys]),
-            sizes=_concat([sizes[key] for key in keys]), num=sum(counts))
-        for key, end, count in zip(keys, np.cumsum(counts), counts):
-            self._pieces[(group, key)] = pieces[end - count:end]
 
     def _round_pieces(self, group, key):
         """The rows of round `key`'s lookups of `group`, one tensor per lookup (route order)."""
         if (group, key) not in self._pieces:
             buffers = self._buffers[group]
-            if self.windowed and len(buffers.rounds) > 1:
-                # The window's rows up to this round, each lookup's by its window index. The
-                # gradient is dense, one segment-sum per round into the window's rows so far
-                # (O(rounds x window) per batch, a few ops; an IndexedSlices split back over
-                # the concat costs a dozen).
+            sizes, num = buffers.lookup_sizes[key], self._lookup_counts[(group, key)]
+            if self.windowed:
+                # The window's rows up to this round (all of them from a window's one buffer),
+                # each lookup's by its window index, read when the round needs them. The
+                # gradient is dense, one segment-sum of the round's lookups into the window's
+                # rows so far (O(rounds x window) per batch, a few ops; an IndexedSlices split
+                # back over the concat costs a dozen; one sum of every round's lookups would
+                # have to read all the rounds' rows before the first round's compute).
                 upto = [self._window_rows(group, k) for k in sorted(buffers.rounds) if k <= key]
                 window_rows = upto[0] if len(upto) == 1 else tf.concat(upto, axis=0)
                 self._pieces[(group, key)] = ops.gather_pieces(
-                    window_rows, buffers.window_inverse[key], buffers.lookup_sizes[key],
-                    self._lookup_counts[(group, key)])
-            elif self.windowed:
-                # A window fetched at once: every round reads its one buffer through its window
-                # index, so all of them are read (and their gradients summed) together.
-                (buffer,) = buffers.rounds.values()
-                self._buffer_pieces(group, buffer, sorted(buffers.lookup_sizes),
-                                    buffers.window_inverse)
+                    window_rows, buffers.window_inverse[key], sizes, num)
             else:
-                buffer = buffers.rounds[key]
-                self._buffer_pieces(group, buffer, [key], {key: buffer.routing.inverse})
+                self._pieces[(group, key)] = dual_buffer.lookup_from_buffer(
+                    self._exchange.tables(group), buffers.rounds[key],
+                    self._exchange.collectives, "nestpipe/fused/%s/%s" % (group, key),
+                    self._exchange.wire, sizes=sizes, num=num)
         return self._pieces[(group, key)]
 
     def lookup(self, layer, flat_ids):
@@ -451,10 +442,6 @@ class BufferReader(_WindowAware):
         return sorted((group, r) for group, buffers in self._buffers.items()
                       for r in buffers.lookup_sizes
                       if self._taken.get((group, r), 0) < self._lookup_counts.get((group, r), 0))
-
-
-def _concat(tensors):
-    return tensors[0] if len(tensors) == 1 else tf.concat(tensors, axis=0)
 
 
 def shares_of(buffers):
