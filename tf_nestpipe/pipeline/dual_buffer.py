@@ -309,8 +309,7 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct
 
         def grad(*d_pieces):
             # Each row's slot in the exchange: its distinct row's.
-            slots = (routing.slot_of_bucket_pos if distinct
-                     else tf.gather(routing.slot_of_bucket_pos, routing.inverse))
+            slots = routing.slot_of_bucket_pos if distinct else routing.id_slots()
             d_slots = ops.segment_sum(ops.dense_pieces(d_pieces, pieces), slots,
                                       num_shards * routing.capacity)
             back = wire.exchange(wire.backward, "backward",

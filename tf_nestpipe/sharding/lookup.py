@@ -198,4 +198,4 @@ def sharded_lookup(source, ids, collectives, tag, hint, wire=None):
     routing = route(ids, layout, collectives, tag, hint, wire=wire)
     owned = source.gather(routing.local_rows)  # IndexedSlices gradient on owned rows only
     incoming = exchange_rows(owned, routing, layout, collectives, tag, wire=wire)
-    return ops.gather_rows(incoming, tf.gather(routing.slot_of_bucket_pos, routing.inverse))
+    return ops.gather_rows(incoming, routing.id_slots())

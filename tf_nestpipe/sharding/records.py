@@ -31,6 +31,10 @@ class RoutingRecord(NamedTuple):
     received: tf.Tensor
     shares: tf.Tensor
 
+    def id_slots(self):
+        """Each routed id's slot in the rows exchange (its bucketed unique id's), int32 `[n]`."""
+        return tf.gather(self.slot_of_bucket_pos, self.inverse)
+
 
 class PrefetchedRows(NamedTuple):
     """A prefetch buffer: an exchange's routing and the rows it retrieved, one per bucketed
