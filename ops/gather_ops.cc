@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "tensorflow/core/framework/op.h"
@@ -290,10 +291,12 @@ REGISTER_OP("NestpipeGradientCarrier")
     .Input("tables: N * resource")
     .Input("local_rows: int64")
     .Input("row_offsets: int64")
+    .Input("table_sizes: int32")
     .Output("carrier: dtype")
     .Attr("N: int >= 1")
     .Attr("dtype: {float, double, bfloat16, half}")
     .Attr("dim: int >= 0")
+    .Attr("grouped: bool = false")
     .SetShapeFn(TableRowsShape)
     .Doc(R"doc(
 Zeros `[len(local_rows), dim]` that carry a gradient to the tables' rows at fused local rows
@@ -301,6 +304,10 @@ Zeros `[len(local_rows), dim]` that carry a gradient to the tables' rows at fuse
 IndexedSlices a gather of those rows would get, per table. It reads no row and takes no lock: for
 a lookup whose values come from elsewhere (a prefetch buffer), where a gather's values would be
 computed only to be dropped.
+
+table_sizes: with `grouped`, [N]: local_rows holds table 0's rows first, then table 1's, ...,
+  table_sizes[t] of table t (NestpipeOwnerRounds' order), so the gradient splits per table
+  without a partition; checked here. Without `grouped`, ignored (pass an empty vector).
 )doc");
 
 template <typename T>
@@ -309,18 +316,62 @@ class GradientCarrierOp : public OpKernel {
   explicit GradientCarrierOp(OpKernelConstruction* ctx) : OpKernel(ctx) {
     OP_REQUIRES_OK(ctx, ctx->GetAttr("N", &num_tables_));
     OP_REQUIRES_OK(ctx, ctx->GetAttr("dim", &dim_));
+    OP_REQUIRES_OK(ctx, ctx->GetAttr("grouped", &grouped_));
   }
 
   void Compute(OpKernelContext* ctx) override {
     const int64_t n = ctx->input(num_tables_).NumElements();
+    if (grouped_) OP_REQUIRES_OK(ctx, CheckGrouped(ctx));
     Tensor* out_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
     if (n * dim_ > 0) std::memset(out_t->flat<T>().data(), 0, sizeof(T) * n * dim_);
   }
 
  private:
+  // The gradient trusts table_sizes to cut local_rows per table: each table's run must lie in
+  // its span of rows, [row_offsets[t], row_offsets[t + 1]).
+  absl::Status CheckGrouped(OpKernelContext* ctx) const {
+    const Tensor& rows_t = ctx->input(num_tables_);
+    const Tensor& offsets_t = ctx->input(num_tables_ + 1);
+    const Tensor& sizes_t = ctx->input(num_tables_ + 2);
+    if (!TensorShapeUtils::IsVector(rows_t.shape()) ||
+        offsets_t.NumElements() != num_tables_ || sizes_t.NumElements() != num_tables_) {
+      return errors::InvalidArgument("a grouped gradient carrier needs local_rows [n] and ",
+                                     num_tables_, " row_offsets and table_sizes, got ",
+                                     rows_t.shape().DebugString(), ", ", offsets_t.NumElements(),
+                                     ", ", sizes_t.NumElements());
+    }
+    const auto rows = rows_t.vec<int64_t>();
+    const auto offsets = offsets_t.vec<int64_t>();
+    const auto sizes = sizes_t.vec<int32>();
+    int64_t k = 0;
+    for (int t = 0; t < num_tables_; ++t) {
+      const int64_t end = k + sizes(t);
+      if (sizes(t) < 0 || end > rows.size()) {
+        return errors::InvalidArgument("table_sizes ", sizes(t), " of table ", t,
+                                       " runs past local_rows' ", rows.size(), " rows");
+      }
+      const int64_t low = offsets(t);
+      const int64_t high = t + 1 < num_tables_ ? offsets(t + 1)
+                                               : std::numeric_limits<int64_t>::max();
+      for (; k < end; ++k) {
+        if (rows(k) < low || rows(k) >= high) {
+          return errors::InvalidArgument("local row ", rows(k), " at ", k, " is not in table ",
+                                         t, "'s rows [", low, ", ", high,
+                                         "): local_rows are not grouped by table_sizes");
+        }
+      }
+    }
+    if (k != rows.size()) {
+      return errors::InvalidArgument("table_sizes sum to ", k, " but local_rows has ",
+                                     rows.size());
+    }
+    return absl::OkStatus();
+  }
+
   int num_tables_;
   int64_t dim_;
+  bool grouped_;
 };
 
 #define NESTPIPE_REGISTER_CARRIER(T)                                                      \

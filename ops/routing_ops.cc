@@ -262,19 +262,23 @@ REGISTER_OP("NestpipeOwnerRounds")
     .Input("received_keys: int64")
     .Input("sent: int32")
     .Input("capacities: int32")
+    .Input("row_offsets: int64")
     .Attr("num_shards: int >= 1")
     .Attr("shard_index: int >= 0")
     .Attr("rounds: int >= 1")
     .Output("local_rows: rounds * int64")
     .Output("slot_to_unique: rounds * int32")
+    .Output("table_sizes: rounds * int32")
     .SetShapeFn([](InferenceContext* c) {
       int rounds;
       TF_RETURN_IF_ERROR(c->GetAttr("rounds", &rounds));
-      ShapeHandle keys, sent, capacities;
+      ShapeHandle keys, sent, capacities, offsets;
       TF_RETURN_IF_ERROR(c->WithRank(c->input(0), 2, &keys));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(1), 2, &sent));
       TF_RETURN_IF_ERROR(c->WithRank(c->input(2), 1, &capacities));
+      TF_RETURN_IF_ERROR(c->WithRank(c->input(3), 1, &offsets));
       for (int r = 0; r < 2 * rounds; ++r) c->set_output(r, c->Vector(c->UnknownDim()));
+      for (int r = 0; r < rounds; ++r) c->set_output(2 * rounds + r, offsets);
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -284,10 +288,48 @@ received_keys: [W, n], requester i's keys for this owner, round after round, the
 sent: [W, rounds], the keys of round r requester i sent (its count header).
 capacities: [rounds], the slots per requester of round r's rows exchange.
 
-local_rows[r]: round r's distinct local rows (key / num_shards), first-seen in slot order.
+row_offsets: [T], ascending: the first local row of each of the T tables sharing the local row
+  space (NestpipeReadTableRows' layout; [0] for one table). A row belongs to the last table
+  starting at or before it.
+
+local_rows[r]: round r's distinct local rows (key / num_shards), grouped by table in table order,
+  first-seen in slot order within a table: each table's rows are one contiguous run, so the
+  gradient of a gather of them splits per table without a partition.
 slot_to_unique[r]: [W * capacities[r]], slot i * capacities[r] + k (requester i's k-th key of
 the round) -> its index into local_rows[r]; -1 for an empty slot.
+table_sizes[r]: [T], the rows of local_rows[r] in each table.
 )doc");
+
+// Writes `rows` to `out` grouped by table (a stable counting sort on each row's table, the last
+// of `offsets` at or before it), the count of each table to `sizes`, and renumbers `slot`'s
+// indices into `rows` to the rows' new places.
+template <typename SlotMap>
+void GroupByTable(const std::vector<int64_t>& rows, const std::vector<int64_t>& offsets,
+                  int64_t* out, int32* sizes, SlotMap* slot) {
+  const int64_t tables = offsets.size();
+  std::fill(sizes, sizes + tables, 0);
+  if (tables == 1) {
+    std::copy(rows.begin(), rows.end(), out);
+    sizes[0] = static_cast<int32>(rows.size());
+    return;
+  }
+  std::vector<int32> table(rows.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    table[k] = static_cast<int32>(
+        std::upper_bound(offsets.begin(), offsets.end(), rows[k]) - offsets.begin() - 1);
+    ++sizes[table[k]];
+  }
+  std::vector<int32> next(tables, 0);
+  for (int64_t t = 1; t < tables; ++t) next[t] = next[t - 1] + sizes[t - 1];
+  std::vector<int32> place(rows.size());
+  for (size_t k = 0; k < rows.size(); ++k) {
+    place[k] = next[table[k]]++;
+    out[place[k]] = rows[k];
+  }
+  for (int64_t i = 0; i < slot->size(); ++i) {
+    if ((*slot)(i) >= 0) (*slot)(i) = place[(*slot)(i)];
+  }
+}
 
 class OwnerRoundsOp : public OpKernel {
  public:
@@ -312,6 +354,15 @@ class OwnerRoundsOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(cap_t.shape()) && cap_t.dim_size(0) == rounds_,
                 errors::InvalidArgument("capacities must be [", rounds_, "], got ",
                                         cap_t.shape().DebugString()));
+    const Tensor& offsets_t = ctx->input(3);
+    OP_REQUIRES(ctx, TensorShapeUtils::IsVector(offsets_t.shape()) && offsets_t.NumElements() > 0,
+                errors::InvalidArgument("row_offsets must be a non-empty vector, got shape ",
+                                        offsets_t.shape().DebugString()));
+    const auto offsets_flat = offsets_t.vec<int64_t>();
+    const std::vector<int64_t> offsets(offsets_flat.data(),
+                                       offsets_flat.data() + offsets_flat.size());
+    OP_REQUIRES(ctx, offsets[0] == 0 && std::is_sorted(offsets.begin(), offsets.end()),
+                errors::InvalidArgument("row_offsets must ascend from 0"));
     const auto keys = keys_t.matrix<int64_t>();
     const auto sent = sent_t.matrix<int32>();
     const auto capacities = cap_t.vec<int32>();
@@ -331,9 +382,10 @@ class OwnerRoundsOp : public OpKernel {
                   errors::InvalidArgument("requester ", i, " counted ", offset,
                                           " keys but its row holds ", width));
     }
-    OpOutputList rows_out, slots_out;
+    OpOutputList rows_out, slots_out, sizes_out;
     OP_REQUIRES_OK(ctx, ctx->output_list("local_rows", &rows_out));
     OP_REQUIRES_OK(ctx, ctx->output_list("slot_to_unique", &slots_out));
+    OP_REQUIRES_OK(ctx, ctx->output_list("table_sizes", &sizes_out));
     for (int r = 0; r < rounds_; ++r) {
       const int64_t capacity = capacities(r);
       Tensor* slot_t;
@@ -362,7 +414,10 @@ class OwnerRoundsOp : public OpKernel {
       Tensor* rows_t;
       OP_REQUIRES_OK(ctx, rows_out.allocate(
                               r, TensorShape({static_cast<int64_t>(rows.size())}), &rows_t));
-      std::copy(rows.begin(), rows.end(), rows_t->flat<int64_t>().data());
+      Tensor* sizes_t;
+      OP_REQUIRES_OK(ctx, sizes_out.allocate(r, offsets_t.shape(), &sizes_t));
+      GroupByTable(rows, offsets, rows_t->flat<int64_t>().data(), sizes_t->flat<int32>().data(),
+                   &slot);
     }
   }
 

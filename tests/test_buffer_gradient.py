@@ -33,9 +33,9 @@ class _Tables(NamedTuple):
     layout: ShardLayout
     table: tf.Variable
 
-    def gradient_carrier(self, local_rows, distinct_rows=False):
+    def gradient_carrier(self, local_rows, distinct_rows=False, table_sizes=None):
         return ops.gradient_carrier([self.table], local_rows, [0], tf.float32, DIM,
-                                    distinct_rows=distinct_rows)
+                                    distinct_rows=distinct_rows, table_sizes=table_sizes)
 
 
 # This worker's buffer holds 5 distinct rows, 3 asked of owner 0 (itself) and 2 of owner 1.
@@ -58,7 +58,7 @@ def _buffer():
         slot_of_bucket_pos=ops.bucket_slots(splits, CAPACITY), bucket=tf.constant(0),
         capacity=tf.constant(CAPACITY), local_rows=tf.constant(LOCAL_ROWS, tf.int64),
         slot_to_unique=tf.constant(slot_to_unique), received=splits,
-        shares=tf.constant([-1, -1]))
+        shares=tf.constant([-1, -1]), table_sizes=tf.constant([len(LOCAL_ROWS)]))
     rows = tf.constant(np.arange(5 * DIM, dtype=np.float32).reshape(5, DIM))
     return PrefetchedRows(routing=routing, rows=rows)
 

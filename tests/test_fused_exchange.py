@@ -612,6 +612,41 @@ def test_gradient_carrier_gets_gathers_gradient_and_reads_no_row(sizes):
         assert any(t in types for t in ("ResourceGather", "ReadVariableOp")) == reads_rows
 
 
+def test_gradient_carrier_of_rows_grouped_by_table_splits_without_a_partition():
+    """Rows grouped by table (`owner_rounds`' order) with their `table_sizes`: the same
+    per-table `IndexedSlices` as a gather, cut by a split (no `DynamicPartition`; the ungrouped
+    carrier, the positive control, has one); sizes that do not match the rows raise."""
+    rng = np.random.default_rng(5)
+    fulls = [rng.normal(size=(n, 3)).astype(np.float32) for n in (7, 10, 4)]
+    layers = [_FakeTable(f, 2, 1, "t%d" % i) for i, f in enumerate(fulls)]
+    group = FusedTables(layers, 2, 1)  # shard 1's tables start at local rows 0, 4, 9
+    np.testing.assert_array_equal(group.row_offsets, [0, 4, 9])
+    local = tf.constant([2, 0, 4, 7, 5, 9], tf.int64)
+    sizes = tf.constant([2, 3, 1], tf.int32)
+    weights = tf.constant(rng.normal(size=(6, 3)).astype(np.float32))
+
+    def gradients(read):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum((read(local) + 1.0) * weights)
+        return tape.gradient(loss, [layer.embeddings for layer in layers])
+
+    def grouped(rows):
+        return group.gradient_carrier(rows, table_sizes=sizes)
+
+    for run in (lambda f: f(), lambda f: tf.function(f)()):
+        ours, theirs = run(lambda: gradients(grouped)), run(lambda: gradients(group.gather))
+        for mine, gathered in zip(ours, theirs):
+            np.testing.assert_array_equal(mine.values.numpy(), gathered.values.numpy())
+            np.testing.assert_array_equal(mine.indices.numpy(), gathered.indices.numpy())
+    for read, partitions in ((grouped, False), (group.gradient_carrier, True)):
+        graph = tf.function(lambda: gradients(read)).get_concrete_function().graph
+        types = [op.type for op in graph.get_operations()]
+        assert ("DynamicPartition" in types) == partitions
+    for bad in ([3, 2, 1], [2, 3, 0], [2, 3, 2]):
+        with pytest.raises(tf.errors.InvalidArgumentError, match="table_sizes|not grouped"):
+            group.gradient_carrier(local, table_sizes=tf.constant(bad, tf.int32))
+
+
 def test_table_reads_are_not_ordered_against_each_other():
     """The prefetch's `NestpipeReadTableRows` and the compute pass's carrier are both reads for
     `tf.function`'s automatic control dependencies: neither waits for the other, while a read

@@ -60,11 +60,12 @@ def test_route_keys_rejects_non_vector():
         ops.route_keys(tf.zeros([2, 2], tf.int64), 2, 10)
 
 
-def owner_rounds_reference(received, sent, capacities, num_shards):
+def owner_rounds_reference(received, sent, capacities, num_shards, row_offsets=(0,)):
     """NumPy reference of `ops.owner_rounds`: per round, requester i's keys of the round are the
-    `sent[i, r]` after its earlier rounds' in its row; slot i * capacity + k."""
+    `sent[i, r]` after its earlier rounds' in its row; slot i * capacity + k; the distinct rows
+    first-seen, then stably grouped by table (the last of `row_offsets` at or before a row)."""
     first = np.cumsum(sent, axis=1) - sent
-    rows, slots = [], []
+    rows, slots, sizes = [], [], []
     for r, capacity in enumerate(capacities):
         slot = -np.ones(len(received) * capacity, np.int64)
         seen = {}
@@ -72,9 +73,15 @@ def owner_rounds_reference(received, sent, capacities, num_shards):
             for k in range(sent[i, r]):
                 local = int(row[first[i, r] + k]) // num_shards
                 slot[i * capacity + k] = seen.setdefault(local, len(seen))
-        rows.append(list(seen))
-        slots.append(slot)
-    return rows, slots
+        seen_rows = list(seen)
+        table = np.searchsorted(row_offsets, seen_rows, side="right") - 1
+        order = np.argsort(table, kind="stable")
+        place = np.empty(len(order), np.int64)
+        place[order] = np.arange(len(order))
+        rows.append([seen_rows[k] for k in order])
+        slots.append(np.where(slot >= 0, place[np.maximum(slot, 0)], -1))
+        sizes.append(np.bincount(table, minlength=len(row_offsets)).tolist())
+    return rows, slots, sizes
 
 
 def test_owner_rounds_matches_numpy():
@@ -84,13 +91,41 @@ def test_owner_rounds_matches_numpy():
                         np.int64)
     sent = np.array([[2, 0, 2], [1, 1, 0], [3, 1, 1]], np.int32)
     capacities = [4, 1, 2]
-    rows, slots = ops.owner_rounds(received, sent, capacities, num_shards=2, shard_index=0)
-    ref_rows, ref_slots = owner_rounds_reference(received, sent, capacities, 2)
+    rows, slots, sizes = ops.owner_rounds(received, sent, capacities, num_shards=2,
+                                          shard_index=0)
+    ref_rows, ref_slots, ref_sizes = owner_rounds_reference(received, sent, capacities, 2)
     for r in range(3):
         np.testing.assert_array_equal(rows[r].numpy(), ref_rows[r])
         np.testing.assert_array_equal(slots[r].numpy(), ref_slots[r])
+        np.testing.assert_array_equal(sizes[r].numpy(), ref_sizes[r])
     assert rows[0].numpy().tolist() == [2, 1, 4, 0]  # positive control of the reference
     assert slots[1].numpy().tolist() == [-1, 0, 1]
+
+
+def test_owner_rounds_groups_rows_by_table():
+    """With several tables in the row space (table t from `row_offsets[t]`; table 1 reserves no
+    rows here), each round's rows come grouped by table, first-seen within a table, and every
+    slot follows its row to its new place."""
+    received = np.array([[10, 2, 14, 6, 0, -1], [4, 12, 2, 8, -1, -1]], np.int64)
+    sent = np.array([[3, 2], [2, 2]], np.int32)
+    offsets = [0, 3, 3, 5]
+    rows, slots, sizes = ops.owner_rounds(received, sent, [3, 2], 2, 0, row_offsets=offsets)
+    ref_rows, ref_slots, ref_sizes = owner_rounds_reference(received, sent, [3, 2], 2, offsets)
+    for r in range(2):
+        np.testing.assert_array_equal(rows[r].numpy(), ref_rows[r])
+        np.testing.assert_array_equal(slots[r].numpy(), ref_slots[r])
+        np.testing.assert_array_equal(sizes[r].numpy(), ref_sizes[r])
+    # Positive control of the reference: round 0 first sees rows 5, 1, 7 then 2, 6 (tables
+    # 3, 0, 3, 0, 3); round 1 rows 3, 0 then 1, 4 (tables 2, 0, 0, 2).
+    assert ref_rows[0] == [1, 2, 5, 7, 6] and ref_sizes[0] == [2, 0, 0, 3]
+    assert ref_slots[0].tolist() == [2, 0, 3, 1, 4, -1]
+    assert ref_rows[1] == [0, 1, 3, 4] and ref_sizes[1] == [2, 0, 2, 0]
+
+
+def test_owner_rounds_refuses_row_offsets_that_do_not_ascend_from_zero():
+    for offsets in ([1, 4], [0, 4, 2], []):
+        with pytest.raises((tf.errors.InvalidArgumentError, ValueError), match="row_offsets"):
+            ops.owner_rounds(np.array([[2]], np.int64), [[1]], [1], 2, 0, row_offsets=offsets)
 
 
 def test_owner_rounds_rejects_foreign_keys_and_miscounted_rows():
@@ -322,7 +357,7 @@ def test_route_keys_and_owner_rounds_match_numpy_at_scale(n):
     received = -np.ones((2, half + 3), np.int64)
     received[0, :half], received[1, :len(owned) - half] = owned[:half], owned[half:]
     sent = (received >= 0).sum(axis=1, keepdims=True).astype(np.int32)
-    rows, slots = ops.owner_rounds(received, sent, [half + 3], num_shards=3, shard_index=1)
+    rows, slots, _ = ops.owner_rounds(received, sent, [half + 3], num_shards=3, shard_index=1)
     flat = received.ravel()
     expected_rows = list(dict.fromkeys((flat[flat >= 0] // 3).tolist()))
     np.testing.assert_array_equal(rows[0].numpy(), np.array(expected_rows, np.int64))

@@ -48,23 +48,42 @@ def _is_marked_distinct(tensor):
     return graph is not None and tensor.name in _DISTINCT.get(graph, ())
 
 
-def gradient_carrier(variables, local_rows, row_offsets, dtype, dim, distinct_rows=False):
+def gradient_carrier(variables, local_rows, row_offsets, dtype, dim, distinct_rows=False,
+                     table_sizes=None):
     """Zeros `[len(local_rows), dim]` of `dtype` (the tables') whose gradient reaches the tables
     `variables` (in order; the layout of `read_table_rows`) as the `IndexedSlices` a gather of
     `local_rows` would give each table. Reads no row: for a lookup whose values come from
     elsewhere (a prefetch buffer) and whose gradient must still reach the tables' rows.
 
-    With `distinct_rows` (the caller's promise: no local row twice), the `IndexedSlices` it
-    gives the tables are marked as such (`has_distinct_indices`), so that an optimizer can skip
-    summing duplicates there are none of."""
+    Args:
+      variables: The tables' variables, in the order of `row_offsets`.
+      local_rows: int `[r]`, fused local rows.
+      row_offsets: int `[len(variables)]`, each table's first fused local row.
+      dtype: The tables' dtype.
+      dim: The tables' row width.
+      distinct_rows: The caller's promise that no local row repeats: the `IndexedSlices` the
+        tables get are marked so (`has_distinct_indices`), and an optimizer can skip summing
+        duplicates there are none of.
+      table_sizes: int32 `[len(variables)]` when `local_rows` are grouped by table (table 0's
+        rows first, `table_sizes[t]` of table t: `owner_rounds`' order): the gradient is then
+        cut per table by a split that copies nothing, instead of a partition. None: any order.
+
+    Returns:
+      The zeros `[r, dim]`.
+
+    Raises:
+      InvalidArgumentError: (when run) `local_rows` not grouped as `table_sizes` says.
+    """
     for variable in variables:
         tf_private.variable_accessed(variable)  # so the tapes record the op on its handles
     local_rows = tf.cast(local_rows, tf.int64)
     if distinct_rows:
         _mark_distinct(local_rows)
+    grouped = table_sizes is not None
+    table_sizes = tf.zeros([0], tf.int32) if not grouped else tf.cast(table_sizes, tf.int32)
     return load_op_library().nestpipe_gradient_carrier(
         [variable.handle for variable in variables], local_rows,
-        tf.cast(row_offsets, tf.int64), dtype=dtype, dim=dim)
+        tf.cast(row_offsets, tf.int64), table_sizes, dtype=dtype, dim=dim, grouped=grouped)
 
 
 def has_distinct_indices(gradient):
@@ -158,20 +177,26 @@ def _gradient_carrier_grad(op, grad):
     per table: the same values and indices, in the same order)."""
     num_tables = op.get_attr("N")
     handles = op.inputs[:num_tables]
-    local_rows, row_offsets = op.inputs[num_tables], op.inputs[num_tables + 1]
+    local_rows, row_offsets, table_sizes = op.inputs[num_tables:num_tables + 3]
     grad = tf.convert_to_tensor(grad)
     if num_tables == 1:
         slices = [tf.IndexedSlices(grad, local_rows, tf_private.variable_shape(handles[0]))]
     else:
-        table, rows_in_table = tables_of_rows(local_rows, row_offsets, num_tables)
-        values = tf.dynamic_partition(grad, table, num_tables)
+        if op.get_attr("grouped"):
+            # Each table's rows are one run: slices of the gradient, no copy.
+            values = tf.split(grad, table_sizes, num=num_tables)
+            rows_in_table = [rows - row_offsets[t] for t, rows in
+                             enumerate(tf.split(local_rows, table_sizes, num=num_tables))]
+        else:
+            table, rows_in_table = tables_of_rows(local_rows, row_offsets, num_tables)
+            values = tf.dynamic_partition(grad, table, num_tables)
         slices = [tf.IndexedSlices(v, rows, tf_private.variable_shape(handle))
                   for v, rows, handle in zip(values, rows_in_table, handles)]
     if num_tables > 1 and _is_marked_distinct(local_rows):
         # Distinct fused rows are distinct within each table (a table's rows minus its start).
         for gradient in slices:
             _mark_distinct(gradient.indices)
-    return slices + [None, None]
+    return slices + [None, None, None]
 
 
 @tf.RegisterGradient("NestpipeGatherRows")

@@ -41,27 +41,30 @@ def fuse_ids(ids, vocab_sizes, offsets, table_names, segment_ends=None):
         table_names=list(table_names), segment_ends=segment_ends)
 
 
-def owner_rounds(received_keys, sent, capacities, num_shards, shard_index):
+def owner_rounds(received_keys, sent, capacities, num_shards, shard_index, row_offsets=(0,)):
     """The owner's side of one keys exchange that carried one or more rounds (a frozen
     window's micro-batches; one round for a plain route).
 
     `received_keys` `[W, n]`: requester i's keys for this owner, round after round, then -1;
     `sent` `[W, rounds]` (int32): the keys of round r requester i sent; `capacities` `[rounds]`
-    (int32): the slots per requester of round r's rows exchange (>= every `sent[:, r]`).
-    Returns `(local_rows, slot_to_unique)`, lists with one tensor per round: round r's distinct
-    local rows (key // num_shards, first seen in slot order) and, for each of its
-    `W * capacities[r]` slots (requester i's k-th key at `i * capacities[r] + k`), its index into
-    `local_rows[r]` (-1 for an empty slot). A key owned by another shard raises `InternalError`.
+    (int32): the slots per requester of round r's rows exchange (>= every `sent[:, r]`);
+    `row_offsets` (int64 `[T]`, ascending from 0): the first local row of each table sharing
+    the row space (`read_table_rows`' layout; one table by default).
+    Returns `(local_rows, slot_to_unique, table_sizes)`, lists with one tensor per round: round
+    r's distinct local rows (key // num_shards), grouped by table (table 0's first), first seen
+    in slot order within a table; for each of its `W * capacities[r]` slots (requester i's k-th
+    key at `i * capacities[r] + k`), its index into `local_rows[r]` (-1 for an empty slot); and
+    the rows of each table (int32 `[T]`). A key owned by another shard raises `InternalError`.
     """
     sent = tf.convert_to_tensor(sent, tf.int32)
     rounds = sent.shape[1]
     if rounds is None:
         raise ValueError("owner_rounds needs the number of rounds statically (sent's dim 1)")
-    local_rows, slot_to_unique = load_op_library().nestpipe_owner_rounds(
+    local_rows, slot_to_unique, table_sizes = load_op_library().nestpipe_owner_rounds(
         tf.convert_to_tensor(received_keys, tf.int64), sent,
-        tf.convert_to_tensor(capacities, tf.int32), num_shards=num_shards,
-        shard_index=shard_index, rounds=rounds)
-    return list(local_rows), list(slot_to_unique)
+        tf.convert_to_tensor(capacities, tf.int32), tf.convert_to_tensor(row_offsets, tf.int64),
+        num_shards=num_shards, shard_index=shard_index, rounds=rounds)
+    return list(local_rows), list(slot_to_unique), list(table_sizes)
 
 
 def window_layout(inverse, splits, round_sizes):

@@ -295,8 +295,10 @@ def lookup_from_buffer(tables, prefetched, collectives, tag, wire=None, distinct
     if distinct and num != 1:
         raise ValueError("lookup_from_buffer gives a buffer's distinct rows as one piece, got "
                          "num=%d" % num)
-    # The gradient path to the rows; one round's local rows are distinct (`ops.owner_rounds`).
-    owned = tables.gradient_carrier(routing.local_rows, distinct_rows=True)
+    # The gradient path to the rows; one round's local rows are distinct and grouped by table
+    # (`ops.owner_rounds`).
+    owned = tables.gradient_carrier(routing.local_rows, distinct_rows=True,
+                                    table_sizes=routing.table_sizes)
 
     @tf.custom_gradient
     def active_rows(owned_rows):

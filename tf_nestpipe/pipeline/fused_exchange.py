@@ -295,7 +295,7 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
                 tag = buffer_tag(group, order[0])
                 routed_window = route(fused, tables.layout, exchange.collectives, tag,
                                       exchange.capacity_hint(tag), share_size, exchange.wire,
-                                      rider=rider)
+                                      rider=rider, row_offsets=tables.row_offsets)
                 record, received = routed_window if rider is not None else (routed_window, None)
                 records, window_inverse = [record], record.inverse
             else:
@@ -303,7 +303,8 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
                 tag = window_tag(group)
                 routed_window = route_rounds(
                     fused, round_sizes, tables.layout, exchange.collectives, tag,
-                    exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
+                    exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider,
+                    row_offsets=tables.row_offsets)
                 records, window_inverse = routed_window[:2]
                 received = routed_window[2] if rider is not None else None
             inverses[group] = dict(zip(keys, tf.split(window_inverse, round_sizes,
@@ -324,7 +325,8 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
         if not isinstance(routing, RoutingRecord):
             rider = riders.take(group)
             routing = route(routing, tables.layout, exchange.collectives, tag,
-                            exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider)
+                            exchange.capacity_hint(tag), share_size, exchange.wire, rider=rider,
+                            row_offsets=tables.row_offsets)
             if rider is not None:
                 routing, received = routing
                 riders.arrived(group, received)

@@ -89,13 +89,16 @@ def _send_keys(keys, splits, counts, share_size, layout, collectives, tag, hint,
     return arrived, keys_in, rider_in
 
 
-def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider=None):
+def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider=None,
+          row_offsets=(0,)):
     """Route stage for a vector of int64 (fused) `ids` over more than one shard; returns a
     `RoutingRecord`. `hint` is the tag's `CapacityHint` (equal on every worker). `share_size`
     (optional int scalar: this worker's share of the batch) rides in the keys header, so every
     worker learns every worker's (`RoutingRecord.shares`); `wire` counts the keys' bytes.
     With a `rider` (int64 `[W, R]`, see `_send_keys`) it returns `(RoutingRecord, the received
-    rider)`: the rider travels in the keys all-to-all, costing no collective of its own."""
+    rider)`: the rider travels in the keys all-to-all, costing no collective of its own.
+    `row_offsets`: the first local row of each table sharing the row space
+    (`FusedTables.row_offsets`), by which the owner groups its local rows."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     keys, splits, inverse = ops.route_keys(ids, layout.num_shards, layout.vocab_size, tag)
@@ -103,19 +106,21 @@ def route(ids, layout, collectives, tag, hint, share_size=None, wire=None, rider
                                             collectives, tag, hint, wire, rider)
     # The rows exchange's slot layout: from requester i, its arrived.received[0][i] keys for
     # this owner, then padding up to the capacity (from every pair's count: equal everywhere).
-    local_rows, slot_to_unique = ops.owner_rounds(keys_in, arrived.sent, arrived.capacities,
-                                                  layout.num_shards, layout.shard_index)
+    local_rows, slot_to_unique, table_sizes = ops.owner_rounds(
+        keys_in, arrived.sent, arrived.capacities, layout.num_shards, layout.shard_index,
+        row_offsets)
     capacity = arrived.capacity[0]
     record = RoutingRecord(splits=splits, inverse=inverse,
                            slot_of_bucket_pos=ops.bucket_slots(splits, capacity),
                            bucket=arrived.buckets[0], capacity=capacity,
                            local_rows=local_rows[0], slot_to_unique=slot_to_unique[0],
-                           received=arrived.received[0], shares=arrived.shares)
+                           received=arrived.received[0], shares=arrived.shares,
+                           table_sizes=table_sizes[0])
     return record if rider is None else (record, rider_in)
 
 
 def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=None, wire=None,
-                 rider=None):
+                 rider=None, row_offsets=(0,)):
     """Routes the ids of a frozen window's rounds (micro-batches) with one keys exchange:
     `ids` (int64, the rounds' fused ids one after another, `round_sizes[r]` of round r: a list
     of scalars or an int32 vector of static length) are deduplicated once, each distinct id
@@ -128,7 +133,7 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
     worker learns how many keys each requester sends each owner in each round: the owner slices
     each round's keys out of the one exchange, and each round's rows exchange has its own
     padded size, as if the round had been routed alone. With a `rider` (as in `route`) it
-    returns `(records, window_inverse, the received rider)`."""
+    returns `(records, window_inverse, the received rider)`; `row_offsets` as in `route`."""
     wire = wire or PLAIN
     ids = tf.reshape(tf.cast(ids, tf.int64), [-1])
     round_sizes = tf.convert_to_tensor(round_sizes, tf.int32)
@@ -142,8 +147,9 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
                                             collectives, tag, hint, wire, rider)
     # Each round's rows exchange is padded to its own largest count, as if routed alone; every
     # round's fields come out of the one op that read the headers.
-    local_rows, slot_to_unique = ops.owner_rounds(keys_in, arrived.sent, arrived.capacities,
-                                                  layout.num_shards, layout.shard_index)
+    local_rows, slot_to_unique, table_sizes = ops.owner_rounds(
+        keys_in, arrived.sent, arrived.capacities, layout.num_shards, layout.shard_index,
+        row_offsets)
     records = []
     for r in range(rounds):
         records.append(RoutingRecord(
@@ -151,7 +157,7 @@ def route_rounds(ids, round_sizes, layout, collectives, tag, hint, share_size=No
             slot_of_bucket_pos=ops.bucket_slots(arrived.splits[r], arrived.capacity[r]),
             bucket=arrived.buckets[r], capacity=arrived.capacity[r], local_rows=local_rows[r],
             slot_to_unique=slot_to_unique[r], received=arrived.received[r],
-            shares=arrived.shares))
+            shares=arrived.shares, table_sizes=table_sizes[r]))
     return (records, window_inverse) if rider is None else (records, window_inverse, rider_in)
 
 

@@ -18,7 +18,9 @@ class RoutingRecord(NamedTuple):
     `received` `[W]` (ids received from each requester: the rows sent back to each). `shares`
     `[W]` int32: the size of every worker's share of the batch routed, as each sender put it in
     its keys header (-1 where it gave none), so the workers can check equal shares without a
-    collective of their own.
+    collective of their own. `table_sizes` `[T]` int32: the rows of `local_rows` in each of the
+    T tables sharing the row space, which `local_rows` holds grouped by table, table 0's first
+    (`ops.owner_rounds`).
     """
 
     splits: tf.Tensor
@@ -30,6 +32,7 @@ class RoutingRecord(NamedTuple):
     slot_to_unique: tf.Tensor
     received: tf.Tensor
     shares: tf.Tensor
+    table_sizes: tf.Tensor
 
     def id_slots(self):
         """Each routed id's slot in the rows exchange (its bucketed unique id's), int32 `[n]`."""

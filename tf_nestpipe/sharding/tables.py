@@ -54,6 +54,12 @@ class FusedTables:
         self.layout = ShardLayout(last + 1, self.layers[0].dim, num_shards, shard_index)
         self.dtype = self.layers[0].embeddings.dtype
 
+    @property
+    def row_offsets(self):
+        """This worker's first fused local row of each table (int64 NumPy `[tables]`, ascending
+        from 0)."""
+        return self._row_offsets
+
     @staticmethod
     def _layout_of(layer, num_shards, shard_index):
         layout = getattr(layer, "layout", None)
@@ -125,16 +131,17 @@ class FusedTables:
         return ops.read_table_rows(handles, local_rows, self._row_offsets, self.dtype,
                                    self.layers[0].dim)
 
-    def gradient_carrier(self, local_rows, distinct_rows=False):
+    def gradient_carrier(self, local_rows, distinct_rows=False, table_sizes=None):
         """Zeros `[r, dim]` for fused local rows `local_rows` (int64 `[r]`) whose gradient is
         `gather(local_rows)`'s (an `IndexedSlices` of each table's own rows, the same values and
         indices in the same order), reading no row (`ops.gradient_carrier`): for a lookup whose
         values come from a prefetch buffer. Called in a replica context, as `read_rows`. With
         `distinct_rows` (no row of `local_rows` repeats) the gradients say so
-        (`ops.has_distinct_indices`)."""
+        (`ops.has_distinct_indices`); `table_sizes` (int32 `[tables]`) says `local_rows` are
+        grouped by table (a `RoutingRecord`'s), so the gradient is cut without a partition."""
         return ops.gradient_carrier([layer.embeddings for layer in self.layers], local_rows,
                                     self._row_offsets, self.dtype, self.layers[0].dim,
-                                    distinct_rows=distinct_rows)
+                                    distinct_rows=distinct_rows, table_sizes=table_sizes)
 
     def gather(self, local_rows):
         """This worker's rows at fused local rows `local_rows` (int64 `[r]`), read from each
