@@ -138,7 +138,8 @@ class FusedTables:
         values come from a prefetch buffer. Called in a replica context, as `read_rows`. With
         `distinct_rows` (no row of `local_rows` repeats) the gradients say so
         (`ops.has_distinct_indices`); `table_sizes` (int32 `[tables]`) says `local_rows` are
-        grouped by table (a `RoutingRecord`'s), so the gradient is cut without a partition."""
+        grouped by table (a `RoutingRecord`'s), so the gradient is cut by a split, not a
+        partition."""
         return ops.gradient_carrier([layer.embeddings for layer in self.layers], local_rows,
                                     self._row_offsets, self.dtype, self.layers[0].dim,
                                     distinct_rows=distinct_rows, table_sizes=table_sizes)
