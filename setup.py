@@ -14,6 +14,7 @@ OP_SOURCES = [
     "ops/pipeline_ops.cc",
     "ops/routing_ops.cc",
     "ops/socket_ops.cc",
+    "ops/update_ops.cc",
     "ops/wire_ops.cc",
 ]
 

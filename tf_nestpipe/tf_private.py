@@ -226,6 +226,12 @@ def variable_accessed(variable):
     resource_variable_ops.variable_accessed(variable)
 
 
+def lazy_read(variable, op):
+    """What a resource variable's own `scatter_*` methods return after running `op` on it: the
+    variable, read only when used, after `op`."""
+    return variable._lazy_read(op)  # pylint: disable=protected-access
+
+
 def variable_shape(handle):
     """The shape (int32) of the variable behind resource `handle`, as a gather's gradient reads
     it."""

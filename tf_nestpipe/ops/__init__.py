@@ -12,6 +12,7 @@ from tf_nestpipe.ops.routing import (bucket_slots, capacity_bucket, check_ids, f
                                      keys_block, owner_rounds, route_counts, route_keys,
                                      window_grad_index, window_layout)
 from tf_nestpipe.ops.row_init import stateless_row_init
+from tf_nestpipe.ops.updates import scatter_rows
 from tf_nestpipe.ops.wire import (HALF_MAX, decode_int8_rows, encode_int8_rows,
                                   from_int64_words, int8_words, saturate_to_half, to_int64_words)
 
@@ -47,6 +48,7 @@ __all__ = [
     "read_table_rows",
     "route_counts",
     "route_keys",
+    "scatter_rows",
     "segment_sum",
     "stateless_row_init",
     "sync_header",

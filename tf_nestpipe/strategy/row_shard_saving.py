@@ -30,6 +30,7 @@ from tf_nestpipe.sharding.dynamic_state import (ROW_KEYS, restored_rows, row_key
                                                 set_local_serialization_check)
 from tf_nestpipe.sharding.full_table import gather_full_rows
 from tf_nestpipe.sharding.row_shard import mark_row_shard, row_shard_layout
+from tf_nestpipe.strategy.row_shard_updates import RowShardUpdates
 
 _state = threading.local()
 _classes = {}
@@ -228,10 +229,13 @@ def restore_on_create_rows(initial_value, layout, name):
 
 def make_checkpointable(variable, layout, collectives):
     """Marks `variable` as the row shard `layout` of a table and makes TensorFlow checkpoints
-    of it hold (and restore from) the whole table."""
+    of it hold (and restore from) the whole table; its sparse updates take
+    `row_shard_updates.RowShardUpdates`'."""
     base = type(variable)
     if base not in _classes:
-        _classes[base] = type("RowShard" + base.__name__, (_RowShardSaving, base), {})
+        # Its rows' sparse updates also take our op (`row_shard_updates`).
+        _classes[base] = type("RowShard" + base.__name__,
+                              (_RowShardSaving, RowShardUpdates, base), {})
     variable.__class__ = _classes[base]
     mark_row_shard(variable, layout)
     variable._nestpipe_collectives = collectives  # pylint: disable=protected-access

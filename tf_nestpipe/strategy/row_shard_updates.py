@@ -1,0 +1,64 @@
+"""The optimizers' sparse updates of a table's rows. tf_keras' optimizers apply an
+`IndexedSlices` gradient with the variable's `scatter_add` / `scatter_sub` (Adagrad's
+accumulator and rows, SGD's rows, ...); on a row shard they run `ops.scatter_rows`, one tight
+loop per row instead of TensorFlow's tensor expression per row, with the same result bitwise."""
+import tensorflow as tf
+
+from tf_nestpipe import ops, tf_private
+
+
+class RowShardUpdates:
+    """Mixed into a row-shard variable's class (before the variable class): its `scatter_add`
+    and `scatter_sub` run `ops.scatter_rows` for float32 / float64 variables off the GPU, and
+    the variable class's own otherwise."""
+
+    def scatter_add(self, sparse_delta, use_locking=False, name=None):
+        """Adds `tf.IndexedSlices` to this variable (as `tf.Variable.scatter_add`).
+
+        Args:
+          sparse_delta: `tf.IndexedSlices` to add.
+          use_locking: Ignored, as by TensorFlow's resource variables (the update holds the
+            variable's lock).
+          name: The op's name.
+
+        Returns:
+          The updated variable.
+
+        Raises:
+          TypeError: `sparse_delta` is not an `IndexedSlices`.
+        """
+        if not _takes_scatter_rows(self, sparse_delta):
+            return super().scatter_add(sparse_delta, use_locking, name)
+        return self._scatter_rows(sparse_delta, False, name)
+
+    def scatter_sub(self, sparse_delta, use_locking=False, name=None):
+        """Subtracts `tf.IndexedSlices` from this variable (as `tf.Variable.scatter_sub`).
+
+        Args:
+          sparse_delta: `tf.IndexedSlices` to subtract.
+          use_locking: Ignored, as by TensorFlow's resource variables.
+          name: The op's name.
+
+        Returns:
+          The updated variable.
+
+        Raises:
+          TypeError: `sparse_delta` is not an `IndexedSlices`.
+        """
+        if not _takes_scatter_rows(self, sparse_delta):
+            return super().scatter_sub(sparse_delta, use_locking, name)
+        return self._scatter_rows(sparse_delta, True, name)
+
+    def _scatter_rows(self, sparse_delta, subtract, name):
+        with tf.name_scope(name or ("scatter_sub" if subtract else "scatter_add")):
+            op = ops.scatter_rows(self.handle, sparse_delta.indices,
+                                  tf.convert_to_tensor(sparse_delta.values, self.dtype),
+                                  subtract=subtract)
+        return tf_private.lazy_read(self, op)
+
+
+def _takes_scatter_rows(variable, sparse_delta):
+    """Whether `ops.scatter_rows` updates `variable` by `sparse_delta` (else TensorFlow's op,
+    which also raises the TypeError for a delta that is not an `IndexedSlices`)."""
+    return (isinstance(sparse_delta, tf.IndexedSlices) and variable.dtype in ops.updates.DTYPES
+            and "GPU" not in (variable.device or "").upper())
