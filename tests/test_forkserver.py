@@ -146,7 +146,8 @@ def _alive(pid):
     try:
         with open("/proc/%d/stat" % pid) as stat:
             return stat.read().split(")")[-1].split()[0] != "Z"
-    except FileNotFoundError:
+    except (FileNotFoundError, ProcessLookupError):
+        # Gone before the open, or reaped between the open and the read (ESRCH).
         return False
 
 
