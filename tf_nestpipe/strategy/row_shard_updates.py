@@ -10,41 +10,18 @@ from tf_nestpipe import ops, tf_private
 class RowShardUpdates:
     """Mixed into a row-shard variable's class (before the variable class): its `scatter_add`
     and `scatter_sub` run `ops.scatter_rows` for float32 / float64 variables off the GPU, and
-    the variable class's own otherwise."""
+    the variable class's own otherwise (which also raises the TypeError for a delta that is
+    not an `IndexedSlices`); `use_locking` is ignored, as TensorFlow's resource variables
+    ignore it (the update holds the variable's lock)."""
 
     def scatter_add(self, sparse_delta, use_locking=False, name=None):
-        """Adds `tf.IndexedSlices` to this variable (as `tf.Variable.scatter_add`).
-
-        Args:
-          sparse_delta: `tf.IndexedSlices` to add.
-          use_locking: Ignored, as by TensorFlow's resource variables (the update holds the
-            variable's lock).
-          name: The op's name.
-
-        Returns:
-          The updated variable.
-
-        Raises:
-          TypeError: `sparse_delta` is not an `IndexedSlices`.
-        """
+        """`tf.Variable.scatter_add` (same arguments, result and errors)."""
         if not _takes_scatter_rows(self, sparse_delta):
             return super().scatter_add(sparse_delta, use_locking, name)
         return self._scatter_rows(sparse_delta, False, name)
 
     def scatter_sub(self, sparse_delta, use_locking=False, name=None):
-        """Subtracts `tf.IndexedSlices` from this variable (as `tf.Variable.scatter_sub`).
-
-        Args:
-          sparse_delta: `tf.IndexedSlices` to subtract.
-          use_locking: Ignored, as by TensorFlow's resource variables.
-          name: The op's name.
-
-        Returns:
-          The updated variable.
-
-        Raises:
-          TypeError: `sparse_delta` is not an `IndexedSlices`.
-        """
+        """`tf.Variable.scatter_sub` (same arguments, result and errors)."""
         if not _takes_scatter_rows(self, sparse_delta):
             return super().scatter_sub(sparse_delta, use_locking, name)
         return self._scatter_rows(sparse_delta, True, name)
