@@ -11,6 +11,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "table_groups.h"
 
 namespace tensorflow {
 namespace nestpipe {
@@ -219,26 +220,13 @@ class ReadTableRowsOp : public OpKernel {
                 errors::InvalidArgument("row_offsets has ", offsets.size(), " entries for ",
                                         num_tables_, " tables"));
     const int64_t n = local_rows.size();
-    // The positions of each table's rows, table by table (a counting sort), so each table is
-    // read in one pass over its own positions.
-    std::vector<int32> table_of(n);
-    std::vector<int64_t> start(num_tables_ + 1, 0);
-    for (int64_t i = 0; i < n; ++i) {
-      const int64_t k = local_rows(i);
-      OP_REQUIRES(ctx, k >= offsets(0),
-                  errors::InvalidArgument("local row ", k, " at position ", i,
-                                          " is below the first table's start ", offsets(0)));
-      const int64_t* end = offsets.data() + num_tables_;
-      table_of[i] = static_cast<int32>(std::upper_bound(offsets.data(), end, k) -
-                                       offsets.data()) - 1;
-      ++start[table_of[i] + 1];
-    }
-    for (int t = 0; t < num_tables_; ++t) start[t + 1] += start[t];
+    // The positions of each table's rows, table by table, so each table is read in one pass
+    // over its own positions.
+    TableGroups groups;
+    OP_REQUIRES_OK(ctx, GroupRowsByTable(local_rows, n, offsets, num_tables_, &groups));
+    const std::vector<int64_t>& start = groups.start;
     std::vector<int64_t> positions(n);
-    {
-      std::vector<int64_t> next(start.begin(), start.end() - 1);
-      for (int64_t i = 0; i < n; ++i) positions[next[table_of[i]]++] = i;
-    }
+    for (int64_t i = 0; i < n; ++i) positions[groups.place[i]] = i;
     Tensor* out_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({n, dim_}), &out_t));
     T* out = out_t->flat<T>().data();

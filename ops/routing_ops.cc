@@ -12,6 +12,7 @@
 
 #include "capacities.h"
 #include "flat_hash.h"
+#include "table_groups.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -300,35 +301,24 @@ the round) -> its index into local_rows[r]; -1 for an empty slot.
 table_sizes[r]: [T], the rows of local_rows[r] in each table.
 )doc");
 
-// Writes `rows` to `out` grouped by table (a stable counting sort on each row's table, the last
-// of `offsets` at or before it), the count of each table to `sizes`, and renumbers `slot`'s
-// indices into `rows` to the rows' new places.
+// Writes `rows` to `out` grouped by table (table_groups.h), the count of each table to `sizes`,
+// and renumbers `slot`'s indices into `rows` to the rows' new places.
 template <typename SlotMap>
-void GroupByTable(const std::vector<int64_t>& rows, const std::vector<int64_t>& offsets,
-                  int64_t* out, int32* sizes, SlotMap* slot) {
-  const int64_t tables = offsets.size();
-  std::fill(sizes, sizes + tables, 0);
-  if (tables == 1) {
-    std::copy(rows.begin(), rows.end(), out);
-    sizes[0] = static_cast<int32>(rows.size());
-    return;
+absl::Status WriteGroupedRows(const std::vector<int64_t>& rows,
+                              const TTypes<int64_t>::ConstVec& offsets, int64_t* out,
+                              int32* sizes, SlotMap* slot) {
+  TableGroups groups;
+  TF_RETURN_IF_ERROR(GroupRowsByTable([&rows](int64_t i) { return rows[i]; },
+                                      static_cast<int64_t>(rows.size()), offsets, offsets.size(),
+                                      &groups));
+  for (int64_t t = 0; t < offsets.size(); ++t) {
+    sizes[t] = static_cast<int32>(groups.start[t + 1] - groups.start[t]);
   }
-  std::vector<int32> table(rows.size());
-  for (size_t k = 0; k < rows.size(); ++k) {
-    table[k] = static_cast<int32>(
-        std::upper_bound(offsets.begin(), offsets.end(), rows[k]) - offsets.begin() - 1);
-    ++sizes[table[k]];
-  }
-  std::vector<int32> next(tables, 0);
-  for (int64_t t = 1; t < tables; ++t) next[t] = next[t - 1] + sizes[t - 1];
-  std::vector<int32> place(rows.size());
-  for (size_t k = 0; k < rows.size(); ++k) {
-    place[k] = next[table[k]]++;
-    out[place[k]] = rows[k];
-  }
+  for (size_t k = 0; k < rows.size(); ++k) out[groups.place[k]] = rows[k];
   for (int64_t i = 0; i < slot->size(); ++i) {
-    if ((*slot)(i) >= 0) (*slot)(i) = place[(*slot)(i)];
+    if ((*slot)(i) >= 0) (*slot)(i) = static_cast<int32>(groups.place[(*slot)(i)]);
   }
+  return absl::OkStatus();
 }
 
 class OwnerRoundsOp : public OpKernel {
@@ -358,10 +348,9 @@ class OwnerRoundsOp : public OpKernel {
     OP_REQUIRES(ctx, TensorShapeUtils::IsVector(offsets_t.shape()) && offsets_t.NumElements() > 0,
                 errors::InvalidArgument("row_offsets must be a non-empty vector, got shape ",
                                         offsets_t.shape().DebugString()));
-    const auto offsets_flat = offsets_t.vec<int64_t>();
-    const std::vector<int64_t> offsets(offsets_flat.data(),
-                                       offsets_flat.data() + offsets_flat.size());
-    OP_REQUIRES(ctx, offsets[0] == 0 && std::is_sorted(offsets.begin(), offsets.end()),
+    const auto offsets = offsets_t.vec<int64_t>();
+    OP_REQUIRES(ctx, offsets(0) == 0 && std::is_sorted(offsets.data(),
+                                                       offsets.data() + offsets.size()),
                 errors::InvalidArgument("row_offsets must ascend from 0"));
     const auto keys = keys_t.matrix<int64_t>();
     const auto sent = sent_t.matrix<int32>();
@@ -416,8 +405,8 @@ class OwnerRoundsOp : public OpKernel {
                               r, TensorShape({static_cast<int64_t>(rows.size())}), &rows_t));
       Tensor* sizes_t;
       OP_REQUIRES_OK(ctx, sizes_out.allocate(r, offsets_t.shape(), &sizes_t));
-      GroupByTable(rows, offsets, rows_t->flat<int64_t>().data(), sizes_t->flat<int32>().data(),
-                   &slot);
+      OP_REQUIRES_OK(ctx, WriteGroupedRows(rows, offsets, rows_t->flat<int64_t>().data(),
+                                           sizes_t->flat<int32>().data(), &slot));
     }
   }
 
