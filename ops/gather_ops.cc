@@ -11,6 +11,7 @@
 #include "tensorflow/core/framework/resource_mgr.h"
 #include "tensorflow/core/framework/resource_var.h"
 #include "tensorflow/core/framework/shape_inference.h"
+#include "row_prefetch.h"
 #include "table_groups.h"
 
 namespace tensorflow {
@@ -19,16 +20,6 @@ namespace nestpipe {
 using shape_inference::DimensionHandle;
 using shape_inference::InferenceContext;
 using shape_inference::ShapeHandle;
-
-// How many rows ahead a table read asks the memory system for (NestpipeReadTableRows): its rows
-// are scattered over tables far larger than the caches, so without it each is a miss waited for.
-constexpr int64_t kPrefetchAhead = 8;
-
-// Asks for every cache line of a row of `bytes` bytes at `row`.
-inline void PrefetchRow(const void* row, int64_t bytes) {
-  const char* p = static_cast<const char*>(row);
-  for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(p + b);
-}
 
 REGISTER_OP("NestpipeGatherRows")
     .Input("params: T")
@@ -249,8 +240,6 @@ class ReadTableRowsOp : public OpKernel {
                     errors::InvalidArgument("local row ", local_rows(i), " at position ", i,
                                             " is row ", r, " of table ", t, ", which has ",
                                             rows, " rows"));
-        // The rows are scattered over the table: ask for a row a few reads ahead, so the
-        // memory system fetches several at once instead of one miss after another.
         if (p + kPrefetchAhead < start[t + 1]) {
           const int64_t ahead = local_rows(positions[p + kPrefetchAhead]) - offsets(t);
           if (ahead < rows) PrefetchRow(src + ahead * dim_, sizeof(T) * dim_);

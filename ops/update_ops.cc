@@ -3,8 +3,10 @@
 // instead of a tensor expression evaluated per row.
 #define EIGEN_USE_THREADS  // training_op_helpers.h copies on the CPU device
 
+#include <algorithm>
 #include <cstdint>
 
+#include "row_prefetch.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/resource_mgr.h"
@@ -90,7 +92,15 @@ class ScatterRowsOp : public OpKernel {
   template <typename Indices, typename Combine>
   static void Apply(T* base, const T* updates, const Indices& indices, int64_t n, int64_t width,
                     Combine combine) {
+    // The rows are scattered over a table far larger than the caches (row_prefetch.h).
+    for (int64_t i = 0; i < std::min(n, kPrefetchAhead); ++i) {
+      PrefetchRow(base + static_cast<int64_t>(indices(i)) * width, sizeof(T) * width);
+    }
     for (int64_t i = 0; i < n; ++i) {
+      if (i + kPrefetchAhead < n) {
+        PrefetchRow(base + static_cast<int64_t>(indices(i + kPrefetchAhead)) * width,
+                    sizeof(T) * width);
+      }
       T* row = base + static_cast<int64_t>(indices(i)) * width;
       const T* update = updates + i * width;
       for (int64_t d = 0; d < width; ++d) row[d] = combine(row[d], update[d]);
