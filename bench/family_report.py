@@ -28,6 +28,10 @@ CPU_BOUND_BUSY = 0.85
 # A mode whose bytes take at least this share of its step on the link at its rate is bounded by
 # the link: only fewer bytes (compression, fewer distinct ids) make it faster, no overlap.
 WIRE_BOUND_SHARE = 0.8
+# The share of an emulated link's rate that carries the bytes we send: a full TCP segment holds
+# 1448 bytes (1500 MTU less the IP and TCP headers with timestamps) in a 1514-byte Ethernet
+# frame, and `tc tbf` counts frames.
+LINK_PAYLOAD_SHARE = 1448 / 1514
 PIPELINED = ("dbp", "fwp", "nested")
 STAGE_COLUMNS = ("route", "rows", "dense_forward", "dense_backward", "embedding_backward",
                  "optimizer", "other")
@@ -127,14 +131,15 @@ def wire_bound_ms(row):
     """The least time a step of `row` spends on its link: the bytes worker 0 sends per step
     (its embedding exchanges, as the wire counters count them, and its share of the dense
     all-reduce, a reduce-scatter and an all-gather: 2 (W - 1) / W of the dense weights' bytes)
-    over the link's rate; None where unknown. No overlap makes a step shorter than this."""
+    over the share of the link's rate that carries them (`LINK_PAYLOAD_SHARE`); None where
+    unknown. No overlap makes a step shorter than this."""
     rate = link_bytes_per_second((row or {}).get("network"))
     sent = (row or {}).get("wire_bytes_per_step")
     if not rate or not sent:
         return None
     workers = row.get("workers") or 2
     dense = (row.get("dense_bytes") or 0) * 2 * (workers - 1) / workers
-    return 1e3 * (sum(sent.values()) + dense) / rate
+    return 1e3 * (sum(sent.values()) + dense) / (rate * LINK_PAYLOAD_SHARE)
 
 
 def bounding_text(row, bound):
@@ -148,7 +153,7 @@ def bounding_text(row, bound):
     busy, reference = row.get("cpu_busy"), (bound or {}).get("cpu_busy")
     wire = wire_bound_ms(row)
     if wire is not None and wire >= WIRE_BOUND_SHARE * row["ms_median"]:
-        return "the link: %.1f ms/step of bytes on it at its rate (%.0f%% of the step)" % (
+        return "the link: %.1f ms/step of its bytes in TCP frames (%.0f%% of the step)" % (
             wire, 100 * wire / row["ms_median"])
     if busy and reference and busy >= CPU_BOUND_BUSY * reference:
         text = "its own CPU: %.1f ms/step%s, %.2f cores busy (compute-only: %.1f ms%s, %.2f)" % (
@@ -176,7 +181,7 @@ def summary_lines(cells):
     lines = ["| cell | none ms | compute-only ms | exposed share of none | best pipelined "
              "(vs none) | best vs compute-only | exposure hidden by best | auto (vs best) "
              "| TorchRec / ours' best: plain, pipelined | best mode's bytes on the link "
-             "(ms/step at its rate) | what bounds the best mode |",
+             "(ms/step at its rate, in TCP frames) | what bounds the best mode |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, summary in cells:
         judged = (summary.get("exposed_share") or 0) >= EXPOSED_MIN
