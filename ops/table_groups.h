@@ -16,7 +16,6 @@ namespace nestpipe {
 
 // Rows grouped by table, each table's in their given order.
 struct TableGroups {
-  std::vector<int32> table;    // each row's table
   std::vector<int64_t> start;  // [T + 1]: table t's rows take places [start[t], start[t + 1])
   std::vector<int64_t> place;  // each row's place once grouped
 };
@@ -26,7 +25,7 @@ struct TableGroups {
 template <typename Rows, typename Offsets>
 absl::Status GroupRowsByTable(const Rows& rows, int64_t n, const Offsets& offsets, int64_t tables,
                               TableGroups* groups) {
-  groups->table.resize(n);
+  std::vector<int32> table(n);  // each row's table
   groups->start.assign(tables + 1, 0);
   groups->place.resize(n);
   const int64_t* first = &offsets(0);
@@ -36,13 +35,12 @@ absl::Status GroupRowsByTable(const Rows& rows, int64_t n, const Offsets& offset
       return errors::InvalidArgument("local row ", row, " at position ", i,
                                      " is below the first table's start ", first[0]);
     }
-    groups->table[i] =
-        static_cast<int32>(std::upper_bound(first, first + tables, row) - first) - 1;
-    ++groups->start[groups->table[i] + 1];
+    table[i] = static_cast<int32>(std::upper_bound(first, first + tables, row) - first) - 1;
+    ++groups->start[table[i] + 1];
   }
   for (int64_t t = 0; t < tables; ++t) groups->start[t + 1] += groups->start[t];
   std::vector<int64_t> next(groups->start.begin(), groups->start.end() - 1);
-  for (int64_t i = 0; i < n; ++i) groups->place[i] = next[groups->table[i]]++;
+  for (int64_t i = 0; i < n; ++i) groups->place[i] = next[table[i]]++;
   return absl::OkStatus();
 }
 
