@@ -56,7 +56,8 @@ def check_dtype(tables, tag):
 def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=False, wire=None):
     """Retrieval (stage 4) of a routed exchange (`routing`, a `RoutingRecord` of
     `sharding.lookup.route` or `route_rounds`): the owners' rows, read before any later update;
-    returns `(PrefetchedRows, plan)`.
+    returns `(PrefetchedRows, plan, sent)`, `sent` the owner's blocks handed to the rows
+    all-to-all (a reader that should wait until they are on their way depends on it).
 
     With `updated_rows` (the local rows the batch computed meanwhile updates), the owner also
     plans the buffer sync: which prefetched slots hold one of those rows (every slot if
@@ -69,24 +70,24 @@ def fetch(tables, routing, collectives, tag, updated_rows=None, all_updated=Fals
     # gradient path (`lookup_from_buffer`) reads no row (`FusedTables.gradient_carrier`).
     owned = tables.read_rows(routing.local_rows)
     if updated_rows is None:
-        rows = fetched_rows(owned, routing, layout, collectives, tag, wire=wire)
-        return PrefetchedRows(routing, rows), None
+        rows, sent = fetched_rows(owned, routing, layout, collectives, tag, wire=wire)
+        return PrefetchedRows(routing, rows), None, sent
     num_shards, dim = layout.num_shards, layout.dim
     slots, counts, kept = ops.sync_plan(routing.slot_to_unique, routing.local_rows,
                                         updated_rows, num_shards, all_updated=all_updated)
     if wire.forward.exact:
-        rows, largest = _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag,
-                                             wire, num_shards, dim)
+        rows, largest, sent = _rows_with_plan_fp32(owned, routing, counts, kept, collectives,
+                                                   tag, wire, num_shards, dim)
     else:
-        rows, largest = _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire,
-                                                num_shards, dim)
+        rows, largest, sent = _rows_with_plan_encoded(owned, routing, counts, collectives, tag,
+                                                      wire, num_shards, dim)
     # One op: the sync's padded size (every owner's largest count, bucketed) and the slots cut
     # or padded to it; the sync (apply_sync) sends each row's slot position in a float column,
     # so a prefetch of 2**24 slots or more per requester is refused.
     slots, bucket, capacity, rows_sent = ops.sync_plan_pad(
         slots, largest, counts, EXCHANGE_CAPACITIES, max_slots=_MAX_EXACT_POSITION)
     plan = {"slots": slots, "bucket": bucket, "capacity": capacity, "rows_sent": rows_sent}
-    return PrefetchedRows(routing, rows), plan
+    return PrefetchedRows(routing, rows), plan, sent
 
 
 def _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag, wire, num_shards, dim):
@@ -94,9 +95,9 @@ def _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag, wire, n
     the planned rows (`kept`: the other slots' rows, `sync_plan`): the sync sends those once,
     fresh, so each crosses the network once, as without a pipeline. Returns (the received rows,
     one per bucketed unique id, each owner's part holding its kept rows first: the sync moves
-    them into place, `patch_buffers`; every owner's largest sync count). The blocks are
-    gathered behind their header rows and read past them by two ops, never concatenated or
-    sliced (each a copy of the whole exchange)."""
+    them into place, `patch_buffers`; every owner's largest sync count; the blocks sent). The
+    blocks are gathered behind their header rows and read past them by two ops, never
+    concatenated or sliced (each a copy of the whole exchange)."""
     header = ops.sync_header(counts, dim, owned.dtype)  # [W, 2, dim]
     outgoing = ops.gather_blocks(owned, kept, header)
     # Its own tag: instance keys fix a shape, and these blocks are 2 rows longer.
@@ -105,7 +106,7 @@ def _rows_with_plan_fp32(owned, routing, counts, kept, collectives, tag, wire, n
         received = collectives.all_to_all(outgoing, tag + "/rows_with_plan", routing.bucket,
                                           send_counts=send_counts)
     rows = ops.gather_from_blocks(received, routing.slot_of_bucket_pos, _SYNC_HEADER_ROWS)
-    return rows, received[:, 1, 0]  # every owner's largest count
+    return rows, received[:, 1, 0], outgoing  # every owner's largest count
 
 
 def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_shards, dim):
@@ -124,7 +125,7 @@ def _rows_with_plan_encoded(owned, routing, counts, collectives, tag, wire, num_
                                           routing.bucket, send_counts=send_counts)
     incoming = tf.reshape(codec.decode(received[:, head:], dim, owned.dtype), [-1, dim])
     largest = unpack_header(received[:, :head], 2)[:, 1]  # every owner's largest count
-    return ops.gather_rows(incoming, routing.slot_of_bucket_pos), largest
+    return ops.gather_rows(incoming, routing.slot_of_bucket_pos), largest, outgoing
 
 
 class SyncPayload(NamedTuple):

@@ -269,7 +269,8 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
 
     With `pending` (a `PendingSync`: the buffers of the batch computed next and their plans),
     each group's fresh rows ride on that group's first keys exchange: `synced` is (those buffers
-    patched, the rows this worker received); (None, 0) without `pending`."""
+    patched, the rows this worker received); (None, 0) without `pending`. Those buffers' rows
+    are read only once every owner block of this prefetch is built (`_after_sent`)."""
     entries = {}
     for round_index, layer, ids in lookups:
         entries.setdefault(exchange.group_key(layer), {}).setdefault(round_index, []).append(
@@ -316,7 +317,7 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
             for r, key in zip(order, keys):
                 routed[(r, group)], sizes, _ = tables.fuse_lookups(rounds[r])
                 lookup_sizes.setdefault(group, {})[key] = sizes
-    buffers, plans = {}, {}
+    buffers, plans, sent = {}, {}, []
     updated = updated or {}
     for (round_index, group), routing in sorted(routed.items()):
         tag = buffer_tag(group, round_index)
@@ -330,16 +331,31 @@ def prefetch_lookups(exchange, lookups, windowed=False, updated=None, all_update
             if rider is not None:
                 routing, received = routing
                 riders.arrived(group, received)
-        buffers.setdefault(group, {})[key], plan = dual_buffer.fetch(
+        buffers.setdefault(group, {})[key], plan, blocks = dual_buffer.fetch(
             tables, routing, exchange.collectives, tag, updated_rows=updated.get(group),
             all_updated=all_updated, wire=exchange.wire)
+        sent.append(blocks)
         if plan is not None:
             plans.setdefault(group, {})[key] = plan
     riders.rest()
     buffers = {group: GroupBuffers(rounds, lookup_sizes[group], inverses.get(group, {}))
                for group, rounds in buffers.items()}
-    synced = (riders.buffers, riders.received) if pending is not None else (None, 0)
+    synced = ((_after_sent(riders.buffers, sent), riders.received) if pending is not None
+              else (None, 0))
     return buffers, plans, synced
+
+
+def _after_sent(buffers, sent):
+    """`buffers` (`{group key: GroupBuffers}`) whose rows are read only once the owner blocks
+    `sent` exist. The compute that reads them and the prefetch of the batch after share the
+    task's threads; without this order TensorFlow's executor may run the compute's ops first and
+    leave the prefetched rows unsent (the link idle) for most of the step, to then compete with
+    the step's gradient exchange. The dense ops that read no buffer are not held back."""
+    with tf.control_dependencies(sent):
+        return {group: group_buffers._replace(rounds={
+                    key: rows._replace(rows=tf.identity(rows.rows))
+                    for key, rows in group_buffers.rounds.items()})
+                for group, group_buffers in buffers.items()}
 
 
 class BufferReader(_WindowAware):

@@ -177,15 +177,15 @@ def exchange_rows(owned, routing, layout, collectives, tag, wire=None):
 def fetched_rows(owned, routing, layout, collectives, tag, wire=None):
     """Output stage of a prefetch, without a gradient (a buffer's gradient path is its own):
     the owner's `owned` rows (float32 or float64, one per `routing.local_rows`) go back to the
-    requesters in `wire`'s forward encoding. Returns the rows of the requester's bucketed
-    unique ids, in order (`[sum(splits), dim]`). The owner's blocks are gathered and the
-    requester's rows read out of them in one op each."""
+    requesters in `wire`'s forward encoding. Returns (the rows of the requester's bucketed
+    unique ids, in order (`[sum(splits), dim]`), the owner's blocks handed to the exchange).
+    The owner's blocks are gathered and the requester's rows read out of them in one op each."""
     wire = wire or PLAIN
     no_header = tf.zeros([layout.num_shards, 0, layout.dim], owned.dtype)
     outgoing = ops.gather_blocks(owned, routing.slot_to_unique, no_header)
     incoming = wire.exchange(wire.forward, "forward", outgoing, collectives, tag + "/rows",
                              routing.bucket, routing.received)
-    return ops.gather_from_blocks(incoming, routing.slot_of_bucket_pos, 0)
+    return ops.gather_from_blocks(incoming, routing.slot_of_bucket_pos, 0), outgoing
 
 
 def local_lookup(source, ids, tag):
