@@ -1,6 +1,7 @@
 """The fused exchange's single-process pieces: the id check op, the fused id space of a table
 group, the frozen window's dedup, round assignment, the collective counter and `auto`'s choice."""
 import collections
+import contextlib
 import statistics
 
 import numpy as np
@@ -11,10 +12,12 @@ from tensorflow.python.ops import collective_ops
 from tf_nestpipe import ops
 from tf_nestpipe.collectives.counting import collective_issuers, count_collectives
 from tf_nestpipe.pipeline.auto import AutoPipeline
-from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, RouteRecorder,
-                                                 RoundTracker, lookup_counts, run_route_pass)
+from tf_nestpipe.pipeline.fused_exchange import (BufferReader, GroupBuffers, PendingSync,
+                                                 RouteRecorder, RoundTracker, lookup_counts,
+                                                 prefetch_lookups, run_route_pass)
 from tf_nestpipe.pipeline.frozen_window import frozen_window
 from tf_nestpipe.pipeline.instrumentation import profile_steps
+from tf_nestpipe.sharding.exchange import CapacityHint
 from tf_nestpipe.sharding.fetch import current_fetcher, installed
 from tf_nestpipe.sharding.layout import ShardLayout
 from tf_nestpipe.sharding.tables import FusedTables
@@ -844,3 +847,77 @@ def test_auto_probe_of_a_long_job_runs_every_round():
 def test_auto_probe_without_a_known_epoch_length_is_not_budgeted():
     auto, _, _, agreements = _budgeted_probe(None, 30)
     assert auto.stopped_early is None and auto.choice is not None and not agreements
+
+
+class _EchoExchange:
+    """A one-group fused exchange whose collectives echo (every peer sends this worker what it
+    sends itself): enough for `prefetch_lookups` to build and run a look-ahead step."""
+
+    def __init__(self, group):
+        self.wire = None
+        self._group = group
+        self.collectives = self
+
+    def all_to_all(self, tensor, tag, bucket=None, send_counts=None, fill=0):
+        del tag, bucket, send_counts, fill
+        return tf.repeat(tensor[:1], tf.shape(tensor)[0], axis=0)
+
+    def stream(self, name):
+        del name
+        return contextlib.nullcontext()
+
+    def group_key(self, layer):
+        del layer
+        return "g"
+
+    def tables(self, group):
+        del group
+        return self._group
+
+    def capacity_hint(self, tag):
+        return CapacityHint("/cpu:0", "test/%d/%s" % (id(self), tag))
+
+
+def _ancestors(op):
+    """Every op `op` waits for, through its inputs and control inputs."""
+    seen, stack = set(), [op]
+    while stack:
+        current = stack.pop()
+        for parent in [t.op for t in current.inputs] + list(current.control_inputs):
+            if parent not in seen:
+                seen.add(parent)
+                stack.append(parent)
+    return seen
+
+
+def test_the_current_buffers_are_read_only_after_the_next_batchs_blocks_are_built():
+    """Under a look-ahead pipeline the compute of batch i reads its buffers only once the owner
+    blocks of batch i+1's rows exist (built, handed to the rows exchange), so those rows are on
+    the link while batch i computes; the buffers' values are unchanged. Positive control: the
+    buffers of a prefetch without a pending batch wait for no block."""
+    rng = np.random.default_rng(0)
+    layers = [_CheckedTable(rng.normal(size=(rows, 3)).astype(np.float32), 2, 0, "t%d" % i)
+              for i, rows in enumerate([7, 10])]
+    exchange = _EchoExchange(FusedTables(layers, 2, 0))
+    # Ids this worker owns (row-wise: the even rows), so the echo's blocks agree.
+    lookups = [(0, layers[0], tf.constant([0, 4, 6, 4], tf.int64)),
+               (0, layers[1], tf.constant([8, 2], tf.int64))]
+
+    def rows_of(buffers):
+        (rows,) = [prefetched.rows for prefetched in buffers["g"].rounds.values()]
+        return rows
+
+    def step():
+        current, _, _ = prefetch_lookups(exchange, lookups)
+        _, _, (synced, _) = prefetch_lookups(exchange, lookups,
+                                             pending=PendingSync(current, {}))
+        return rows_of(current), rows_of(synced)
+
+    traced = tf.function(step).get_concrete_function()
+    first, second = [op for op in traced.graph.get_operations()
+                     if op.type == "NestpipeGatherBlocks"]  # one per prefetch, in order
+    current, synced = traced.structured_outputs
+    assert second in _ancestors(synced.op) and first in _ancestors(synced.op)
+    assert second not in _ancestors(current.op) and first in _ancestors(current.op)
+    current, synced = traced()
+    np.testing.assert_array_equal(synced.numpy(), current.numpy())
