@@ -869,17 +869,22 @@ REGISTER_OP("NestpipeWindowGradIndex")
     .Input("split_sizes: rounds * int32")
     .Input("slot_to_unique: rounds * int32")
     .Input("received: rounds * int32")
+    .Input("local_rows: rounds * int64")
+    .Input("table_sizes: rounds * int32")
     .Input("capacities: int32")
-    .Input("unique_sizes: int32")
     .Input("capacity: int32")
     .Attr("rounds: int >= 1")
     .Output("targets: int32")
     .Output("send_counts: int32")
     .Output("receive_index: int32")
+    .Output("window_rows: int64")
+    .Output("window_table_sizes: int32")
     .SetShapeFn([](InferenceContext* c) {
       c->set_output(0, c->Vector(c->UnknownDim()));
       c->set_output(1, c->Vector(c->UnknownDim()));
       c->set_output(2, c->Vector(c->UnknownDim()));
+      c->set_output(3, c->Vector(c->UnknownDim()));
+      c->set_output(4, c->Vector(c->UnknownDim()));
       return absl::OkStatus();
     })
     .Doc(R"doc(
@@ -888,12 +893,16 @@ The layout of a frozen window's one reverse all-to-all (the gradients of all its
 Round r's exchange put owner j's split_sizes[r][j] keys at slots j * capacities[r] + k
 (slot_of_bucket_pos[r] maps each bucketed key to its slot, -1 none); the reverse exchange
 packs, per owner j at `capacity` slots, its rows of round 0, then of round 1, ....
+As the owner, round r's distinct rows are local_rows[r], grouped by table (table_sizes[r][t]
+of table t, table 0's first); a row two requesters first read in different rounds is in both.
 
 targets: each round's bucketed keys, one round after another -> its packed slot (-1 none).
 send_counts: [W], the rows sent to each owner (the rounds' splits summed).
-receive_index: [W * capacity], as the owner: each packed slot of requester i -> the window's
-unique row it updates (round r's slot_to_unique offset by the earlier rounds' unique_sizes),
--1 for padding.
+receive_index: [W * capacity], as the owner: each packed slot of requester i -> its row of
+window_rows, -1 for padding.
+window_rows: the distinct rows of all rounds, grouped by table (table 0's first), first seen
+in round order within a table.
+window_table_sizes: [T], the rows of window_rows in each table.
 )doc");
 
 class WindowGradIndexOp : public OpKernel {
@@ -903,24 +912,41 @@ class WindowGradIndexOp : public OpKernel {
   }
 
   void Compute(OpKernelContext* ctx) override {
-    OpInputList slot_of_pos, splits, slot_to_unique, received;
+    OpInputList slot_of_pos, splits, slot_to_unique, received, local_rows, table_sizes;
     OP_REQUIRES_OK(ctx, ctx->input_list("slot_of_bucket_pos", &slot_of_pos));
     OP_REQUIRES_OK(ctx, ctx->input_list("split_sizes", &splits));
     OP_REQUIRES_OK(ctx, ctx->input_list("slot_to_unique", &slot_to_unique));
     OP_REQUIRES_OK(ctx, ctx->input_list("received", &received));
-    const auto capacities = ctx->input(4 * rounds_).vec<int32>();
-    const auto unique_sizes = ctx->input(4 * rounds_ + 1).vec<int32>();
-    const int64_t capacity = ctx->input(4 * rounds_ + 2).scalar<int32>()();
-    OP_REQUIRES(ctx, capacities.size() == rounds_ && unique_sizes.size() == rounds_,
-                errors::InvalidArgument("capacities and unique_sizes need one entry per round"));
+    OP_REQUIRES_OK(ctx, ctx->input_list("local_rows", &local_rows));
+    OP_REQUIRES_OK(ctx, ctx->input_list("table_sizes", &table_sizes));
+    const auto capacities = ctx->input(6 * rounds_).vec<int32>();
+    const int64_t capacity = ctx->input(6 * rounds_ + 1).scalar<int32>()();
+    OP_REQUIRES(ctx, capacities.size() == rounds_,
+                errors::InvalidArgument("capacities needs one entry per round"));
     const int64_t shards = splits[0].NumElements();
-    int64_t keys = 0;
+    const int64_t tables = table_sizes[0].NumElements();
+    int64_t keys = 0, round_rows = 0;
     std::vector<int64_t> sent(shards, 0), got(shards, 0);
     for (int r = 0; r < rounds_; ++r) {
       OP_REQUIRES(ctx, splits[r].NumElements() == shards && received[r].NumElements() == shards &&
                            slot_to_unique[r].NumElements() == shards * capacities(r),
                   errors::InvalidArgument("round ", r, "'s routing does not match ", shards,
                                           " shards at capacity ", capacities(r)));
+      OP_REQUIRES(ctx, table_sizes[r].NumElements() == tables,
+                  errors::InvalidArgument("round ", r, " has ", table_sizes[r].NumElements(),
+                                          " table sizes, round 0 has ", tables));
+      int64_t grouped = 0;
+      for (int64_t t = 0; t < tables; ++t) {
+        const int32 size = table_sizes[r].vec<int32>()(t);
+        OP_REQUIRES(ctx, size >= 0, errors::InvalidArgument("round ", r, " gives table ", t,
+                                                            " ", size, " rows"));
+        grouped += size;
+      }
+      OP_REQUIRES(ctx, grouped == local_rows[r].NumElements(),
+                  errors::InvalidArgument("round ", r, "'s table sizes sum to ", grouped,
+                                          ", its local rows are ",
+                                          local_rows[r].NumElements()));
+      round_rows += grouped;
       keys += slot_of_pos[r].NumElements();
       for (int64_t j = 0; j < shards; ++j) {
         const int32 out = splits[r].vec<int32>()(j), in = received[r].vec<int32>()(j);
@@ -938,16 +964,44 @@ class WindowGradIndexOp : public OpKernel {
                                           " sent, ", got[j], " received) exceed capacity ",
                                           capacity));
     }
-    Tensor *targets_t, *counts_t, *receive_t;
+    // The window's distinct rows, table by table, each table's in round order: round r's k-th
+    // local row -> its window row (`window_of[r][k]`).
+    std::vector<std::vector<int32>> window_of(rounds_);
+    for (int r = 0; r < rounds_; ++r) window_of[r].resize(local_rows[r].NumElements());
+    std::vector<int64_t> rows;
+    rows.reserve(round_rows);
+    std::vector<int32> window_sizes(tables, 0);
+    FlatInt64Map seen(round_rows);
+    std::vector<int64_t> table_start(rounds_, 0);
+    for (int64_t t = 0; t < tables; ++t) {
+      const size_t before = rows.size();
+      for (int r = 0; r < rounds_; ++r) {
+        const auto round_local = local_rows[r].vec<int64>();
+        const int32 size = table_sizes[r].vec<int32>()(t);
+        for (int64_t k = table_start[r]; k < table_start[r] + size; ++k) {
+          const auto placed = seen.emplace(round_local(k), static_cast<int32>(rows.size()));
+          if (placed.second) rows.push_back(round_local(k));
+          window_of[r][k] = placed.first;
+        }
+        table_start[r] += size;
+      }
+      window_sizes[t] = static_cast<int32>(rows.size() - before);
+    }
+    Tensor *targets_t, *counts_t, *receive_t, *rows_t, *sizes_t;
     OP_REQUIRES_OK(ctx, ctx->allocate_output(0, TensorShape({keys}), &targets_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(1, TensorShape({shards}), &counts_t));
     OP_REQUIRES_OK(ctx, ctx->allocate_output(2, TensorShape({shards * capacity}), &receive_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(3, TensorShape({static_cast<int64_t>(rows.size())}),
+                                             &rows_t));
+    OP_REQUIRES_OK(ctx, ctx->allocate_output(4, TensorShape({tables}), &sizes_t));
+    std::copy(rows.begin(), rows.end(), rows_t->vec<int64>().data());
+    std::copy(window_sizes.begin(), window_sizes.end(), sizes_t->vec<int32>().data());
     auto targets = targets_t->vec<int32>();
     auto counts = counts_t->vec<int32>();
     auto receive = receive_t->vec<int32>();
     receive.setConstant(-1);
     std::vector<int64_t> earlier_sent(shards, 0), earlier_got(shards, 0);
-    int64_t p = 0, unique_base = 0;
+    int64_t p = 0;
     for (int r = 0; r < rounds_; ++r) {
       const int64_t cap = capacities(r);
       const auto pos = slot_of_pos[r].vec<int32>();
@@ -965,16 +1019,18 @@ class WindowGradIndexOp : public OpKernel {
       }
       const auto to_unique = slot_to_unique[r].vec<int32>();
       const auto got_r = received[r].vec<int32>();
+      const int64_t unique = static_cast<int64_t>(window_of[r].size());
       for (int64_t j = 0; j < shards; ++j) {
         for (int32 k = 0; k < got_r(j); ++k) {
           const int32 u = to_unique(j * cap + k);
-          receive(j * capacity + earlier_got[j] + k) =
-              u < 0 ? -1 : static_cast<int32>(u + unique_base);
+          OP_REQUIRES(ctx, u < unique,
+                      errors::InvalidArgument("round ", r, "'s slot ", j * cap + k,
+                                              " names local row ", u, " of ", unique));
+          receive(j * capacity + earlier_got[j] + k) = u < 0 ? -1 : window_of[r][u];
         }
         earlier_sent[j] += splits[r].vec<int32>()(j);
         earlier_got[j] += got_r(j);
       }
-      unique_base += unique_sizes(r);
     }
     for (int64_t j = 0; j < shards; ++j) counts(j) = static_cast<int32>(sent[j]);
   }

@@ -578,57 +578,122 @@ def test_bucket_slots_lays_each_owners_keys_at_its_block():
 
 
 class _Round(collections.namedtuple("_Round", "slot_of_bucket_pos splits slot_to_unique "
-                                              "received capacity local_rows")):
+                                              "received capacity local_rows table_sizes")):
     """The fields of a RoutingRecord that `ops.window_grad_index` reads."""
 
 
+def window_rows_reference(rounds):
+    """NumPy reference of the window's distinct rows: table by table, each table's rows of
+    round 0, then of round 1, ..., each row once. Returns (rows, rows per table, each round's
+    local row -> its window row)."""
+    starts = [np.concatenate([[0], np.cumsum(r.table_sizes)]) for r in rounds]
+    rows, index, sizes = [], {}, []
+    window_of = [np.zeros(len(r.local_rows), np.int64) for r in rounds]
+    for t in range(len(rounds[0].table_sizes)):
+        before = len(rows)
+        for i, r in enumerate(rounds):
+            for k in range(starts[i][t], starts[i][t + 1]):
+                row = int(r.local_rows[k])
+                if row not in index:
+                    index[row] = len(rows)
+                    rows.append(row)
+                window_of[i][k] = index[row]
+        sizes.append(len(rows) - before)
+    return rows, sizes, window_of
+
+
 def window_grad_index_reference(rounds, capacity):
-    """NumPy reference: round by round, owner j's gradient rows go behind its earlier rounds'."""
+    """NumPy reference: round by round, owner j's gradient rows go behind its earlier rounds';
+    each received row goes to its window row."""
     shards = len(rounds[0].splits)
+    rows, sizes, window_of = window_rows_reference(rounds)
     targets, receive = [], -np.ones(shards * capacity, np.int64)
-    sent, got, base = np.zeros(shards, np.int64), np.zeros(shards, np.int64), 0
-    for r in rounds:
+    sent, got = np.zeros(shards, np.int64), np.zeros(shards, np.int64)
+    for i, r in enumerate(rounds):
         for slot in r.slot_of_bucket_pos:
             owner = slot // r.capacity
             targets.append(-1 if slot < 0 else owner * capacity + sent[owner] + slot % r.capacity)
         for j in range(shards):
             for k in range(r.received[j]):
                 u = r.slot_to_unique[j * r.capacity + k]
-                receive[j * capacity + got[j] + k] = -1 if u < 0 else u + base
+                receive[j * capacity + got[j] + k] = -1 if u < 0 else window_of[i][u]
         sent += r.splits
         got += r.received
-        base += len(r.local_rows)
-    return targets, sent, receive
+    return targets, sent, receive, rows, sizes
+
+
+def _window_rounds():
+    """Two owners, three rounds of different capacities (one round empty for an owner), two
+    tables (rows 0-9 and 10-): rows 1 and 10 are each read in two rounds."""
+    return [
+        _Round(np.array([0, 1, 3], np.int32), np.array([2, 1], np.int32),
+               np.array([0, 1, -1, 2, -1, -1], np.int32), np.array([2, 1], np.int32), 3,
+               np.array([3, 1, 10], np.int64), np.array([2, 1], np.int32)),
+        _Round(np.array([2, 3], np.int32), np.array([0, 2], np.int32),
+               np.array([-1, -1, 0, 1], np.int32), np.array([0, 2], np.int32), 2,
+               np.array([1, 12], np.int64), np.array([1, 1], np.int32)),
+        _Round(np.array([0], np.int32), np.array([1, 0], np.int32),
+               np.array([0, -1], np.int32), np.array([1, 0], np.int32), 1,
+               np.array([10], np.int64), np.array([0, 1], np.int32)),
+    ]
 
 
 def test_window_grad_index_matches_numpy():
-    """Two owners, three rounds of different capacities (one round empty for an owner)."""
-    rounds = [
-        _Round(np.array([0, 1, 3], np.int32), np.array([2, 1], np.int32),
-               np.array([0, 1, -1, 2, -1, -1], np.int32), np.array([2, 1], np.int32), 3,
-               np.arange(3)),
-        _Round(np.array([2, 3], np.int32), np.array([0, 2], np.int32),
-               np.array([-1, -1, 0, 1], np.int32), np.array([0, 2], np.int32), 2, np.arange(2)),
-        _Round(np.array([0], np.int32), np.array([1, 0], np.int32),
-               np.array([0, -1], np.int32), np.array([1, 0], np.int32), 1, np.arange(1)),
-    ]
-    targets, counts, receive = ops.window_grad_index(rounds, 8)
-    ref_targets, ref_counts, ref_receive = window_grad_index_reference(rounds, 8)
+    rounds = _window_rounds()
+    targets, counts, receive, rows, sizes = ops.window_grad_index(rounds, 8)
+    ref_targets, ref_counts, ref_receive, ref_rows, ref_sizes = window_grad_index_reference(
+        rounds, 8)
     np.testing.assert_array_equal(targets.numpy(), ref_targets)
     np.testing.assert_array_equal(counts.numpy(), ref_counts)
     np.testing.assert_array_equal(receive.numpy(), ref_receive)
+    np.testing.assert_array_equal(rows.numpy(), ref_rows)
+    np.testing.assert_array_equal(sizes.numpy(), ref_sizes)
     # Positive control: owner 0 gets round 0's two rows then round 2's one; owner 1 round 0's
-    # one then round 1's two.
+    # one then round 1's two. Rows 1 and 10, read in two rounds, are one window row each,
+    # grouped by table.
     assert ref_targets == [0, 1, 8, 9, 10, 2]
-    assert ref_receive[:3].tolist() == [0, 1, 5] and ref_receive[8:11].tolist() == [2, 3, 4]
+    assert ref_rows == [3, 1, 10, 12] and ref_sizes == [2, 2]
+    assert ref_receive[:3].tolist() == [0, 1, 2] and ref_receive[8:11].tolist() == [2, 1, 3]
+
+
+def test_window_gradient_sums_a_row_read_in_two_rounds_into_one_row():
+    """The owner's sum through the op's indices: every packed row lands on its distinct row,
+    against a NumPy sum per row id."""
+    rounds = _window_rounds()
+    _, _, receive, rows, _ = ops.window_grad_index(rounds, 8)
+    back = np.random.default_rng(0).normal(size=[16, 4]).astype(np.float32)
+    summed = ops.segment_sum(back, receive, tf.size(rows)).numpy()
+    expected, got = {}, np.zeros(2, np.int64)
+    for r in rounds:
+        for j in range(2):
+            for k in range(r.received[j]):
+                row = int(r.local_rows[r.slot_to_unique[j * r.capacity + k]])
+                expected[row] = expected.get(row, 0) + back[j * 8 + got[j] + k]
+        got += r.received
+    assert len(expected) == len(rows.numpy()) == 4
+    for w, row in enumerate(rows.numpy()):
+        np.testing.assert_allclose(summed[w], expected[int(row)], rtol=1e-6)
 
 
 def test_window_grad_index_refuses_a_window_above_its_capacity():
     r = _Round(np.array([0, 1], np.int32), np.array([2, 0], np.int32),
-               np.array([0, 1, -1, -1], np.int32), np.array([2, 0], np.int32), 2, np.arange(2))
+               np.array([0, 1, -1, -1], np.int32), np.array([2, 0], np.int32), 2,
+               np.arange(2), np.array([2], np.int32))
     with pytest.raises(tf.errors.InvalidArgumentError, match="exceed capacity 3"):
         ops.window_grad_index([r, r], 3)
     # A round that claims more received rows than its slots (would read past slot_to_unique).
     overfull = r._replace(received=np.array([0, 3], np.int32))
     with pytest.raises(tf.errors.InvalidArgumentError, match="receives 3 rows for worker 1"):
         ops.window_grad_index([overfull], 8)
+    # Table sizes that do not cover the round's local rows, or a table count that changes
+    # between rounds (the window's rows could not be grouped by table).
+    with pytest.raises(tf.errors.InvalidArgumentError, match="table sizes sum to 1, its local "
+                                                            "rows are 2"):
+        ops.window_grad_index([r._replace(table_sizes=np.array([1], np.int32))], 8)
+    with pytest.raises(tf.errors.InvalidArgumentError, match="round 1 has 2 table sizes, round "
+                                                            "0 has 1"):
+        ops.window_grad_index([r, r._replace(table_sizes=np.array([1, 1], np.int32))], 8)
+    # A slot naming a local row the round does not have.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="names local row 5 of 2"):
+        ops.window_grad_index([r._replace(slot_to_unique=np.array([0, 5, -1, -1], np.int32))],
+                              8)

@@ -152,16 +152,17 @@ def window_grad_index(routings, capacity):
     (round r's gradient rows for owner j packed behind those of rounds < r, `capacity` slots per
     owner). Returns (`targets`: each round's bucketed keys, round after round -> its packed slot,
     -1 none; `send_counts` `[W]`: rows sent to each owner; `receive_index` `[W * capacity]`:
-    as the owner, each packed slot -> the window's unique row (the rounds' `local_rows` one
-    after another), -1 for padding)."""
+    as the owner, each packed slot -> its row of `window_rows`, -1 for padding; `window_rows`
+    (int64): the distinct rows of the rounds' `local_rows` (a row two requesters first read in
+    different rounds is in both), grouped by table, first seen in round order within a table;
+    `window_table_sizes` (int32 `[T]`): the rows of each table among them)."""
     def ints(name):
         return [tf.cast(getattr(r, name), tf.int32) for r in routings]
 
     return load_op_library().nestpipe_window_grad_index(
         ints("slot_of_bucket_pos"), ints("splits"), ints("slot_to_unique"), ints("received"),
-        tf.stack(ints("capacity")),
-        tf.stack([tf.size(r.local_rows, out_type=tf.int32) for r in routings]),
-        tf.cast(capacity, tf.int32))
+        [tf.cast(r.local_rows, tf.int64) for r in routings], ints("table_sizes"),
+        tf.stack(ints("capacity")), tf.cast(capacity, tf.int32))
 
 
 tf.no_gradient("NestpipeCheckIds")

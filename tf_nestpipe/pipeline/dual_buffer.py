@@ -335,24 +335,34 @@ def lookup_window_from_buffers(tables, prefetched_rounds, collectives, tag, wire
     Round r's rows are its buffer's own values (they never wait for a later round's exchange);
     only their gradients meet, after the window's last backward, in one exchange: to each owner
     every round's gradient rows for it, round by round, packed behind each other. Each owner sums
-    them into its rows round by round, as the per-round exchanges did (a row two requesters first
-    read in different rounds gets one gradient entry per round, in round order), so the update
-    is bitwise the same."""
+    them straight into the window's distinct rows (a row two requesters first read in different
+    rounds is one row; `ops.window_grad_index`), grouped by table as a single round's rows are:
+    each table's gradient is a split of the window's, not a partition, and marked distinct, so
+    no optimizer sums duplicates again."""
     wire = wire or PLAIN
     num_shards, dim = tables.layout.num_shards, tables.layout.dim
     routings = [prefetched.routing for prefetched in prefetched_rounds]
     sizes = tf.stack([tf.shape(prefetched.rows, out_type=tf.int32)[0]
                       for prefetched in prefetched_rounds])
-    owned = tables.gradient_carrier(tf.concat([r.local_rows for r in routings], 0))
+    bucket, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
+    targets, send_counts, receive, window_rows, table_sizes = ops.window_grad_index(routings,
+                                                                                    capacity)
+    owned = tables.gradient_carrier(window_rows, distinct_rows=True, table_sizes=table_sizes)
 
     @tf.custom_gradient
     def window_carrier(owned_rows):
         # Only the gradient path: every round's values come from its buffer.
-        owned_count = tf.shape(owned_rows, out_type=tf.int32)[0]
+        window_count = tf.shape(owned_rows, out_type=tf.int32)[0]
 
         def grad(d_window):
-            return _window_backward(d_window, routings, owned_count, num_shards, dim,
-                                    collectives, tag + "/window/grad", wire)
+            # To each owner every round's slot gradients, packed in round order; each goes
+            # straight to its packed position, and each packed row to its window row.
+            outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), targets,
+                                                  num_shards * capacity),
+                                  [num_shards, capacity, dim])
+            back = wire.exchange(wire.backward, "backward", outgoing, collectives,
+                                 tag + "/window/grad", bucket, send_counts=send_counts)
+            return ops.segment_sum(tf.reshape(back, [-1, dim]), receive, window_count)
 
         return tf.zeros([tf.reduce_sum(sizes), dim], tables.dtype), grad
 
@@ -375,18 +385,3 @@ def _round_rows(carrier, rows):
         return tf.identity(rows), grad
 
     return round_rows(carrier)
-
-
-def _window_backward(d_window, routings, owned_count, num_shards, dim, collectives, tag, wire):
-    """The gradient of a window's owned rows (`lookup_window_from_buffers`; `owned_count` of
-    them: every round's `local_rows`): one reverse all-to-all of every round's slot gradients,
-    packed per owner in round order. `d_window` is the rounds' unique-row gradients
-    concatenated; each goes straight to its packed position (owner j's block: its rows of round
-    0, then of round 1, ...; `ops.window_grad_index`)."""
-    bucket, capacity = capacity_bucket(tf.add_n([r.capacity for r in routings]))
-    targets, send_counts, receive = ops.window_grad_index(routings, capacity)
-    outgoing = tf.reshape(ops.segment_sum(tf.convert_to_tensor(d_window), targets,
-                                          num_shards * capacity), [num_shards, capacity, dim])
-    back = wire.exchange(wire.backward, "backward", outgoing, collectives, tag, bucket,
-                         send_counts=send_counts)
-    return ops.segment_sum(tf.reshape(back, [-1, dim]), receive, owned_count)
