@@ -921,3 +921,52 @@ def test_the_current_buffers_are_read_only_after_the_next_batchs_blocks_are_buil
     assert second not in _ancestors(current.op) and first in _ancestors(current.op)
     current, synced = traced()
     np.testing.assert_array_equal(synced.numpy(), current.numpy())
+
+
+def test_a_windows_gradient_reaches_each_table_once_per_distinct_row_cut_by_a_split():
+    """A frozen window of two rounds (fwp: a rows exchange each, one gradient exchange): each
+    table's gradient is an `IndexedSlices` of distinct rows, marked so (no optimizer sums
+    duplicates again), cut from the window's by a split (no `DynamicPartition`), and equal to the
+    gradient the same lookups give the tables; through the echo every requester asks for the
+    same rows, so each owner gets it twice."""
+    rng = np.random.default_rng(1)
+    layers = [_CheckedTable(rng.normal(size=(rows, 3)).astype(np.float32), 2, 0, "t%d" % i)
+              for i, rows in enumerate([7, 10])]
+    for layer in layers:
+        layer.exchanged = True
+    exchange = _EchoExchange(FusedTables(layers, 2, 0))
+    # Ids this worker owns (the even ones); round 1 reads 4 again (fetched by round 0).
+    rounds = [[(layers[0], [0, 4, 6, 4]), (layers[1], [8, 2])],
+              [(layers[0], [4, 2]), (layers[1], [2, 0])]]
+    weights = [rng.normal(size=(len(ids), 3)).astype(np.float32)
+               for part in rounds for _, ids in part]
+    marks = []
+
+    def step():
+        lookups = [(r, layer, tf.constant(ids, tf.int64))
+                   for r, part in enumerate(rounds) for layer, ids in part]
+        buffers, _, _ = prefetch_lookups(exchange, lookups, windowed=True)
+        reader = BufferReader(exchange, buffers, lookup_counts(exchange, lookups))
+        with tf.GradientTape() as tape:
+            with installed(reader), frozen_window():
+                outputs = [reader.lookup(layer, ids) for _, layer, ids in lookups]
+            loss = tf.add_n([tf.reduce_sum(out * w) for out, w in zip(outputs, weights)])
+        grads = tape.gradient(loss, [layer.embeddings for layer in layers])
+        marks.append([ops.has_distinct_indices(g) for g in grads])
+        return ([g.indices for g in grads], [g.values for g in grads],
+                [tf.convert_to_tensor(g) for g in grads])
+
+    traced = tf.function(step).get_concrete_function()
+    types = {op.type for op in traced.graph.get_operations()}
+    assert "NestpipeWindowGradIndex" in types  # the window's one gradient exchange
+    assert "DynamicPartition" not in types and "Unique" not in types, sorted(types)
+    assert marks[-1] == [True, True]
+    indices, _, dense = traced()
+    for table, (layer, rows) in enumerate(zip(layers, indices)):
+        assert len(set(rows.numpy().tolist())) == len(rows.numpy())
+        expected = np.zeros(layer.embeddings.shape, np.float32)
+        for (looked_up, ids), w in zip([entry for part in rounds for entry in part], weights):
+            if looked_up is layer:
+                for i, k in enumerate(ids):
+                    expected[k // 2] += 2 * w[i]  # the owner's local row of id k; two requesters
+        np.testing.assert_allclose(dense[table].numpy(), expected, rtol=1e-6)
