@@ -223,6 +223,11 @@ FAMILIES: Dict[str, Family] = {
         args=("--data", "synthetic", "movielens-1m", "--workers", "2", "--networks",
               "0.2ms:1gbit", "--wire-dtypes", "int8-bf16", "bf16-bf16", "--steps", "30",
               "--warmup", "5", "--eval-batches", "8", "--row-timeout", "200")),
+    "exposed_exchange": Family(
+        "how much of each exchange (rows, gradients) none and nested leave on the step's "
+        "critical path in two bandwidth-family cells (the base cell, Zipf 1.05): the step "
+        "with each direction's bytes halved (bf16) against fp32",
+        "exposed_exchange.py", needs_root=True),
     "keras3_step": Family(
         "the natural cell's step under Keras 3 against tf_keras and the compute-only bound, "
         "2 workers, pipeline none", "keras3_step.py", args=("--workers", "2", "--rounds", "3")),

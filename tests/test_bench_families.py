@@ -235,3 +235,70 @@ def test_a_subset_run_updates_the_familys_one_file_and_keeps_its_other_cells(tmp
     assert "### cell a table" in text and "### cell b table" in text
     assert "`run a`" in text and "`run b`" in text and "not measured yet" not in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fam.json", "fam.md"]
+
+
+def test_exposed_exchange_prices_the_bytes_a_halved_direction_took_off_the_link():
+    import exposed_exchange  # pylint: disable=import-outside-toplevel
+    reference = {"ms": 20.0, "bytes": {"keys": 1e4, "forward": 6e5, "backward": 8e5,
+                                       "sync": 2e5}}
+    gradients = {"ms": 16.0, "bytes": {"keys": 1e4, "forward": 6e5, "backward": 4e5,
+                                       "sync": 2e5}}
+    rows = {"ms": 19.6, "bytes": {"keys": 1e4, "forward": 3e5, "backward": 8e5,
+                                  "sync": 1e5}}
+    # 400 KB at 1 Gbit/s is 3.2 ms; the step fell by 4.0 ms: exposed (share above 1 is the
+    # link's idle time around the bytes, also gone).
+    fell, removed, share = exposed_exchange.exposed_share(reference, gradients, "fp32-bf16",
+                                                          "0ms:1gbit")
+    assert (fell, round(removed, 6), round(share, 4)) == (4.0, 3.2, 1.25)
+    # Halving the forward direction takes the rows and the sync (400 KB): 0.4 ms of 3.2, hidden.
+    fell, removed, share = exposed_exchange.exposed_share(reference, rows, "bf16-fp32",
+                                                          "0ms:1gbit")
+    assert round(removed, 6) == 3.2 and round(share, 3) == 0.125
+    # Nothing removed: no share to give.
+    assert exposed_exchange.exposed_share(reference, reference, "fp32-bf16",
+                                          "0ms:1gbit")[2] is None
+
+
+def test_exposed_exchange_runs_the_family_cells_shape_and_refuses_a_loopback_cell(monkeypatch):
+    import exposed_exchange  # pylint: disable=import-outside-toplevel
+    args, cells = exposed_exchange.parse_args(["--cells", "8x200k_d64_zipf1.05_b4096_1gbit_w2",
+                                               "--modes", "nested", "--steps", "5"])
+    [(name, cell)] = cells
+    argv = exposed_exchange.worker_argv(cell, "nested", "fp32-bf16", args)
+    flags = dict(zip(argv[3::2], argv[4::2]))
+    assert flags["--zipf"] == "1.05" and flags["--synthetic-tables"] == "8:200000"
+    assert flags["--wire-dtype"] == "fp32-bf16" and flags["--pipeline"] == "nested"
+    with pytest.raises(SystemExit):
+        exposed_exchange.parse_args(["--cells", "no_such_cell"])
+    with pytest.raises(SystemExit):
+        exposed_exchange.parse_args(["--rounds", "0"])
+    # A loopback cell has no link rate to price bytes at: refused by name.
+    monkeypatch.setattr(exposed_exchange, "BANDWIDTH_CELLS",
+                        (("on_loopback", families.dataclasses.replace(
+                            families.BANDWIDTH_BASE, networks=("loopback",))),))
+    with pytest.raises(SystemExit):
+        exposed_exchange.parse_args(["--cells", "on_loopback"])
+
+
+def test_exposed_exchange_writes_a_table_per_cell_with_each_modes_shares():
+    import exposed_exchange  # pylint: disable=import-outside-toplevel
+    args, cells = exposed_exchange.parse_args(["--modes", "nested", "--rounds", "1"])
+    sent = {"keys": 1e4, "forward": 6e5, "backward": 8e5, "sync": 2e5}
+    rows = {"fp32": (20.0, sent), "bf16-fp32": (20.0, dict(sent, forward=3e5, sync=1e5)),
+            "fp32-bf16": (16.0, dict(sent, backward=4e5))}
+    results = {("nested", wire): [{"ms_median": ms, "cpu_ms_per_step": 9.0,
+                                   "wire_bytes_per_step": kinds}]
+               for wire, (ms, kinds) in rows.items()}
+    summary = exposed_exchange.summarize(results)
+    text = exposed_exchange.markdown(args, [(name, cell, summary) for name, cell in cells],
+                                     "cmd", "now", 1.0)
+    for name, _ in cells:
+        assert "## %s" % name in text
+    assert "| nested | gradients bf16 | 16.0 (16.0) | 9.0 | 10/600/400/200 | 4.0 | 3.2 | 1.25 |" \
+        in text
+    assert "| nested | forward bf16 | 20.0 (20.0) | 9.0 | 10/300/800/100 | 0.0 | 3.2 | 0.00 |" \
+        in text
+    failed = dict(results)
+    failed[("nested", "fp32-bf16")] = [{"error": "boom"}]
+    assert "| nested | gradients bf16 | failed: boom |" in exposed_exchange.markdown(
+        args, [(cells[0][0], cells[0][1], exposed_exchange.summarize(failed))], "cmd", "now", 1.0)
