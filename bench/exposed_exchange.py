@@ -2,16 +2,18 @@
 by taking bytes off it: per mode, the step with the fp32 wire, with only the forward exchanges
 (rows and sync) in bf16, and with only the gradients in bf16, interleaved round by round.
 
-    python bench/exposed_exchange.py   # as root; two cells of the bandwidth family, ~20 minutes
-    python bench/exposed_exchange.py --cells 8x200k_d64_zipf1.2_b4096_1gbit_w2 --modes nested
+    python bench/exposed_exchange.py   # as root; the base cell, two link bursts, ~20 minutes
+    python bench/exposed_exchange.py --cells 8x200k_d64_zipf1.05_b4096_1gbit_w2 --modes nested
 
 Halving one exchange's bytes removes their time on the link (`removed ms`, from the strategy's
 wire counters at the link's rate). Where the step falls by that much, those bytes were on the
 critical path; where it does not move, the pipeline already hid them. **Exposed share** =
 (fp32 ms - bf16 ms) / removed ms, per exchange and mode: about 1 exposed, about 0 hidden. The
-bf16 encode and decode cost some CPU of their own, so a share reads a little low; a share above 1
-says the step also lost the link's idle time around those bytes (what waits on them waits less,
-and `tc tbf`'s burst lets a smaller exchange through after an idle spell at once). The numbers
+bf16 encode and decode cost some CPU of their own, so a share reads a little low. A share above
+1 says fewer bytes saved more than their time at the rate: the emulated link lets its bucket
+(`tc tbf`'s burst) through at once after an idle spell, so an exchange that shrinks towards it
+costs less than its bytes' time. Each cell runs with every `--bursts` size (bench/netem.py's
+default, and a smaller one) to show how much of the step that bucket gives. The numbers
 are for timing only: a bf16 run trains a (slightly) different model.
 
 Each row is one launch of bench/compare_worker.py (`--system nestpipe --wire-dtype W`: DLRM,
@@ -30,6 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare import EmulatedNetwork, parse_network, run_command  # noqa: E402
+from netem import TBF_BURST  # noqa: E402
 from families import BANDWIDTH_CELLS  # noqa: E402
 from runner import REPO, write_result  # noqa: E402
 from wire_dtypes import link_ms  # noqa: E402
@@ -91,25 +94,26 @@ def summarize(results):
 
 
 def markdown(args, measured, command, started, minutes):
-    """The results: per cell (`measured`: [(name, cell, summary)]), per mode, each wire's
-    step and the exposed share of what it halved."""
+    """The results: per cell and link bucket (`measured`: [(name, cell, burst, summary)]),
+    per mode, each wire's step and the exposed share of what it halved."""
     lines = ["# How much of each exchange stays on the critical path", "",
              "`%s` (%s, %.0f min)" % (command, started, minutes), ""]
-    for name, cell, summary in measured:
-        lines += _cell_table(args, name, cell, summary)
+    for name, cell, burst, summary in measured:
+        lines += _cell_table(args, name, cell, burst, summary)
     return "\n".join(lines)
 
 
-def _cell_table(args, name, cell, summary):
+def _cell_table(args, name, cell, burst, summary):
     network = cell.networks[0]
-    lines = ["## %s" % name, "",
-             "%s: %s tables, dim %d, Zipf %s, global batch %d, M=%d, %d workers on %s; "
+    lines = ["## %s, link bucket %s" % (name, burst), "",
+             "%s: %s tables, dim %d, Zipf %s, global batch %d, M=%d, %d workers on %s "
+             "(`tc tbf` burst %s); "
              "%d warm-up + %d timed steps per row, %d interleaved rounds (median of the "
              "rounds). Removed ms = the halved bytes' time at the link's rate; **exposed share** "
              "= (fp32 ms - bf16 ms) / removed ms: about 1, those bytes are on the critical path; "
              "about 0, the mode hides them."
              % (name, cell.synthetic_tables, cell.dim, cell.zipf, cell.global_batch,
-                cell.micro_batches, cell.workers[0], network, args.warmup, args.steps,
+                cell.micro_batches, cell.workers[0], network, burst, args.warmup, args.steps,
                 args.rounds), "",
              "| mode | wire | ms/step (rounds) | CPU ms/step | KB/step keys/rows/grads/sync "
              "| step fell by ms | removed ms | exposed share |",
@@ -140,8 +144,10 @@ def parse_args(argv=None):
     cells = dict(BANDWIDTH_CELLS)
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cells", nargs="+", choices=sorted(cells),
-                        default=[BANDWIDTH_CELLS[0][0], "8x200k_d64_zipf1.05_b4096_1gbit_w2"],
+                        default=[BANDWIDTH_CELLS[0][0]],
                         help="cells of the bandwidth family (bench/families.py)")
+    parser.add_argument("--bursts", nargs="+", default=[TBF_BURST, "64kb"],
+                        help="`tc tbf` bucket sizes of the emulated link (tc's units)")
     parser.add_argument("--modes", nargs="+", default=["none", "nested"],
                         choices=["none", "dbp", "fwp", "nested"])
     parser.add_argument("--steps", type=int, default=100)
@@ -159,18 +165,20 @@ def parse_args(argv=None):
     return args, [(name, cells[name]) for name in args.cells]
 
 
-def measure(args, cell):
-    """Every (mode, wire) row of one cell, round by round; their `summarize`."""
+def measure(args, cell, burst):
+    """Every (mode, wire) row of one cell on a link with `tc tbf` bucket `burst`, round by
+    round; their `summarize`."""
     delay, rate = parse_network(cell.networks[0])
     results = {(mode, wire): [] for mode in args.modes for _, wire in WIRES}
-    with EmulatedNetwork({"worker": cell.workers[0]}, delay_ms=delay, rate=rate) as net:
+    with EmulatedNetwork({"worker": cell.workers[0]}, delay_ms=delay, rate=rate,
+                         burst=burst) as net:
         for round_index in range(args.rounds):
             for mode in args.modes:
                 for _, wire in WIRES:
                     result = run_row(net, cell.workers[0],
                                      worker_argv(cell, mode, wire, args), args.row_timeout)
                     results[(mode, wire)].append(result)
-                    print("round %d %s %s: %s" % (round_index, mode, wire,
+                    print("burst %s round %d %s %s: %s" % (burst, round_index, mode, wire,
                                                   result.get("error") or
                                                   "%.2f ms" % result["ms_median"]), flush=True)
     return summarize(results)
@@ -182,12 +190,15 @@ def main(argv=None):
     command = "python bench/exposed_exchange.py " + " ".join(sys.argv[1:] if argv is None
                                                              else argv)
     started = datetime.datetime.utcnow()
-    measured = [(name, cell, measure(args, cell)) for name, cell in cells]
+    measured = [(name, cell, burst, measure(args, cell, burst)) for name, cell in cells
+                for burst in args.bursts]
     minutes = (datetime.datetime.utcnow() - started).total_seconds() / 60
     with open(os.path.join(REPO, "bench", "results", args.output + ".json"), "w") as f:
         json.dump({"command": command,
-                   "cells": {name: [{"mode": m, "wire": w, **v} for (m, w), v in summary.items()]
-                             for name, _, summary in measured}}, f, indent=1)
+                   "cells": [{"cell": name, "burst": burst,
+                              "rows": [{"mode": m, "wire": w, **v}
+                                       for (m, w), v in summary.items()]}
+                             for name, _, burst, summary in measured]}, f, indent=1)
     write_result(args.output + ".md", markdown(args, measured, command,
                                                started.strftime("%Y-%m-%d %H:%M UTC"), minutes))
 

@@ -225,8 +225,8 @@ FAMILIES: Dict[str, Family] = {
               "--warmup", "5", "--eval-batches", "8", "--row-timeout", "200")),
     "exposed_exchange": Family(
         "how much of each exchange (rows, gradients) none and nested leave on the step's "
-        "critical path in two bandwidth-family cells (the base cell, Zipf 1.05): the step "
-        "with each direction's bytes halved (bf16) against fp32",
+        "critical path in the bandwidth family's base cell: the step with each direction's "
+        "bytes halved (bf16) against fp32, on links with two tbf buckets (burst sizes)",
         "exposed_exchange.py", needs_root=True),
     "keras3_step": Family(
         "the natural cell's step under Keras 3 against tf_keras and the compute-only bound, "

@@ -55,16 +55,24 @@ def _ip(*args, namespace=None, check=True):
     return result
 
 
+# `tc tbf`'s bucket. After an idle spell this many bytes leave at once, faster than the rate, so
+# an exchange smaller than it costs less than its bytes' time at the rate
+# (bench/exposed_exchange.py measures both sizes); a smaller bucket reaches the rate only with
+# more of the qdisc's timer work, which runs on the tasks' own cores.
+TBF_BURST = "256kb"
+
+
 class EmulatedNetwork:
     """Namespaces `{prefix}_{role}{index}` for the tasks in `tasks` (role -> count), a hub
     namespace with a bridge, a `tbf` rate limit on both ends of each veth, and (if `delay_ms`)
     the delaying relay. `cluster` holds the addresses to put in TF_CONFIG."""
 
-    def __init__(self, tasks, delay_ms=0.0, rate="1gbit", prefix="npb"):
+    def __init__(self, tasks, delay_ms=0.0, rate="1gbit", prefix="npb", burst=TBF_BURST):
         self.tasks = [(role, index) for role in ("chief", "worker", "ps")
                       for index in range(int(tasks.get(role, 0)))]
         self.delay_ms = float(delay_ms)
         self.rate = rate
+        self.burst = burst
         self.prefix = prefix
         self.hub = prefix + "_hub"
         self.cluster = {}
@@ -104,7 +112,7 @@ class EmulatedNetwork:
     def _limit(self, device, namespace):
         if self.rate:
             _ip("tc", "qdisc", "add", "dev", device, "root", "tbf", "rate", self.rate,
-                "burst", "256kb", "latency", "100ms", namespace=namespace)
+                "burst", self.burst, "latency", "100ms", namespace=namespace)
 
     def __enter__(self):
         self._remove()  # leftovers of an interrupted run

@@ -290,10 +290,13 @@ def test_exposed_exchange_writes_a_table_per_cell_with_each_modes_shares():
                                    "wire_bytes_per_step": kinds}]
                for wire, (ms, kinds) in rows.items()}
     summary = exposed_exchange.summarize(results)
-    text = exposed_exchange.markdown(args, [(name, cell, summary) for name, cell in cells],
+    text = exposed_exchange.markdown(args, [(name, cell, burst, summary)
+                                            for name, cell in cells for burst in args.bursts],
                                      "cmd", "now", 1.0)
+    assert args.bursts == ["256kb", "64kb"]
     for name, _ in cells:
-        assert "## %s" % name in text
+        for burst in args.bursts:
+            assert "## %s, link bucket %s" % (name, burst) in text
     assert "| nested | gradients bf16 | 16.0 (16.0) | 9.0 | 10/600/400/200 | 4.0 | 3.2 | 1.25 |" \
         in text
     assert "| nested | forward bf16 | 20.0 (20.0) | 9.0 | 10/300/800/100 | 0.0 | 3.2 | 0.00 |" \
@@ -301,4 +304,5 @@ def test_exposed_exchange_writes_a_table_per_cell_with_each_modes_shares():
     failed = dict(results)
     failed[("nested", "fp32-bf16")] = [{"error": "boom"}]
     assert "| nested | gradients bf16 | failed: boom |" in exposed_exchange.markdown(
-        args, [(cells[0][0], cells[0][1], exposed_exchange.summarize(failed))], "cmd", "now", 1.0)
+        args, [(cells[0][0], cells[0][1], "64kb", exposed_exchange.summarize(failed))], "cmd",
+        "now", 1.0)
