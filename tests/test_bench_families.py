@@ -245,8 +245,8 @@ def test_exposed_exchange_prices_the_bytes_a_halved_direction_took_off_the_link(
                                        "sync": 2e5}}
     rows = {"ms": 19.6, "bytes": {"keys": 1e4, "forward": 3e5, "backward": 8e5,
                                   "sync": 1e5}}
-    # 400 KB at 1 Gbit/s is 3.2 ms; the step fell by 4.0 ms: exposed (share above 1 is the
-    # link's idle time around the bytes, also gone).
+    # 400 KB at 1 Gbit/s is 3.2 ms; the step fell by 4.0 ms: exposed (above 1: fewer bytes
+    # saved more than their time at the rate).
     fell, removed, share = exposed_exchange.exposed_share(reference, gradients, "fp32-bf16",
                                                           "0ms:1gbit")
     assert (fell, round(removed, 6), round(share, 4)) == (4.0, 3.2, 1.25)
