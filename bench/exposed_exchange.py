@@ -93,11 +93,14 @@ def summarize(results):
     return out
 
 
-def markdown(args, measured, command, started, minutes):
+def markdown(args, measured, command, started, minutes, load=None):
     """The results: per cell and link bucket (`measured`: [(name, cell, burst, summary)]),
     per mode, each wire's step and the exposed share of what it halved."""
     lines = ["# How much of each exchange stays on the critical path", "",
-             "`%s` (%s, %.0f min)" % (command, started, minutes), ""]
+             "`%s` (%s, %.0f min%s)" % (command, started, minutes,
+                                        "" if load is None else
+                                        "; load average %.2f at the start, %.2f at the end"
+                                        % load), ""]
     for name, cell, burst, summary in measured:
         lines += _cell_table(args, name, cell, burst, summary)
     return "\n".join(lines)
@@ -178,9 +181,9 @@ def measure(args, cell, burst):
                     result = run_row(net, cell.workers[0],
                                      worker_argv(cell, mode, wire, args), args.row_timeout)
                     results[(mode, wire)].append(result)
+                    outcome = result.get("error") or "%.2f ms" % result["ms_median"]
                     print("burst %s round %d %s %s: %s" % (burst, round_index, mode, wire,
-                                                  result.get("error") or
-                                                  "%.2f ms" % result["ms_median"]), flush=True)
+                                                           outcome), flush=True)
     return summarize(results)
 
 
@@ -189,7 +192,7 @@ def main(argv=None):
     args, cells = parse_args(argv)
     command = "python bench/exposed_exchange.py " + " ".join(sys.argv[1:] if argv is None
                                                              else argv)
-    started = datetime.datetime.utcnow()
+    started, load_before = datetime.datetime.utcnow(), os.getloadavg()[0]
     measured = [(name, cell, burst, measure(args, cell, burst)) for name, cell in cells
                 for burst in args.bursts]
     minutes = (datetime.datetime.utcnow() - started).total_seconds() / 60
@@ -200,7 +203,8 @@ def main(argv=None):
                                        for (m, w), v in summary.items()]}
                              for name, _, burst, summary in measured]}, f, indent=1)
     write_result(args.output + ".md", markdown(args, measured, command,
-                                               started.strftime("%Y-%m-%d %H:%M UTC"), minutes))
+                                               started.strftime("%Y-%m-%d %H:%M UTC"), minutes,
+                                               (load_before, os.getloadavg()[0])))
 
 
 if __name__ == "__main__":

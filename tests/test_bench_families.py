@@ -292,7 +292,8 @@ def test_exposed_exchange_writes_a_table_per_cell_with_each_modes_shares():
     summary = exposed_exchange.summarize(results)
     text = exposed_exchange.markdown(args, [(name, cell, burst, summary)
                                             for name, cell in cells for burst in args.bursts],
-                                     "cmd", "now", 1.0)
+                                     "cmd", "now", 1.0, (0.5, 1.5))
+    assert "load average 0.50 at the start, 1.50 at the end" in text
     assert args.bursts == ["256kb", "64kb"]
     for name, _ in cells:
         for burst in args.bursts:
