@@ -693,6 +693,9 @@ def test_window_grad_index_refuses_a_window_above_its_capacity():
     with pytest.raises(tf.errors.InvalidArgumentError, match="round 1 has 2 table sizes, round "
                                                             "0 has 1"):
         ops.window_grad_index([r, r._replace(table_sizes=np.array([1, 1], np.int32))], 8)
+    # A negative table size, even where the sizes still sum to the round's rows.
+    with pytest.raises(tf.errors.InvalidArgumentError, match="gives table 1 -1 rows"):
+        ops.window_grad_index([r._replace(table_sizes=np.array([3, -1], np.int32))], 8)
     # A slot naming a local row the round does not have.
     with pytest.raises(tf.errors.InvalidArgumentError, match="names local row 5 of 2"):
         ops.window_grad_index([r._replace(slot_to_unique=np.array([0, 5, -1, -1], np.int32))],
