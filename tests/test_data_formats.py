@@ -16,6 +16,7 @@ from tf_nestpipe.data import (RaggedIds, Schema, ShardWriter, SparseFeature, Syn
                               power_law_ids, read_criteo_tsv, schema_from_metadata, split_files,
                               write_criteo_tsv, write_synthetic_tfrecords)
 from tf_nestpipe.data.__main__ import ProgressBar, main
+from tf_nestpipe.data.synthetic import fold_ids
 from tf_nestpipe.data.tfrecord import dataset_metadata, write_metadata
 
 MIXED = Schema((SparseFeature("a", 1000), SparseFeature("b", (5, 1 << 40, 7), 3),
@@ -216,11 +217,25 @@ def test_metadata_round_trip_and_errors(tmp_path):
 
 
 # ---------------------------------------------------------------------------------- synthetic
+def reference_fold(raw, size):
+    """SyntheticClickLog's fold of one Zipf id into a table, in Python integers: below 2**53 the id
+    wraps (`% size`); from there up (rounded doubles) the splitmix64 finalizer of it does."""
+    if raw < 2 ** 53:
+        return raw % size
+    mask = (1 << 64) - 1
+    z = (raw + 0x9E3779B97F4A7C15) & mask
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & mask
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & mask
+    return (z ^ (z >> 31)) % size
+
+
 def reference_batch(table_sizes, num_dense, zipf_exponent, seed, index, batch_size):
-    """The original SyntheticClickLog.batch algorithm, spelled out independently."""
+    """The SyntheticClickLog.batch algorithm, spelled out independently."""
     rng = np.random.default_rng([seed, index])
     sizes = np.asarray(table_sizes, np.int64)
-    sparse = ((rng.zipf(zipf_exponent, size=(batch_size, len(sizes))) - 1) % sizes).astype(np.int64)
+    raw = rng.zipf(zipf_exponent, size=(batch_size, len(sizes))) - 1
+    sparse = np.array([[reference_fold(int(r), int(n)) for r, n in zip(row, sizes)] for row in raw],
+                      np.int64)
     dense = np.log1p(rng.lognormal(0.0, 1.0, size=(batch_size, num_dense)).astype(np.float32))
     weight = np.zeros(batch_size)
     for f in range(len(sizes)):
@@ -240,6 +255,50 @@ def test_synthetic_batch_is_unchanged():
     np.testing.assert_array_equal(features["sparse"], sparse)
     np.testing.assert_array_equal(labels, ref_labels)
     assert criteo_kaggle_table_sizes(1.0)[2] == 10131227 and min(criteo_kaggle_table_sizes(1e-9)) == 4
+
+
+def test_synthetic_batch_with_float_rounded_zipf_draws_matches_the_reference():
+    # Exponent 1.05: about 7% of numpy's Zipf draws are 2**53 or more (rounded doubles).
+    features, _ = SyntheticClickLog((1000, 200_000), 2, 1.05, 5).batch(1, 512)
+    _, sparse, _ = reference_batch((1000, 200_000), 2, 1.05, 5, 1, 512)
+    np.testing.assert_array_equal(features["sparse"], sparse)
+
+
+def test_fold_ids_keeps_the_exact_ids_and_spreads_the_rounded_tail():
+    size = 200_000
+    exact = np.array([0, 5, size - 1, size, 3 * size + 7, 2 ** 53 - 1], np.int64)
+    np.testing.assert_array_equal(fold_ids(exact, size), exact % size)
+    # Rounded doubles as the samplers give them: multiples of 2**12, less one (all 4095 mod 4096).
+    rounded = 2 ** 55 + np.arange(1, 40_001, dtype=np.int64) * 2 ** 12 - 1
+    folded = fold_ids(rounded, size)
+    assert folded.min() >= 0 and folded.max() < size
+    for workers in (2, 4):
+        shares = np.bincount(folded % workers, minlength=workers) / folded.size
+        assert np.all(np.abs(shares - 1 / workers) < 0.02), (workers, shares)
+    assert len(np.unique(folded)) > 0.9 * folded.size
+    # Positive control: wrapped without the hash, that tail is all on one shard's rows.
+    assert np.all((rounded % size) % 2 == 1) and len(np.unique(rounded % size)) < 4000
+
+
+def test_zipf_ids_spread_evenly_over_the_row_wise_shards():
+    """Each worker of two requests about as many distinct rows from the other's shard (id mod 2)
+    as the other requests from its own, even at the heavy-tailed exponent 1.05."""
+    log = SyntheticClickLog((200_000,) * 8, 2, 1.05, 1)
+
+    def requests(sparse):
+        halves = sparse[:2048], sparse[2048:]  # worker 0's and worker 1's shares of the batch
+        return [sum(len(np.unique(half[:, t][half[:, t] % 2 == 1 - w])) for t in range(8))
+                for w, half in enumerate(halves)]
+
+    ours, wrapped = np.zeros(2), np.zeros(2)
+    for index in range(4):
+        features, _ = log.batch(index, 4096)
+        ours += requests(features["sparse"])
+        raw = np.random.default_rng([1, index]).zipf(1.05, size=(4096, 8)) - 1
+        wrapped += requests(raw % 200_000)
+    assert abs(ours[0] / ours[1] - 1) < 0.05, ours
+    # Positive control: the plain wrap puts the rounded tail on the odd rows, worker 1's shard.
+    assert wrapped[0] / wrapped[1] > 1.1, wrapped
 
 
 def test_multi_hot_batches_extend_the_single_hot_ones():

@@ -36,6 +36,41 @@ def _id_weight(field: int, ids: np.ndarray) -> np.ndarray:
     return (h.astype(np.float64) / float(1 << 20) - 0.5) * 3.0
 
 
+# From here up a Zipf id is a double rounded to an integer (numpy's sampler and `power_law_ids`
+# compute it in floating point): a multiple of a power of two, less one, so odd and mostly
+# 63 mod 64. Wrapped by a plain `% size` this tail would land on a few rows of one parity, i.e.
+# on one worker's shard under the row-wise "mod" layout.
+_EXACT_IDS = 1 << 53
+
+
+def fold_ids(raw: np.ndarray, sizes) -> np.ndarray:
+    """Zipf ids `raw` (>= 0) folded into tables of `sizes` rows (broadcast against `raw`).
+
+    Ids below a table's size stay (hot ids stay hot) and the tail wraps around (`% size`); ids
+    of 2**53 or more, whose low bits are rounding rather than random, are hashed first (the
+    splitmix64 finalizer), so that tail spreads over every row instead of a few of one parity.
+
+    Args:
+      raw: int64 ids >= 0.
+      sizes: Table sizes (ints > 0), broadcastable against `raw`.
+
+    Returns:
+      int64 ids in `[0, size)`.
+    """
+    raw = np.asarray(raw, np.int64)
+    sizes = np.asarray(sizes, np.int64)
+    mixed = _splitmix64(raw.astype(np.uint64)) % sizes.astype(np.uint64)
+    return np.where(raw >= _EXACT_IDS, mixed.astype(np.int64), raw % sizes)
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer of uint64 `x` (a bijection; wraps mod 2^64)."""
+    z = np.asarray(x, np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
 @dataclasses.dataclass(frozen=True)
 class SyntheticClickLog:
     """A click log of `num_dense` dense features and one categorical id per table in `table_sizes`."""
@@ -57,8 +92,7 @@ class SyntheticClickLog:
         rng = np.random.default_rng([self.seed, index])
         sizes = np.asarray(self.table_sizes, np.int64)
         raw = rng.zipf(self.zipf_exponent, size=(batch_size, len(sizes))) - 1
-        # Fold the Zipf tail back into the table so hot ids stay hot and no id is out of range.
-        sparse = (raw % sizes[None, :]).astype(np.int64)
+        sparse = fold_ids(raw, sizes[None, :])
         dense = rng.lognormal(0.0, 1.0, size=(batch_size, self.num_dense)).astype(np.float32)
         dense = np.log1p(dense)  # DLRM-style log(x + 1) transform
         logit = sum(_id_weight(f, sparse[:, f]) for f in range(len(sizes))) / np.sqrt(len(sizes))
@@ -101,7 +135,7 @@ class SyntheticClickLog:
         rng = np.random.default_rng([self.seed, index])
         sizes = np.asarray(self.table_sizes, np.int64)
         raw = rng.zipf(self.zipf_exponent, size=(batch_size, len(sizes))) - 1
-        sparse = (raw % sizes[None, :]).astype(np.int64)
+        sparse = fold_ids(raw, sizes[None, :])
         dense = rng.lognormal(0.0, 1.0, size=(batch_size, self.num_dense)).astype(np.float32)
         dense = np.log1p(dense)
         coins = rng.random(batch_size)
@@ -119,7 +153,7 @@ class SyntheticClickLog:
             first[splits[:-1]] = True
             values[first] = sparse[:, f]
             extra = power_law_ids(rng, self.zipf_exponent, int(splits[-1]) - batch_size)
-            values[~first] = extra % sizes[f]
+            values[~first] = fold_ids(extra, sizes[f])
             out["C%d" % (f + 1)] = RaggedIds(values, splits)
             logit += np.add.reduceat(_id_weight(f, values), splits[:-1]) / lengths
         logit = logit / np.sqrt(len(sizes))
@@ -138,7 +172,7 @@ class SyntheticClickLog:
             raise ValueError("zipf_exponent must be > 1, got %r" % self.zipf_exponent)
         rng = np.random.default_rng([self.seed, index, 0xC7])
         sizes = np.asarray(self.table_sizes, np.int64)
-        ids = power_law_ids(rng, self.zipf_exponent, (batch_size, 26)) % sizes[None, :]
+        ids = fold_ids(power_law_ids(rng, self.zipf_exponent, (batch_size, 26)), sizes[None, :])
         # Lognormal counts, median growing from 1 (I1) to e^4 (I13).
         log_counts = np.linspace(0.0, 4.0, 13)[None, :] + 1.5 * rng.standard_normal((batch_size, 13))
         integers = np.floor(np.exp(log_counts)).astype(np.int64)
@@ -158,7 +192,8 @@ class SyntheticClickLog:
 def power_law_ids(rng: np.random.Generator, exponent: float, shape) -> np.ndarray:
     """Zipf-law ids >= 0 with tail exponent `exponent`, by inverse transform (vectorized, several
     times faster than `Generator.zipf`): id = floor(exp(E / (exponent - 1))) - 1 with E ~ Exp(1),
-    so P(id >= k) = (k + 1) ** (1 - exponent) and P(id = k) ~ (exponent - 1) * k ** -exponent."""
+    so P(id >= k) = (k + 1) ** (1 - exponent) and P(id = k) ~ (exponent - 1) * k ** -exponent.
+    From 2**53 up the ids are rounded doubles: put them in a table with `fold_ids`."""
     if exponent <= 1.0:
         raise ValueError("exponent must be > 1, got %r" % exponent)
     with np.errstate(over="ignore"):
