@@ -172,6 +172,22 @@ def test_a_mode_whose_bytes_fill_its_step_on_the_link_is_named_link_bound():
     assert family_report.bounding_text(fast, bound).startswith("its own CPU")
 
 
+def test_a_target_the_best_modes_bytes_alone_exceed_says_so():
+    sent = {"rows": 1.0e6, "grads": 0.5e6}
+    none = _row("nestpipe", "none", 100.0, network="0ms:200mbit", workers=2,
+                wire_bytes_per_step=sent, dense_bytes=0.5e6)
+    rows = [_row("compute_only", "-", 25.0), none,
+            dict(none, pipeline="nested", ms_median=88.0, ms_rounds=[88.0, 88.0])]
+    out = family_report.summarize_cell(rows)
+    assert out["link_vs_bound"] == pytest.approx(83.6 / 25.0, rel=1e-3)
+    table = "\n".join(family_report.summary_lines([("c", out)]))
+    assert "3.52x **missed** (its bytes alone 3.35x)" in table
+    # Control: bytes that fit in 1.15x the bound leave the verdict alone.
+    fast = [dict(r, network="0ms:1gbit") if r["system"] == "nestpipe" else r for r in rows]
+    table = "\n".join(family_report.summary_lines([("c", family_report.summarize_cell(fast))]))
+    assert "3.52x **missed** |" in table and "bytes alone" not in table
+
+
 def test_an_unknown_family_is_refused_listing_the_families(capsys):
     assert run.main(["nope"]) == 2
     assert "unknown benchmark family 'nope'; the families are" in capsys.readouterr().err
