@@ -12,11 +12,10 @@ from tensorflow.python.data.experimental.ops import distribute as tf_data_distri
 import tf_nestpipe.data as data_package
 from tf_nestpipe.data import (RaggedIds, Schema, ShardWriter, SparseFeature, SyntheticClickLog,
                               convert_criteo, criteo_kaggle_table_sizes, encode_examples,
-                              format_criteo_tsv, load_metadata, make_dataset, parse_batch,
-                              power_law_ids, read_criteo_tsv, schema_from_metadata, split_files,
-                              write_criteo_tsv, write_synthetic_tfrecords)
+                              fold_ids, format_criteo_tsv, load_metadata, make_dataset,
+                              parse_batch, power_law_ids, read_criteo_tsv, schema_from_metadata,
+                              split_files, write_criteo_tsv, write_synthetic_tfrecords)
 from tf_nestpipe.data.__main__ import ProgressBar, main
-from tf_nestpipe.data.synthetic import fold_ids
 from tf_nestpipe.data.tfrecord import dataset_metadata, write_metadata
 
 MIXED = Schema((SparseFeature("a", 1000), SparseFeature("b", (5, 1 << 40, 7), 3),

@@ -9,7 +9,7 @@ from tf_nestpipe.data.movielens import (cache_dir, convert_movielens, fetch_movi
 from tf_nestpipe.data.position import InputPosition
 from tf_nestpipe.data.schema import RaggedIds, Schema, SparseFeature
 from tf_nestpipe.data.synthetic import (CriteoRows, SyntheticClickLog, criteo_kaggle_table_sizes,
-                                        power_law_ids, write_synthetic_tfrecords)
+                                        fold_ids, power_law_ids, write_synthetic_tfrecords)
 from tf_nestpipe.data.tfrecord import (ShardWriter, encode_examples, load_metadata, make_dataset,
                                        parse_batch, schema_from_metadata, split_files)
 
@@ -28,6 +28,7 @@ __all__ = [
     "criteo_schema",
     "encode_examples",
     "fetch_movielens",
+    "fold_ids",
     "load_or_prepare_movielens",
     "format_criteo_tsv",
     "load_metadata",
