@@ -6,6 +6,7 @@ each family's results, bench/results/FAMILY.{md,json} (+ .png), overwriting them
     python bench/run.py natural --dry-run   # print the command only
     python bench/run.py bandwidth_family --quick             # a family of cells: its quick subset
     python bench/run.py bandwidth_family --cells NAME [...]  # or the cells named
+    python bench/run.py bandwidth_family --report-only       # rewrite its report, measure nothing
 
 Run from the repository root; the scripts use this checkout's tf_nestpipe. Timings on a shared
 machine are unreliable: every side-by-side result records the load average and CPU steal of its
@@ -74,11 +75,16 @@ def main(argv=None):
     parser.add_argument("--quick", action="store_true",
                         help="a family of cells: only its quick subset")
     parser.add_argument("--cells", nargs="+", help="a family of cells: only these cells")
+    parser.add_argument("--report-only", action="store_true",
+                        help="a family of cells: rewrite its report from its stored cells by "
+                             "today's rules (family_report.py), measuring nothing")
     args = parser.parse_args(argv)
     if args.list or not args.families:
         for name, family in sorted(FAMILIES.items()):
             print("%-20s %s%s" % (name, family.about, " (root)" if family.needs_root else ""))
         return 0
+    if args.report_only:
+        return report_only(args.families)
     try:
         commands = [(name, cell_commands(name, args.cells, args.quick)
                      if name in FAMILIES and FAMILIES[name].cells else command(name))
@@ -111,6 +117,24 @@ def main(argv=None):
             print(family_report.join(name, FAMILIES[name].about, [c for c, _ in argv_],
                                      invoked, started, load, os.getloadavg()[0],
                                      declared=[c for c, _ in FAMILIES[name].cells]))
+    return 0
+
+
+def report_only(names):
+    """Rewrites the reports of the families of cells `names` from their stored cells (each
+    keeps the run that measured it). Returns 0, or 2 for a family without cells."""
+    plain = [n for n in names if n not in FAMILIES or not FAMILIES[n].cells]
+    if plain:
+        print("error: --report-only rewrites a family of cells' report; %s %s none (families "
+              "of cells: %s)" % (", ".join(plain), "has" if len(plain) == 1 else "have",
+                                 ", ".join(sorted(n for n, f in FAMILIES.items() if f.cells))),
+              file=sys.stderr)
+        return 2
+    for name in names:
+        load = os.getloadavg()[0]
+        print(family_report.join(name, FAMILIES[name].about, [],
+                                 "python bench/run.py %s --report-only" % name, time.time(),
+                                 load, load, declared=[c for c, _ in FAMILIES[name].cells]))
     return 0
 
 

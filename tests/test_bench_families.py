@@ -1,6 +1,7 @@
 """The benchmark families (bench/families.py) and their one runner (bench/run.py): every family
 names a script that exists and arguments that script accepts, results go to
 bench/results/<family>.*, and the README's performance table is the natural family's file."""
+import json
 import os
 import re
 import sys
@@ -251,6 +252,28 @@ def test_a_subset_run_updates_the_familys_one_file_and_keeps_its_other_cells(tmp
     assert "### cell a table" in text and "### cell b table" in text
     assert "`run a`" in text and "`run b`" in text and "not measured yet" not in text
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fam.json", "fam.md"]
+
+
+def test_report_only_rewrites_a_familys_report_from_its_stored_cells(tmp_path, monkeypatch,
+                                                                     capsys):
+    monkeypatch.setattr(family_report, "RESULTS", str(tmp_path))
+    cells = [name for name, _ in families.FAMILIES["bandwidth_family"].cells]
+    rows = [_row("compute_only", "-", 30.0), _row("nestpipe", "none", 50.0),
+            _row("nestpipe", "fwp", 40.0)]
+    stored = {"family": "bandwidth_family", "command": "run x",
+              "cells": {cells[0]: {"run": "`run x` (then)", "rows": rows,
+                                   "summary": {}, "markdown": "# its table\n"}}}
+    (tmp_path / "bandwidth_family.json").write_text(json.dumps(stored))
+    assert run.main(["bandwidth_family", "--report-only"]) == 0
+    text = (tmp_path / "bandwidth_family.md").read_text()
+    assert "Measured by `run x` (then)." in text and "### its table" in text
+    assert "fwp 0.80x met" in text  # the summary, recomputed from the stored rows
+    assert "`python bench/run.py bandwidth_family --report-only`" in text
+    assert json.loads((tmp_path / "bandwidth_family.json").read_text())["cells"][cells[0]][
+        "rows"] == rows
+    # A family that is not a family of cells has no report to rewrite.
+    assert run.main(["natural", "--report-only"]) == 2
+    assert "natural has none" in capsys.readouterr().err
 
 
 def test_exposed_exchange_prices_the_bytes_a_halved_direction_took_off_the_link():
