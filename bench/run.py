@@ -84,6 +84,10 @@ def main(argv=None):
             print("%-20s %s%s" % (name, family.about, " (root)" if family.needs_root else ""))
         return 0
     if args.report_only:
+        if args.cells or args.quick or args.dry_run:
+            print("error: --report-only measures nothing; it takes no --cells, --quick or "
+                  "--dry-run", file=sys.stderr)
+            return 2
         return report_only(args.families)
     try:
         commands = [(name, cell_commands(name, args.cells, args.quick)

@@ -274,6 +274,8 @@ def test_report_only_rewrites_a_familys_report_from_its_stored_cells(tmp_path, m
     # A family that is not a family of cells has no report to rewrite.
     assert run.main(["natural", "--report-only"]) == 2
     assert "natural has none" in capsys.readouterr().err
+    assert run.main(["bandwidth_family", "--report-only", "--quick"]) == 2
+    assert "measures nothing" in capsys.readouterr().err
 
 
 def test_exposed_exchange_prices_the_bytes_a_halved_direction_took_off_the_link():
