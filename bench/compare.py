@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 
-from netem import EmulatedNetwork, round_trip_ms
+from netem import EmulatedNetwork, launched_on, round_trip_ms
 from pipeline import parse_network
 from runner import HERE, REPO, write_result
 
@@ -328,15 +328,13 @@ def row_command(row, args, net, env):
               "--timeout", str(args.row_timeout)]
     if args.pin_cpus is not None:
         launch.append("--pin-cpus" if args.pin_cpus else "--no-pin-cpus")
-    # On the emulated network every task's direct connections (Gloo's) go through the relay too.
-    relayed = ["env"] + ["%s=%s" % kv for kv in sorted(net.relay_env().items())] if net else []
     if uses_horovod(row):
         if not env["horovod"]:
             raise NotRun(HOROVOD_MISSING)
         if net is not None:
             if not env["launcher_horovod"]:
                 raise NotRun(HOROVOD_NETEM)
-            return relayed + launch + net.launcher_flags(horovod=True) + ["--"] + argv
+            return launched_on(net, launch, argv, horovod=True)
         if env["launcher_horovod"]:
             return launch + ["--horovod", "--"] + argv
         horovodrun = ("import sys; from horovod.runner.launch import run_commandline; "
@@ -344,8 +342,7 @@ def row_command(row, args, net, env):
         return [sys.executable, "-c", horovodrun, "--gloo", "-np", w, "-H", "localhost:" + w] + argv
     if row["system"] == "psv2":
         launch += ["--ps", w, "--chief"]
-    net_flags = net.launcher_flags() if net is not None else []
-    return relayed + launch + net_flags + ["--"] + argv
+    return launched_on(net, launch, argv) if net is not None else launch + ["--"] + argv
 
 
 def pinning_text(args):

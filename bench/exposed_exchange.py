@@ -32,7 +32,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from compare import EmulatedNetwork, parse_network, run_command  # noqa: E402
-from netem import TBF_BURST  # noqa: E402
+from netem import TBF_BURST, launched_on  # noqa: E402
 from families import BANDWIDTH_CELLS  # noqa: E402
 from runner import REPO, write_result  # noqa: E402
 from wire_dtypes import link_ms  # noqa: E402
@@ -58,9 +58,8 @@ def run_row(net, workers, argv, timeout):
     """One launch on the emulated network `net`; compare_worker's RESULT, or {"error": ...}."""
     launch = [sys.executable, "-m", "tf_nestpipe.launch", "--workers", str(workers),
               "--timeout", str(timeout)]
-    relayed = ["env"] + ["%s=%s" % kv for kv in sorted(net.relay_env().items())]
     try:
-        return run_command(relayed + launch + net.launcher_flags() + ["--"] + argv, timeout)
+        return run_command(launched_on(net, launch, argv), timeout)
     except Exception as e:  # pylint: disable=broad-except  (one failed row must not stop the run)
         return {"error": str(e).splitlines()[0][:300]}
 

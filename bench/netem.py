@@ -195,6 +195,14 @@ class EmulatedNetwork:
         time.sleep(0.2)  # let the kernel release the veth devices before a new network
 
 
+def launched_on(network, launch, argv, horovod=False):
+    """The command that runs `argv` through the launcher command line `launch` (up to its own
+    flags) on `network` (an `EmulatedNetwork`): every task in its namespace, and every task's
+    direct connections (Gloo's) through the relay (`relay_env`, inherited by the tasks)."""
+    relayed = ["env"] + ["%s=%s" % kv for kv in sorted(network.relay_env().items())]
+    return relayed + list(launch) + network.launcher_flags(horovod=horovod) + ["--"] + list(argv)
+
+
 def round_trip_ms(network, count=5):
     """Median round trip (ms) of one byte from the last task's namespace to its own advertised
     address and back, through the hub (and the relay, when delayed): a check of the emulation."""

@@ -24,6 +24,7 @@ sys.path.insert(0, HERE)
 
 from compare import (EmulatedNetwork, cluster_tasks, parse_network, round_trip_ms,  # noqa: E402
                      run_command)
+from netem import launched_on  # noqa: E402
 from runner import REPO, write_result  # noqa: E402
 
 WORKER = os.path.join(HERE, "compare_worker.py")
@@ -54,9 +55,7 @@ def run_row(args, cell, wire):
             return run_command(launch + ["--"] + argv, args.row_timeout)
         row = {"system": "nestpipe", "workers": workers}
         with EmulatedNetwork(cluster_tasks(row), delay_ms=spec[0], rate=spec[1]) as net:
-            relayed = ["env"] + ["%s=%s" % kv for kv in sorted(net.relay_env().items())]
-            result = run_command(relayed + launch + net.launcher_flags() + ["--"] + argv,
-                                 args.row_timeout)
+            result = run_command(launched_on(net, launch, argv), args.row_timeout)
             result["rtt_ms"] = round_trip_ms(net)
             return result
     except Exception as e:  # pylint: disable=broad-except  (one failed row must not stop the run)
