@@ -5,8 +5,10 @@ Per cell it says: ours without a pipeline against the compute-only bound (how mu
 is exposed communication), the best pipelined mode and how much of that exposure it hides,
 whether auto chose within 5% of the best, TorchRec's time in units of ours, and, from worker
 0's profile of every mode (bench/step_stages.py), the stage times and what the step waits on.
-What bounds the best mode: its own CPU work where its process keeps its cores about as busy as
-the compute-only bound does (nothing left to hide), else its largest wait.
+What bounds the best mode: the link where its bytes fill its step; its own CPU work where its
+process keeps its cores about as busy as the compute-only bound does (nothing left to hide); the
+exchanges after its last backward where the step is about its compute plus their time on the link
+(`in_step_bound_ms`); else its largest wait.
 """
 import json
 import os
@@ -28,6 +30,9 @@ CPU_BOUND_BUSY = 0.85
 # A mode whose bytes take at least this share of its step on the link at its rate is bounded by
 # the link: only fewer bytes (compression, fewer distinct ids) make it faster, no overlap.
 WIRE_BOUND_SHARE = 0.8
+# The exchanges after the last backward bound a mode whose step is within BEST_VS_BOUND of its
+# in-step bound where they take at least this share of the step on the link.
+AFTER_BACKWARD_SHARE = 0.1
 # The share of an emulated link's rate that carries the bytes we send: a full TCP segment holds
 # 1448 bytes (1500 MTU less the IP and TCP headers with timestamps) in a 1514-byte Ethernet
 # frame, and `tc tbf` counts frames.
@@ -104,6 +109,10 @@ def summarize_cell(rows):
     if out.get("wire_bound_ms") and bound:
         # No overlap makes the step shorter than its bytes' time on the link.
         out["link_vs_bound"] = out["wire_bound_ms"] / bound["ms_median"]
+    if best and bound:
+        out["in_step_bound_ms"] = in_step_bound_ms(modes[best], bound)
+    if out.get("in_step_bound_ms"):
+        out["best_vs_in_step"] = modes[best]["ms_median"] / out["in_step_bound_ms"]
     if best:
         out["hidden"] = hidden_share(modes[best], none, bound)
     if auto and best:
@@ -130,19 +139,51 @@ def link_bytes_per_second(network):
     return float(match.group(1)) * {"k": 1e3, "m": 1e6, "g": 1e9}[match.group(2)] / 8
 
 
+def _link_ms(row, sent_bytes):
+    """The time `sent_bytes` take on `row`'s link at its rate, in TCP frames; None for
+    loopback."""
+    rate = link_bytes_per_second((row or {}).get("network"))
+    return 1e3 * sent_bytes / (rate * LINK_PAYLOAD_SHARE) if rate else None
+
+
+def _dense_sent(row):
+    """Worker 0's share of the dense all-reduce, a reduce-scatter and an all-gather: 2 (W - 1)
+    / W of the dense weights' bytes."""
+    workers = row.get("workers") or 2
+    return (row.get("dense_bytes") or 0) * 2 * (workers - 1) / workers
+
+
 def wire_bound_ms(row):
     """The least time a step of `row` spends on its link: the bytes worker 0 sends per step
     (its embedding exchanges, as the wire counters count them, and its share of the dense
-    all-reduce, a reduce-scatter and an all-gather: 2 (W - 1) / W of the dense weights' bytes)
-    over the share of the link's rate that carries them (`LINK_PAYLOAD_SHARE`); None where
-    unknown. No overlap makes a step shorter than this."""
-    rate = link_bytes_per_second((row or {}).get("network"))
+    all-reduce) over the share of the link's rate that carries them (`LINK_PAYLOAD_SHARE`);
+    None where unknown. No overlap makes a step shorter than this."""
     sent = (row or {}).get("wire_bytes_per_step")
-    if not rate or not sent:
+    if not sent:
         return None
-    workers = row.get("workers") or 2
-    dense = (row.get("dense_bytes") or 0) * 2 * (workers - 1) / workers
-    return 1e3 * (sum(sent.values()) + dense) / (rate * LINK_PAYLOAD_SHARE)
+    return _link_ms(row, sum(sent.values()) + _dense_sent(row))
+
+
+def after_backward_ms(row):
+    """The least time the exchanges that follow a step's last backward take on `row`'s link:
+    worker 0's row gradients (the wire counters' "backward") and its share of the dense
+    all-reduce; None where unknown."""
+    sent = (row or {}).get("wire_bytes_per_step")
+    if not sent or "backward" not in sent:
+        return None
+    return _link_ms(row, sent["backward"] + _dense_sent(row))
+
+
+def in_step_bound_ms(row, bound):
+    """The fastest a step of `row` can be while it applies its own update before it ends (every
+    mode does: the tables are current whenever control returns between steps): the compute
+    (the compute-only bound's step), then the exchanges after the last backward, which nothing
+    of the same step is left to overlap; or all its bytes' time on the link, if longer. None
+    where unknown."""
+    after = after_backward_ms(row)
+    if after is None or not bound:
+        return None
+    return max(bound["ms_median"] + after, wire_bound_ms(row) or 0.0)
 
 
 def bounding_text(row, bound):
@@ -163,6 +204,12 @@ def bounding_text(row, bound):
             row["cpu_ms_per_step"], _kernel(row), busy, bound["cpu_ms_per_step"], _kernel(bound),
             reference)
         return text + ("; largest wait %s %.1f ms" % wait if wait else "")
+    after, in_step = after_backward_ms(row), in_step_bound_ms(row, bound)
+    if (in_step and after >= AFTER_BACKWARD_SHARE * row["ms_median"]
+            and row["ms_median"] <= BEST_VS_BOUND * in_step):
+        return ("the exchanges after its last backward: %.1f ms of gradient bytes on the link, "
+                "which nothing of its step overlaps (compute-only + them: %.1f ms, the step "
+                "%.2fx of it)" % (after, in_step, row["ms_median"] / in_step))
     return "waits on %s %.1f ms" % wait if wait else None
 
 
@@ -182,15 +229,16 @@ def _verdict(value, limit, below=True):
 def summary_lines(cells):
     """The family's summary table (one line per cell) and the targets."""
     lines = ["| cell | none ms | compute-only ms | exposed share of none | best pipelined "
-             "(vs none) | best vs compute-only | exposure hidden by best | auto (vs best) "
+             "(vs none) | best vs compute-only | best vs in-step bound (ms) "
+             "| exposure hidden by best | auto (vs best) "
              "| TorchRec / ours' best: plain, pipelined | best mode's bytes on the link "
              "(ms/step at its rate, in TCP frames) | what bounds the best mode |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for name, summary in cells:
         judged = (summary.get("exposed_share") or 0) >= EXPOSED_MIN
         best = summary.get("best")
         bounding = summary.get("bounding")
-        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s, %s | %s | %s |" % (
+        lines.append("| %s | %s | %s | %s | %s | %s | %s | %s | %s | %s, %s | %s | %s |" % (
             name, _fmt(summary.get("none_ms")), _fmt(summary.get("bound_ms")),
             _fmt(summary.get("exposed_share"), "%.2f"),
             "%s %s" % (best, _verdict(summary.get("best_vs_none"), BEST_VS_NONE)
@@ -198,7 +246,7 @@ def summary_lines(cells):
             if best else "-",
             (_verdict(summary.get("best_vs_bound"), BEST_VS_BOUND) if judged
              else _fmt(summary.get("best_vs_bound"), "%.2fx")) + _bytes_alone(summary),
-            _fmt(summary.get("hidden"), "%.2f"),
+            _in_step(summary), _fmt(summary.get("hidden"), "%.2f"),
             "%s: %s%s" % (summary.get("auto_choice") or "-",
                           _verdict(summary.get("auto_vs_best"), AUTO_VS_BEST),
                           "" if summary.get("auto_probe_s") is None else
@@ -207,6 +255,13 @@ def summary_lines(cells):
             _verdict(summary.get("torchrec_pipelined_vs_ours"), TORCHREC_RATIO, below=False),
             _fmt(summary.get("wire_bound_ms")), bounding or "-"))
     return lines
+
+
+def _in_step(summary):
+    """The best mode over its in-step bound (`in_step_bound_ms`), e.g. "1.03x (23.2)"."""
+    if summary.get("best_vs_in_step") is None:
+        return "-"
+    return "%.2fx (%.1f)" % (summary["best_vs_in_step"], summary["in_step_bound_ms"])
 
 
 def _bytes_alone(summary):
@@ -315,7 +370,13 @@ def join(family, about, cell_names, command, started, load_start, load_end, decl
              "worker 0's profile (bench/step_stages.py: a gap with no op running, charged to "
              "the exchange the op ending it consumes). \"its bytes alone\": the best mode's bytes' "
              "time on the link over the compute-only bound, where it exceeds %.2fx: no overlap "
-             "meets that target without fewer bytes." % (
+             "meets that target without fewer bytes. **In-step bound** = compute-only + the "
+             "time on the link of the best mode's bytes that follow its last backward (its row "
+             "gradients and its share of the dense all-reduce), or all its bytes' time on the "
+             "link if longer: every mode applies a step's update before the step ends (the "
+             "tables are current whenever control returns between steps), so nothing of the "
+             "same step is left to overlap those exchanges; only the next step's compute could "
+             "(deferred gradients, docs/design/design.md section 4, not built)." % (
                  EXPOSED_MIN, BEST_VS_NONE, BEST_VS_BOUND, AUTO_VS_BEST, TORCHREC_RATIO,
                  BEST_VS_BOUND), ""]
     lines += summary_lines(cells)

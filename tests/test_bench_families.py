@@ -189,6 +189,33 @@ def test_a_target_the_best_modes_bytes_alone_exceed_says_so():
     assert "3.52x **missed** |" in table and "bytes alone" not in table
 
 
+def test_the_in_step_bound_is_the_compute_then_the_exchanges_after_the_last_backward():
+    bound = _row("compute_only", "-", 25.0, cpu_busy=1.0, cpu_ms_per_step=25.0)
+    # 0.5 MB of row gradients and 2 (W - 1) / W of 50 kB dense on 125 MB/s in TCP frames:
+    # 4.6 ms after the last backward, so no step that updates before it ends beats 29.6 ms.
+    sent = {"keys": 0.1e6, "forward": 0.4e6, "sync": 0.1e6, "backward": 0.5e6}
+    waits = {"wait_ms": {"gradient_exchange": 4.0, "rows_exchange": 1.0}}
+    best = _row("nestpipe", "nested", 30.0, network="0ms:1gbit", workers=2, cpu_busy=0.6,
+                cpu_ms_per_step=20.0, wire_bytes_per_step=sent, dense_bytes=50e3, stages=waits)
+    after = 1e3 * 0.55e6 / 125e6 * 1514 / 1448
+    assert family_report.after_backward_ms(best) == pytest.approx(after)
+    assert family_report.in_step_bound_ms(best, bound) == pytest.approx(25.0 + after)
+    assert family_report.bounding_text(best, bound) == (
+        "the exchanges after its last backward: 4.6 ms of gradient bytes on the link, which "
+        "nothing of its step overlaps (compute-only + them: 29.6 ms, the step 1.01x of it)")
+    rows = [bound, dict(best, pipeline="none", ms_median=40.0, ms_rounds=[40.0, 40.0]), best]
+    table = "\n".join(family_report.summary_lines([("c", family_report.summarize_cell(rows))]))
+    assert "| 1.01x (29.6) |" in table
+    # Controls: a step well above its in-step bound is named by its largest wait; a link that
+    # all its bytes take longer on than compute + gradients sets the bound; no counters, none.
+    slow = dict(best, ms_median=36.0)
+    assert family_report.bounding_text(slow, bound) == "waits on gradient_exchange 4.0 ms"
+    heavy = dict(best, wire_bytes_per_step=dict(sent, forward=4.0e6))
+    assert family_report.in_step_bound_ms(heavy, bound) == pytest.approx(
+        family_report.wire_bound_ms(heavy))
+    assert family_report.in_step_bound_ms(dict(best, wire_bytes_per_step=None), bound) is None
+
+
 def test_an_unknown_family_is_refused_listing_the_families(capsys):
     assert run.main(["nope"]) == 2
     assert "unknown benchmark family 'nope'; the families are" in capsys.readouterr().err
