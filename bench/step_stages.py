@@ -8,14 +8,18 @@ the wire. That time shows as a gap in which no op of the step runs at all. So:
   rows (owner gather, the requester's gather of received rows), dense forward, dense backward,
   embedding backward (segment sums of the row gradients), optimizer (dense and sparse), other;
 - a wait is a gap of at least `MIN_GAP_US` with no op running; it is charged to the exchange
-  whose result the op that ends the gap consumes (the keys exchange ends at the owner's gather,
-  the rows exchange at the requester's gather of received rows, the gradient exchange at the
-  owner's sum of received gradients, the dense all-reduce at the optimizer), else to "other".
+  whose result the op that ends the gap consumes (the keys exchange, with the sync riding on it,
+  ends at the owner's reading of its counts or at its gather, the rows exchange at the
+  requester's gather of received rows, the gradient exchange at the owner's sum of received
+  gradients, the dense all-reduce at the first op of the socket mesh's sum (its name scope) or
+  at the optimizer), else to "other".
 
 The names are the op types and node names of tf_nestpipe's sharders and tf_keras' fit, which
 is why this lives with the benchmarks: a renamed op moves its time to "other", visibly.
 """
 import statistics
+
+from tf_nestpipe.collectives.sockets import ALL_REDUCE_SCOPE
 
 MIN_GAP_US = 50.0
 STAGES = ("route", "rows", "dense_forward", "dense_backward", "embedding_backward", "optimizer",
@@ -28,8 +32,16 @@ _OWNER_GATHER = {"NestpipeReadTableRows", "NestpipeGatherBlocks", "NestpipeBucke
 _REQUESTER_GATHER = {"NestpipeGatherFromBlocks", "NestpipeGatherRows", "NestpipeBufferSync"}
 
 
+def _in_dense_sum(name):
+    """Whether an op is one of the socket mesh's dense sum (its all-to-all, the adds)."""
+    return (name.startswith(ALL_REDUCE_SCOPE + "/")
+            or ("/" + ALL_REDUCE_SCOPE + "/") in name)
+
+
 def stage_of(name, op_type):
     """The stage of one op event (see the module docstring)."""
+    if _in_dense_sum(name):
+        return "other"
     if op_type in _ROUTE:
         return "route"
     if op_type in _OWNER_GATHER or op_type in _REQUESTER_GATHER:
@@ -47,13 +59,13 @@ def stage_of(name, op_type):
 
 def wait_of(name, op_type):
     """The exchange a gap ending at this op waited for."""
-    if op_type in _OWNER_GATHER:
+    if op_type in _OWNER_GATHER or op_type == "NestpipeRouteCounts":
         return "keys_exchange"
     if op_type in _REQUESTER_GATHER:
         return "rows_exchange"
     if op_type == "NestpipeSegmentSum" and not name.startswith("gradient_tape/"):
         return "gradient_exchange"
-    if name.startswith(("Adagrad", "SGD", "Adam")):
+    if _in_dense_sum(name) or name.startswith(("Adagrad", "SGD", "Adam")):
         return "dense_allreduce"
     return "other"
 

@@ -17,6 +17,7 @@ import families  # noqa: E402  pylint: disable=wrong-import-position
 import family_report  # noqa: E402  pylint: disable=wrong-import-position
 import run  # noqa: E402  pylint: disable=wrong-import-position
 import step_stages  # noqa: E402  pylint: disable=wrong-import-position
+from tf_nestpipe.collectives import sockets  # noqa: E402  pylint: disable=wrong-import-position
 
 
 @pytest.mark.parametrize("name", sorted(families.FAMILIES))
@@ -114,6 +115,30 @@ def test_a_gap_is_charged_to_the_exchange_the_op_ending_it_consumes():
     # Positive control: without the gaps there is nothing to charge.
     packed = step_stages.step_breakdown([_Event("a/b", "MatMul", 0, 7000)], (0, 7000))
     assert packed["waiting_ms"] == 0.0
+
+
+def test_a_gap_ending_at_the_socket_meshs_dense_sum_is_the_dense_all_reduce():
+    def waits(name):
+        events = [_Event("NestpipeSegmentSum_4", "NestpipeSegmentSum", 0, 100),
+                  _Event(name, "StridedSlice", 8100, 8140)]
+        return step_stages.step_breakdown(events, (0, 8140))["wait_ms"]
+
+    scope = sockets.ALL_REDUCE_SCOPE
+    assert waits(scope + "/strided_slice")["dense_allreduce"] == 8.0
+    assert waits("replica/%s/strided_slice" % scope)["dense_allreduce"] == 8.0
+    assert step_stages.stage_of(scope + "/add", "AddV2") == "other"
+    # Control: the same slice outside the scope is charged to "other".
+    plain = waits("strided_slice_18")
+    assert plain["other"] == 8.0 and plain["dense_allreduce"] == 0.0
+
+
+def test_a_gap_ending_at_the_received_keys_counts_is_the_keys_exchange():
+    events = [_Event("Sum_6", "Sum", 0, 100),
+              _Event("NestpipeRouteCounts", "NestpipeRouteCounts", 2100, 2200)]
+    assert step_stages.step_breakdown(events, (0, 2200))["wait_ms"]["keys_exchange"] == 2.0
+    # Control: the same gap ending at an op of no exchange is charged to "other".
+    events[1] = _Event("Cast_5", "Cast", 2100, 2200)
+    assert step_stages.step_breakdown(events, (0, 2200))["wait_ms"]["other"] == 2.0
 
 
 def _row(system, pipeline, ms, **extra):

@@ -32,6 +32,8 @@ _HIERARCHICAL_FROM_WORKERS = 64
 # worker sends its vector to every peer) instead of two (reduce-scatter + all-gather): a round
 # trip costs more than the extra bytes. With 2 workers both send the same bytes.
 _DIRECT_SUM_BYTES = 256 << 10
+# The name scope of the ops of a dense sum (`all_reduce_sum`) in a traced step.
+ALL_REDUCE_SCOPE = "nestpipe_all_reduce"
 
 
 def host_layout(addresses, config):
@@ -386,7 +388,9 @@ class SocketCollectives(Collectives):
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         workers = self.num_workers
-        with self.stream("all_reduce"):
+        # The scope names the sum's ops for a profile: the first of them to run is where a step
+        # waits for its peers' dense gradients.
+        with self.stream("all_reduce"), tf.name_scope(ALL_REDUCE_SCOPE):
             for dtype, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
                 flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
                 if self._sums_directly(flat):
