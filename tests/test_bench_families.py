@@ -126,10 +126,16 @@ def test_a_gap_ending_at_the_socket_meshs_dense_sum_is_the_dense_all_reduce():
     scope = sockets.ALL_REDUCE_SCOPE
     assert waits(scope + "/strided_slice")["dense_allreduce"] == 8.0
     assert waits("replica/%s/strided_slice" % scope)["dense_allreduce"] == 8.0
+    assert waits(scope + "_1/split")["dense_allreduce"] == 8.0
+    assert waits("x" + scope + "/strided_slice")["dense_allreduce"] == 0.0
     assert step_stages.stage_of(scope + "/add", "AddV2") == "other"
     # Control: the same slice outside the scope is charged to "other".
     plain = waits("strided_slice_18")
     assert plain["other"] == 8.0 and plain["dense_allreduce"] == 0.0
+    # The sum's own all-to-all starting after a gap waited for its inputs, not for the peers.
+    events = [_Event("a/b", "MatMul", 0, 100),
+              _Event(scope + "/NestpipeSocketAllToAll", "NestpipeSocketAllToAll", 2100, 2150)]
+    assert step_stages.step_breakdown(events, (0, 2150))["wait_ms"]["other"] == 2.0
 
 
 def test_a_gap_ending_at_the_received_keys_counts_is_the_keys_exchange():

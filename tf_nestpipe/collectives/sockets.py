@@ -32,7 +32,8 @@ _HIERARCHICAL_FROM_WORKERS = 64
 # worker sends its vector to every peer) instead of two (reduce-scatter + all-gather): a round
 # trip costs more than the extra bytes. With 2 workers both send the same bytes.
 _DIRECT_SUM_BYTES = 256 << 10
-# The name scope of the ops of a dense sum (`all_reduce_sum`) in a traced step.
+# The name scope of the ops of a dense sum (`all_reduce_sum`) that read what the peers sent: in a
+# profile, the first of them to run is where a step waited for its peers' dense gradients.
 ALL_REDUCE_SCOPE = "nestpipe_all_reduce"
 
 
@@ -354,10 +355,11 @@ class SocketCollectives(Collectives):
         chunk = (size + workers - 1) // workers
         chunks = tf.reshape(tf.pad(flat, [[0, chunk * workers - size]]), [workers, chunk])
         mine = self.all_to_all(chunks, tag + "/scatter")
-        total = mine[0]
-        for j in range(1, workers):
-            total = total + mine[j]
-        return tf.reshape(self.all_gather(total[tf.newaxis], tag + "/gather"), [-1])[:size]
+        with tf.name_scope(ALL_REDUCE_SCOPE):
+            total = mine[0]
+            for j in range(1, workers):
+                total = total + mine[j]
+            return tf.reshape(self.all_gather(total[tf.newaxis], tag + "/gather"), [-1])[:size]
 
     def all_reduce_sum(self, tensors, tag):
         """Sums each dense tensor of `tensors` over all workers.
@@ -388,21 +390,22 @@ class SocketCollectives(Collectives):
         for i, t in enumerate(tensors):
             by_dtype.setdefault(t.dtype, []).append(i)
         workers = self.num_workers
-        # The scope names the sum's ops for a profile: the first of them to run is where a step
-        # waits for its peers' dense gradients.
-        with self.stream("all_reduce"), tf.name_scope(ALL_REDUCE_SCOPE):
+        with self.stream("all_reduce"):
             for dtype, indices in sorted(by_dtype.items(), key=lambda item: item[0].name):
                 flat = tf.concat([tf.reshape(tensors[i], [-1]) for i in indices], 0)
                 if self._sums_directly(flat):
                     rows = self.all_to_all(tf.repeat(flat[tf.newaxis], workers, axis=0),
                                            "%s/%s" % (tag, dtype.name))
-                    summed = rows[0]
-                    for j in range(1, workers):
-                        summed = summed + rows[j]
+                    with tf.name_scope(ALL_REDUCE_SCOPE):
+                        summed = rows[0]
+                        for j in range(1, workers):
+                            summed = summed + rows[j]
                 else:
                     summed = self._reduce_scatter_gather(flat, "%s/%s" % (tag, dtype.name))
                 sizes = [tf.size(tensors[i]) for i in indices]
-                for i, part in zip(indices, tf.split(summed, tf.stack(sizes), num=len(indices))):
+                with tf.name_scope(ALL_REDUCE_SCOPE):
+                    parts = tf.split(summed, tf.stack(sizes), num=len(indices))
+                for i, part in zip(indices, parts):
                     out[i] = tf.reshape(part, tf.shape(tensors[i]))
                     out[i].set_shape(tensors[i].shape)
         return out
