@@ -30,9 +30,9 @@ _ROUTE = {"NestpipeFuseIds", "NestpipeRouteKeys", "NestpipeKeysBlock", "Nestpipe
           "NestpipeCapacityBucket", "NestpipeOwnerRounds", "NestpipeOwnerDedup", "Unique",
           "NestpipeSyncPlan"}
 _OWNER_GATHER = {"NestpipeReadTableRows", "NestpipeGatherBlocks", "NestpipeBucketSlots"}
+_REQUESTER_GATHER = {"NestpipeGatherFromBlocks", "NestpipeGatherRows", "NestpipeBufferSync"}
 # TensorFlow numbers a scope's later uses within a graph: nestpipe_all_reduce_1/...
 _DENSE_SUM = re.compile(r"(^|/)%s(_\d+)?/" % re.escape(ALL_REDUCE_SCOPE))
-_REQUESTER_GATHER = {"NestpipeGatherFromBlocks", "NestpipeGatherRows", "NestpipeBufferSync"}
 
 
 def _in_dense_sum(name):

@@ -356,9 +356,7 @@ class SocketCollectives(Collectives):
         chunks = tf.reshape(tf.pad(flat, [[0, chunk * workers - size]]), [workers, chunk])
         mine = self.all_to_all(chunks, tag + "/scatter")
         with tf.name_scope(ALL_REDUCE_SCOPE):
-            total = mine[0]
-            for j in range(1, workers):
-                total = total + mine[j]
+            total = _sum_in_worker_order(mine, workers)
             return tf.reshape(self.all_gather(total[tf.newaxis], tag + "/gather"), [-1])[:size]
 
     def all_reduce_sum(self, tensors, tag):
@@ -397,18 +395,23 @@ class SocketCollectives(Collectives):
                     rows = self.all_to_all(tf.repeat(flat[tf.newaxis], workers, axis=0),
                                            "%s/%s" % (tag, dtype.name))
                     with tf.name_scope(ALL_REDUCE_SCOPE):
-                        summed = rows[0]
-                        for j in range(1, workers):
-                            summed = summed + rows[j]
+                        summed = _sum_in_worker_order(rows, workers)
                 else:
                     summed = self._reduce_scatter_gather(flat, "%s/%s" % (tag, dtype.name))
                 sizes = [tf.size(tensors[i]) for i in indices]
-                with tf.name_scope(ALL_REDUCE_SCOPE):
-                    parts = tf.split(summed, tf.stack(sizes), num=len(indices))
-                for i, part in zip(indices, parts):
+                for i, part in zip(indices, tf.split(summed, tf.stack(sizes), num=len(indices))):
                     out[i] = tf.reshape(part, tf.shape(tensors[i]))
                     out[i].set_shape(tensors[i].shape)
         return out
+
+
+def _sum_in_worker_order(received, workers):
+    """The sum of `received` (`[workers, ...]`, row j from worker j) added in worker order, so
+    every worker that sums the same rows holds bitwise the same result."""
+    total = received[0]
+    for j in range(1, workers):
+        total = total + received[j]
+    return total
 
 
 def log_fallback(worker_index, reason):
